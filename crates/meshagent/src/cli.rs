@@ -1,0 +1,536 @@
+//! Command line, compatible with `pilot-agent` (spec §1).
+//!
+//! Unknown flags are dropped before clap sees them, as cobra's
+//! `FParseErrWhitelist{UnknownFlags: true}` does, because injection templates
+//! from other Istio versions may pass flags we do not know.
+
+use std::collections::HashMap;
+use std::ffi::OsString;
+use std::path::{Path, PathBuf};
+
+use clap::{Args, CommandFactory, FromArgMatches, Parser, Subcommand};
+use serde_json::json;
+
+use crate::ISTIO_COMPAT_VERSION;
+use crate::config::{InvalidProxyType, ProxyFlags, ProxyType};
+use crate::logging::LogOptions;
+
+/// Istio agent (pilot-agent compatible).
+#[derive(Debug, Parser)]
+#[command(name = "meshagent", disable_version_flag = true)]
+pub struct Cli {
+    /// Root logging flags, accepted on every subcommand.
+    #[command(flatten)]
+    pub log: LogArgs,
+    /// The subcommand.
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+/// Go `strconv.ParseBool` for bool flag values (`--flag=false`).
+fn parse_bool(s: &str) -> Result<bool, String> {
+    crate::config::parse_go_bool(s).ok_or_else(|| format!("{s:?} is not a boolean"))
+}
+
+/// Root logging flags (spec §1.1).
+#[derive(Debug, Clone, Args)]
+pub struct LogArgs {
+    /// Comma-separated `scope:level` list; levels debug, info, warn, error, fatal, none.
+    #[arg(
+        long = "log_output_level",
+        global = true,
+        default_value = "default:info,grpc:none"
+    )]
+    pub output_level: String,
+    /// Emit JSON log lines.
+    #[arg(
+        long = "log_as_json",
+        global = true,
+        num_args = 0..=1,
+        require_equals = true,
+        default_value = "false",
+        default_missing_value = "true",
+        value_parser = parse_bool
+    )]
+    pub as_json: bool,
+    /// Where to write logs: stdout, stderr or a file path (repeatable).
+    #[arg(long = "log_target", global = true, default_value = "stdout")]
+    pub target: Vec<String>,
+    /// Scopes that include caller information.
+    #[arg(long = "log_caller", global = true, default_value = "")]
+    pub caller: String,
+    /// Level at which stack traces are captured (accepted; Rust logs have none).
+    #[arg(
+        long = "log_stacktrace_level",
+        global = true,
+        default_value = "default:none"
+    )]
+    pub stacktrace_level: String,
+}
+
+impl LogArgs {
+    /// The logging module's view of these flags.
+    pub fn to_options(&self) -> LogOptions {
+        LogOptions {
+            output_level: self.output_level.clone(),
+            as_json: self.as_json,
+            targets: self.target.clone(),
+            caller: self.caller.clone(),
+            stacktrace_level: self.stacktrace_level.clone(),
+        }
+    }
+}
+
+/// Subcommands.
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Run the agent and Envoy.
+    Proxy(ProxyArgs),
+    /// Print build information.
+    Version(VersionArgs),
+}
+
+/// `proxy [TYPE]` flags (spec §1.2).
+#[derive(Debug, Clone, Args)]
+pub struct ProxyArgs {
+    /// sidecar, router, waypoint, ztunnel or agentgateway.
+    #[arg(value_name = "TYPE", default_value = "sidecar")]
+    pub proxy_type: String,
+    /// DNS domain; empty means ${POD_NAMESPACE}.svc.cluster.local.
+    #[arg(long, default_value = "")]
+    pub domain: String,
+    /// Mesh config file.
+    #[arg(long = "meshConfig", default_value = "./etc/istio/config/mesh")]
+    pub mesh_config: String,
+    /// STS port, reported in node metadata only.
+    #[arg(long = "stsPort", default_value_t = 0)]
+    pub sts_port: u16,
+    /// Accepted for compatibility; unused.
+    #[arg(long = "tokenManagerPlugin", default_value = "")]
+    pub token_manager_plugin: String,
+    /// Deprecated: fills an empty ProxyConfig.serviceCluster.
+    #[arg(long = "serviceCluster", default_value = "istio-proxy")]
+    pub service_cluster: String,
+    /// Envoy log level, optionally with scope:level pairs.
+    #[arg(long = "proxyLogLevel", default_value = "warning")]
+    pub proxy_log_level: String,
+    /// Envoy --component-log-level.
+    #[arg(long = "proxyComponentLogLevel", default_value = "")]
+    pub proxy_component_log_level: String,
+    /// Legacy: overrides ProxyConfig.concurrency if non-zero.
+    #[arg(long, default_value_t = 0)]
+    pub concurrency: u32,
+    /// Bootstrap template path.
+    #[arg(long = "templateFile", default_value = "")]
+    pub template_file: String,
+    /// Envoy outlier event log path.
+    #[arg(long = "outlierLogPath", default_value = "")]
+    pub outlier_log_path: String,
+    /// Enable /debug/pprof on the status port.
+    #[arg(
+        long,
+        num_args = 0..=1,
+        require_equals = true,
+        default_value = "true",
+        default_missing_value = "true",
+        value_parser = parse_bool
+    )]
+    pub profiling: bool,
+    /// Print the effective configuration as JSON and exit (meshagent addition).
+    #[arg(
+        long = "dump-config",
+        num_args = 0..=1,
+        require_equals = true,
+        default_value = "false",
+        default_missing_value = "true",
+        value_parser = parse_bool
+    )]
+    pub dump_config: bool,
+}
+
+impl ProxyArgs {
+    /// Plain-data flags for `config::load`; fails on an unknown TYPE.
+    pub fn to_flags(&self, log_as_json: bool) -> Result<ProxyFlags, InvalidProxyType> {
+        Ok(ProxyFlags {
+            proxy_type: self.proxy_type.parse::<ProxyType>()?,
+            domain: self.domain.clone(),
+            mesh_config: PathBuf::from(&self.mesh_config),
+            sts_port: self.sts_port,
+            token_manager_plugin: self.token_manager_plugin.clone(),
+            service_cluster: self.service_cluster.clone(),
+            proxy_log_level: self.proxy_log_level.clone(),
+            proxy_component_log_level: self.proxy_component_log_level.clone(),
+            concurrency: self.concurrency,
+            template_file: PathBuf::from(&self.template_file),
+            outlier_log_path: self.outlier_log_path.clone(),
+            profiling: self.profiling,
+            log_as_json,
+        })
+    }
+}
+
+/// `version` flags (spec §1.5).
+#[derive(Debug, Clone, Args)]
+pub struct VersionArgs {
+    /// Print just the version number.
+    #[arg(
+        short,
+        long,
+        num_args = 0..=1,
+        require_equals = true,
+        default_value = "false",
+        default_missing_value = "true",
+        value_parser = parse_bool
+    )]
+    pub short: bool,
+    /// One of 'yaml' or 'json'.
+    #[arg(short, long, value_parser = ["yaml", "json"])]
+    pub output: Option<String>,
+}
+
+/// The result of [`parse_args`].
+#[derive(Debug)]
+pub struct Parsed {
+    /// The parsed command line.
+    pub cli: Cli,
+    /// Unknown flags that were dropped (each with its value, if one was dropped).
+    pub dropped_flags: Vec<String>,
+}
+
+/// Parses `argv` (including argv\[0\]), tolerating unknown flags.
+pub fn parse_args(argv: impl IntoIterator<Item = OsString>) -> Result<Parsed, clap::Error> {
+    let argv: Vec<String> = argv
+        .into_iter()
+        .map(|a| a.to_string_lossy().into_owned())
+        .collect();
+    let bin = argv
+        .first()
+        .and_then(|a| Path::new(a).file_name())
+        .map_or_else(
+            || "meshagent".to_owned(),
+            |n| n.to_string_lossy().into_owned(),
+        );
+    let mut cmd = Cli::command().bin_name(bin);
+    cmd.build();
+    let (kept, dropped_flags) = strip_unknown_flags(&cmd, argv);
+    let matches = cmd.try_get_matches_from_mut(kept)?;
+    let cli = Cli::from_arg_matches(&matches)?;
+    Ok(Parsed { cli, dropped_flags })
+}
+
+/// Flags a command knows: name → whether a value may follow as the next arg.
+#[derive(Default)]
+struct KnownFlags {
+    longs: HashMap<String, bool>,
+    shorts: HashMap<char, bool>,
+}
+
+impl KnownFlags {
+    fn of(cmd: &clap::Command) -> Self {
+        let mut known = Self::default();
+        for arg in cmd.get_arguments().filter(|a| !a.is_positional()) {
+            let separate_value = arg.get_action().takes_values() && !arg.is_require_equals_set();
+            for long in arg.get_long_and_visible_aliases().into_iter().flatten() {
+                known.longs.insert(long.to_owned(), separate_value);
+            }
+            for short in arg.get_short_and_visible_aliases().into_iter().flatten() {
+                known.shorts.insert(short, separate_value);
+            }
+        }
+        known
+    }
+}
+
+/// pflag's unknown-flag handling: `--x=v` is dropped; `--x` also drops the
+/// next arg unless it starts with `-` (pflag `stripUnknownFlagValue`).
+/// Returns the kept args and a description of each dropped flag.
+fn strip_unknown_flags(root: &clap::Command, argv: Vec<String>) -> (Vec<String>, Vec<String>) {
+    let mut known = KnownFlags::of(root);
+    let mut in_subcommand = false;
+    let mut kept = Vec::with_capacity(argv.len());
+    let mut dropped = Vec::new();
+    let mut args = argv.into_iter();
+    if let Some(bin) = args.next() {
+        kept.push(bin);
+    }
+    while let Some(arg) = args.next() {
+        let next_is_value = |args: &std::vec::IntoIter<String>| {
+            args.as_slice().first().is_some_and(|n| !n.starts_with('-'))
+        };
+        if arg == "--" {
+            kept.push(arg);
+            kept.extend(args);
+            break;
+        }
+        let flag = if let Some(body) = arg.strip_prefix("--") {
+            let (name, inline) = match body.split_once('=') {
+                Some((n, _)) => (n, true),
+                None => (body, false),
+            };
+            Some((known.longs.get(name).copied(), inline))
+        } else if arg.len() > 1 && arg.starts_with('-') {
+            let c = arg.chars().nth(1).unwrap_or('-');
+            Some((known.shorts.get(&c).copied(), arg.chars().count() > 2))
+        } else {
+            None
+        };
+        match flag {
+            Some((Some(separate_value), inline)) => {
+                kept.push(arg);
+                if separate_value && !inline {
+                    kept.extend(args.next());
+                }
+            }
+            Some((None, inline)) => {
+                if !inline && next_is_value(&args) {
+                    let value = args.next().unwrap_or_default();
+                    dropped.push(format!("{arg} {value}"));
+                } else {
+                    dropped.push(arg);
+                }
+            }
+            None => {
+                if !in_subcommand && let Some(sub) = root.find_subcommand(&arg) {
+                    known = KnownFlags::of(sub);
+                    in_subcommand = true;
+                }
+                kept.push(arg);
+            }
+        }
+    }
+    (kept, dropped)
+}
+
+/// A failure to render `version` output.
+#[derive(Debug, thiserror::Error)]
+pub enum VersionError {
+    /// JSON rendering failed.
+    #[error("cannot render version as JSON: {0}")]
+    Json(#[from] serde_json::Error),
+    /// YAML rendering failed.
+    #[error("cannot render version as YAML: {0}")]
+    Yaml(#[from] serde_yaml::Error),
+}
+
+/// The `version` output, shaped like Istio's `pkg/version`. The version is
+/// the Istio release we are compatible with; revision and tag say what this
+/// binary really is.
+pub fn version_output(args: &VersionArgs) -> Result<String, VersionError> {
+    let ours = format!("meshagent {}", env!("CARGO_PKG_VERSION"));
+    let golang_version = "n/a (Rust)";
+    let status = "unknown";
+    let info = if args.short {
+        json!({ "version": ISTIO_COMPAT_VERSION })
+    } else {
+        json!({
+            "version": ISTIO_COMPAT_VERSION,
+            "revision": ours,
+            "golang_version": golang_version,
+            "status": status,
+            "tag": ours,
+        })
+    };
+    let doc = json!({ "clientVersion": info });
+    Ok(match args.output.as_deref() {
+        Some("json") => format!("{}\n", serde_json::to_string_pretty(&doc)?),
+        Some(_) => serde_yaml::to_string(&doc)?,
+        None if args.short => format!("{ISTIO_COMPAT_VERSION}\n"),
+        None => format!(
+            "version.BuildInfo{{Version:{ISTIO_COMPAT_VERSION:?}, GitRevision:{ours:?}, \
+             GolangVersion:{golang_version:?}, BuildStatus:{status:?}, GitTag:{ours:?}}}\n"
+        ),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse(args: &[&str]) -> Result<Parsed, clap::Error> {
+        parse_args(args.iter().map(OsString::from))
+    }
+
+    fn proxy(p: &Parsed) -> &ProxyArgs {
+        match &p.cli.command {
+            Command::Proxy(a) => a,
+            Command::Version(_) => panic!("expected proxy"),
+        }
+    }
+
+    #[test]
+    fn proxy_defaults() {
+        let p = parse(&["pilot-agent", "proxy"]).unwrap();
+        let flags = proxy(&p).to_flags(p.cli.log.as_json).unwrap();
+        assert_eq!(flags, ProxyFlags::default());
+        assert_eq!(p.cli.log.to_options(), LogOptions::default());
+        assert!(!proxy(&p).dump_config);
+    }
+
+    #[test]
+    fn injected_invocation_parses() {
+        let p = parse(&[
+            "/usr/local/bin/pilot-agent",
+            "proxy",
+            "sidecar",
+            "--domain",
+            "ns.svc.cluster.local",
+            "--proxyLogLevel=warning",
+            "--proxyComponentLogLevel=misc:error",
+            "--log_output_level=default:info",
+            "--stsPort=15463",
+            "--log_as_json",
+            "--outlierLogPath=/dev/stdout",
+        ])
+        .unwrap();
+        let f = proxy(&p).to_flags(p.cli.log.as_json).unwrap();
+        assert_eq!(f.domain, "ns.svc.cluster.local");
+        assert_eq!(f.proxy_component_log_level, "misc:error");
+        assert_eq!(f.sts_port, 15463);
+        assert_eq!(f.outlier_log_path, "/dev/stdout");
+        assert!(f.log_as_json);
+        assert_eq!(p.cli.log.output_level, "default:info");
+        assert!(p.dropped_flags.is_empty());
+    }
+
+    #[test]
+    fn unknown_flags_are_stripped() {
+        let cases: &[(&[&str], &[&str])] = &[
+            // --x=v: only the flag goes.
+            (&["a", "proxy", "--vklog=9", "router"], &["--vklog=9"]),
+            // --x v: the value goes too, even if it was meant as TYPE.
+            (
+                &["a", "proxy", "--unknown", "v", "--domain=d"],
+                &["--unknown v"],
+            ),
+            // --x --next: only --x goes.
+            (&["a", "proxy", "--unknown", "--domain=d"], &["--unknown"]),
+            // trailing --x.
+            (&["a", "proxy", "--domain=d", "--unknown"], &["--unknown"]),
+            // root-level unknown flag before the subcommand.
+            (&["a", "--old-root=1", "proxy"], &["--old-root=1"]),
+            // unknown short flags.
+            (&["a", "proxy", "-x", "v"], &["-x v"]),
+            (&["a", "proxy", "-xv"], &["-xv"]),
+        ];
+        for (args, want) in cases {
+            let p = parse(args).unwrap_or_else(|e| panic!("{args:?}: {e}"));
+            assert_eq!(p.dropped_flags, *want, "{args:?}");
+        }
+        let p = parse(&["a", "proxy", "--vklog=9", "router"]).unwrap();
+        assert_eq!(proxy(&p).proxy_type, "router");
+        let p = parse(&["a", "proxy", "--unknown", "v", "--domain=d"]).unwrap();
+        assert_eq!(proxy(&p).domain, "d");
+        assert_eq!(proxy(&p).proxy_type, "sidecar");
+    }
+
+    #[test]
+    fn known_flag_values_are_not_mistaken_for_flags() {
+        // A value that names a subcommand or looks like a positional stays a value.
+        let p = parse(&[
+            "a",
+            "--log_output_level",
+            "default:debug",
+            "proxy",
+            "--domain",
+            "version",
+        ])
+        .unwrap();
+        assert_eq!(p.cli.log.output_level, "default:debug");
+        assert_eq!(proxy(&p).domain, "version");
+    }
+
+    #[test]
+    fn bool_flag_forms() {
+        let cases: &[(&[&str], bool)] = &[
+            (&["a", "proxy"], false),
+            (&["a", "proxy", "--log_as_json"], true),
+            (&["a", "proxy", "--log_as_json=true"], true),
+            (&["a", "proxy", "--log_as_json=1"], true),
+            (&["a", "proxy", "--log_as_json=T"], true),
+            (&["a", "proxy", "--log_as_json=false"], false),
+            (&["a", "proxy", "--log_as_json=0"], false),
+            (&["a", "--log_as_json", "proxy"], true),
+        ];
+        for (args, want) in cases {
+            let p = parse(args).unwrap_or_else(|e| panic!("{args:?}: {e}"));
+            assert_eq!(p.cli.log.as_json, *want, "{args:?}");
+        }
+        // A bool flag never swallows the next argument.
+        let p = parse(&["a", "proxy", "--profiling", "router"]).unwrap();
+        assert!(proxy(&p).profiling);
+        assert_eq!(proxy(&p).proxy_type, "router");
+        let p = parse(&["a", "proxy", "--profiling=false"]).unwrap();
+        assert!(!proxy(&p).profiling);
+        assert!(parse(&["a", "proxy", "--profiling=maybe"]).is_err());
+    }
+
+    #[test]
+    fn proxy_types() {
+        for t in ["sidecar", "router", "waypoint", "ztunnel", "agentgateway"] {
+            let p = parse(&["a", "proxy", t]).unwrap();
+            assert_eq!(proxy(&p).to_flags(false).unwrap().proxy_type.as_str(), t);
+        }
+        let p = parse(&["a", "proxy", "gateway"]).unwrap();
+        let err = proxy(&p).to_flags(false).unwrap_err().to_string();
+        assert!(err.contains("invalid proxy Type"), "{err}");
+        assert!(err.contains("gateway"), "{err}");
+    }
+
+    #[test]
+    fn unknown_subcommands_are_rejected() {
+        assert!(parse(&["a", "wait"]).is_err());
+        assert!(parse(&["a"]).is_err());
+    }
+
+    #[test]
+    fn usage_uses_invoked_name() {
+        for name in ["pilot-agent", "meshagent"] {
+            let err = parse(&[&format!("/usr/local/bin/{name}"), "--help"]).unwrap_err();
+            assert!(!err.use_stderr());
+            assert!(err.to_string().contains(name), "{err}");
+        }
+    }
+
+    fn version(args: &[&str]) -> String {
+        let mut argv = vec!["a", "version"];
+        argv.extend_from_slice(args);
+        match parse(&argv).unwrap().cli.command {
+            Command::Version(v) => version_output(&v).unwrap(),
+            Command::Proxy(_) => panic!("expected version"),
+        }
+    }
+
+    #[test]
+    fn version_shapes() {
+        assert_eq!(version(&["--short"]), "1.29.0\n");
+        assert_eq!(version(&["-s"]), "1.29.0\n");
+
+        let long = version(&[]);
+        assert!(
+            long.starts_with("version.BuildInfo{Version:\"1.29.0\", GitRevision:\"meshagent "),
+            "{long}"
+        );
+        assert!(
+            long.contains("GolangVersion:")
+                && long.contains("BuildStatus:")
+                && long.contains("GitTag:")
+        );
+
+        let v: serde_json::Value = serde_json::from_str(&version(&["-o", "json"])).unwrap();
+        let info = &v["clientVersion"];
+        assert_eq!(info["version"], "1.29.0");
+        for key in ["revision", "golang_version", "status", "tag"] {
+            assert!(info[key].is_string(), "{key} missing in {v}");
+        }
+        assert!(info["revision"].as_str().unwrap().starts_with("meshagent "));
+
+        let v: serde_json::Value = serde_yaml::from_str(&version(&["--output=yaml"])).unwrap();
+        assert_eq!(v["clientVersion"]["version"], "1.29.0");
+        assert!(v["clientVersion"]["tag"].is_string());
+
+        let v: serde_json::Value = serde_json::from_str(&version(&["-s", "-o", "json"])).unwrap();
+        assert_eq!(v, json!({"clientVersion": {"version": "1.29.0"}}));
+
+        assert!(parse(&["a", "version", "-o", "xml"]).is_err());
+    }
+}

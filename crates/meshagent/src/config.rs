@@ -1,0 +1,456 @@
+//! The agent's typed configuration.
+//!
+//! [`load`] assembles one plain-data [`Config`] from built-in defaults, the
+//! mesh config file, `PROXY_CONFIG`, pod annotations, environment variables
+//! and `proxy` flags, in Istio's order (spec §6.1). This is the only module
+//! that reads the environment; everything else receives a `Config`.
+//!
+//! Unlike Istio, which logs a bad value and carries on with the default, every
+//! bad value here is an error, so a typo cannot silently change behaviour.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::path::{Path, PathBuf};
+use std::str::FromStr;
+
+use serde::Serialize;
+
+mod env;
+mod files;
+mod identity;
+mod parse;
+mod proxy_config;
+mod vars;
+
+#[cfg(test)]
+mod tests;
+
+pub use env::{EnvSource, MapEnv, ProcessEnv};
+pub use files::POD_ANNOTATIONS_PATH;
+pub use identity::{EccCurve, ISTIO_TOKEN_PATH, IdentityConfig, PlatformConfig};
+pub use proxy_config::{
+    AuthenticationPolicy, InterceptionMode, PASSTHROUGH_FIELDS, ProtoDuration, ProxyConfig,
+    ProxyStatsMatcher,
+};
+pub use vars::{
+    BootstrapConfig, DnsConfig, GrpcConfig, LifecycleConfig, PodConfig, StatusConfig, WasmConfig,
+    XdsConfig,
+};
+
+use env::Reader;
+pub(crate) use parse::parse_go_bool;
+
+/// Pod annotation carrying a ProxyConfig overlay.
+pub const ANNOTATION_PROXY_CONFIG: &str = "proxy.istio.io/config";
+/// Pod annotation overriding `discoveryAddress`.
+pub const ANNOTATION_DISCOVERY_ADDRESS: &str = "sidecar.istio.io/discoveryAddress";
+/// Pod annotation overriding `statusPort`.
+pub const ANNOTATION_STATUS_PORT: &str = "status.sidecar.istio.io/port";
+
+/// A configuration problem. Messages name the variable, file or field, the
+/// bad value, and what was expected.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ConfigError {
+    /// An environment variable has a bad value.
+    #[error("invalid {name}={value:?}: expected {expected}")]
+    InvalidEnv {
+        name: String,
+        value: String,
+        expected: String,
+    },
+    /// A pod annotation has a bad value.
+    #[error("invalid annotation {name}={value:?}: expected {expected}")]
+    InvalidAnnotation {
+        name: String,
+        value: String,
+        expected: String,
+    },
+    /// A file exists but cannot be read.
+    #[error("cannot read {what} {path}: {reason}", path = .path.display())]
+    ReadFile {
+        what: &'static str,
+        path: PathBuf,
+        reason: String,
+    },
+    /// A document (file, env value or annotation) is not valid YAML/JSON of the right shape.
+    #[error("cannot parse {origin}: {reason}")]
+    Parse { origin: String, reason: String },
+    /// A known ProxyConfig field has a value of the wrong type.
+    #[error("invalid ProxyConfig field {field}={value} in {origin}: expected {expected}")]
+    ProxyConfigField {
+        origin: String,
+        field: String,
+        value: String,
+        expected: String,
+    },
+    /// The merged ProxyConfig fails validation.
+    #[error("invalid effective ProxyConfig {field}={value:?}: expected {expected}")]
+    Validation {
+        field: &'static str,
+        value: String,
+        expected: &'static str,
+    },
+    /// Several of the above.
+    #[error("{} configuration errors: {}", .0.len(), join(.0))]
+    Multiple(Vec<ConfigError>),
+}
+
+fn join(errors: &[ConfigError]) -> String {
+    errors
+        .iter()
+        .map(ToString::to_string)
+        .collect::<Vec<_>>()
+        .join("; ")
+}
+
+impl ConfigError {
+    fn from_many(mut errors: Vec<ConfigError>) -> Self {
+        if errors.len() == 1 {
+            errors.remove(0)
+        } else {
+            Self::Multiple(errors)
+        }
+    }
+}
+
+/// The `proxy` subcommand's TYPE argument.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ProxyType {
+    /// Application sidecar (the default).
+    #[default]
+    Sidecar,
+    /// Gateway.
+    Router,
+    /// Ambient waypoint.
+    Waypoint,
+    /// Ambient node proxy.
+    Ztunnel,
+    /// agentgateway.
+    Agentgateway,
+}
+
+impl ProxyType {
+    /// The name used on the command line and in node IDs.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Sidecar => "sidecar",
+            Self::Router => "router",
+            Self::Waypoint => "waypoint",
+            Self::Ztunnel => "ztunnel",
+            Self::Agentgateway => "agentgateway",
+        }
+    }
+}
+
+impl fmt::Display for ProxyType {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// An unrecognised `proxy` TYPE (Istio's wording).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("invalid proxy Type: {0:?}")]
+pub struct InvalidProxyType(pub String);
+
+impl FromStr for ProxyType {
+    type Err = InvalidProxyType;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        Ok(match s {
+            "sidecar" => Self::Sidecar,
+            "router" => Self::Router,
+            "waypoint" => Self::Waypoint,
+            "ztunnel" => Self::Ztunnel,
+            "agentgateway" => Self::Agentgateway,
+            _ => return Err(InvalidProxyType(s.to_owned())),
+        })
+    }
+}
+
+/// The `proxy` command-line flags (spec §1.2) as plain data, so config can be
+/// loaded without going through the CLI parser.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ProxyFlags {
+    /// Positional TYPE.
+    pub proxy_type: ProxyType,
+    /// `--domain`; empty means `${POD_NAMESPACE}.svc.cluster.local`.
+    pub domain: String,
+    /// `--meshConfig`: mesh config YAML file.
+    pub mesh_config: PathBuf,
+    /// `--stsPort`: only reported in node metadata.
+    pub sts_port: u16,
+    /// `--tokenManagerPlugin`: accepted, unused.
+    pub token_manager_plugin: String,
+    /// `--serviceCluster`: fills an empty ProxyConfig.serviceCluster.
+    pub service_cluster: String,
+    /// `--proxyLogLevel`: Envoy log level, possibly with `scope:level` pairs.
+    pub proxy_log_level: String,
+    /// `--proxyComponentLogLevel`: Envoy `--component-log-level`.
+    pub proxy_component_log_level: String,
+    /// `--concurrency`: legacy; non-zero overrides ProxyConfig.concurrency.
+    pub concurrency: u32,
+    /// `--templateFile`: bootstrap template, unless customConfigFile is set.
+    pub template_file: PathBuf,
+    /// `--outlierLogPath`: Envoy outlier event log.
+    pub outlier_log_path: String,
+    /// `--profiling`: enable `/debug/pprof/*` on the status port.
+    pub profiling: bool,
+    /// Root `--log_as_json`; also passed to the Envoy bootstrap as `log_json`.
+    pub log_as_json: bool,
+}
+
+impl Default for ProxyFlags {
+    fn default() -> Self {
+        Self {
+            proxy_type: ProxyType::Sidecar,
+            domain: String::new(),
+            mesh_config: PathBuf::from("./etc/istio/config/mesh"),
+            sts_port: 0,
+            token_manager_plugin: String::new(),
+            service_cluster: "istio-proxy".to_owned(),
+            proxy_log_level: "warning".to_owned(),
+            proxy_component_log_level: String::new(),
+            concurrency: 0,
+            template_file: PathBuf::new(),
+            outlier_log_path: String::new(),
+            profiling: true,
+            log_as_json: false,
+        }
+    }
+}
+
+/// Everything the agent needs to run, resolved and validated.
+///
+/// File paths are kept exactly as configured (usually cwd-relative, like
+/// Istio). Contains no secret material: token and key files are only named.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Config {
+    /// Proxy type from the command line.
+    pub proxy_type: ProxyType,
+    /// Effective DNS domain (`--domain`, or `${POD_NAMESPACE}.svc.cluster.local`).
+    pub domain: String,
+    /// The `proxy` flags as given.
+    pub flags: ProxyFlags,
+    /// Effective ProxyConfig after all layers and overrides.
+    pub proxy_config: ProxyConfig,
+    /// Pod annotations from the downward API file (empty if absent).
+    pub pod_annotations: BTreeMap<String, String>,
+    /// Pod identity.
+    pub pod: PodConfig,
+    /// Identity and CA client.
+    pub identity: IdentityConfig,
+    /// Cloud platform metadata.
+    pub platform: PlatformConfig,
+    /// xDS proxy.
+    pub xds: XdsConfig,
+    /// Bootstrap and node metadata.
+    pub bootstrap: BootstrapConfig,
+    /// Envoy lifecycle.
+    pub lifecycle: LifecycleConfig,
+    /// Status server and probes.
+    pub status: StatusConfig,
+    /// DNS proxy.
+    pub dns: DnsConfig,
+    /// Wasm fetching.
+    pub wasm: WasmConfig,
+    /// Proxyless gRPC.
+    pub grpc: GrpcConfig,
+    /// Non-fatal findings (already logged), e.g. unknown ProxyConfig fields.
+    #[serde(skip)]
+    pub warnings: Vec<String>,
+}
+
+/// Loads the agent configuration.
+///
+/// `base_dir` is used only to *read* files while loading (production passes
+/// `.`; tests pass a temp dir); paths stored in the result stay as configured.
+/// All bad values are reported together.
+pub fn load(
+    flags: &ProxyFlags,
+    env: &dyn EnvSource,
+    base_dir: &Path,
+) -> Result<Config, ConfigError> {
+    let mut errors = Vec::new();
+    let mut warnings = Vec::new();
+    let mut pc = ProxyConfig::default();
+
+    let mut apply = |pc: &mut ProxyConfig, origin: &str, layer: serde_json::Value| {
+        let unknown = pc.apply_layer(origin, layer, &mut errors);
+        if !unknown.is_empty() {
+            warnings.push(format!(
+                "ignoring unknown ProxyConfig fields in {origin}: {}",
+                unknown.join(", ")
+            ));
+        }
+    };
+
+    let mesh_origin = format!("{} (defaultConfig)", files::mesh_origin(&flags.mesh_config));
+    let mesh = files::mesh_default_config(base_dir, &flags.mesh_config);
+    let proxy_config_env = env
+        .get("PROXY_CONFIG")
+        .filter(|s| !s.trim().is_empty())
+        .map(|text| files::yaml_to_json("PROXY_CONFIG", &text));
+    let annotations = files::pod_annotations(base_dir);
+    let annotation_origin = format!("annotation {ANNOTATION_PROXY_CONFIG}");
+
+    let mut layer_errors = Vec::new();
+    match mesh {
+        Ok(Some(layer)) => apply(&mut pc, &mesh_origin, layer),
+        Ok(None) => {}
+        Err(e) => layer_errors.push(e),
+    }
+    match proxy_config_env {
+        Some(Ok(layer)) => apply(&mut pc, "PROXY_CONFIG", layer),
+        Some(Err(e)) => layer_errors.push(e),
+        None => {}
+    }
+    let annotations = annotations.unwrap_or_else(|e| {
+        layer_errors.push(e);
+        BTreeMap::new()
+    });
+    if let Some(text) = annotations.get(ANNOTATION_PROXY_CONFIG) {
+        match files::yaml_to_json(&annotation_origin, text) {
+            Ok(layer) => apply(&mut pc, &annotation_origin, layer),
+            Err(e) => layer_errors.push(e),
+        }
+    }
+    errors.extend(layer_errors);
+
+    let mut r = Reader::new(env);
+    let pod = PodConfig::from_env(&mut r);
+
+    if pc.concurrency.is_none() && pod.cpu_limit != 0 {
+        pc.concurrency = Some(pod.cpu_limit);
+    }
+    if flags.concurrency != 0 {
+        warnings.push(format!(
+            "legacy --concurrency={} flag detected; prefer to use ProxyConfig",
+            flags.concurrency
+        ));
+        pc.concurrency = Some(flags.concurrency);
+    }
+    // serviceCluster and tracingServiceName share a proto oneof; the flag only
+    // fills the serviceCluster arm.
+    if pc.service_cluster.is_empty() && pc.tracing_service_name.is_none() {
+        pc.service_cluster.clone_from(&flags.service_cluster);
+    }
+    if let Some(addr) = annotations.get(ANNOTATION_DISCOVERY_ADDRESS) {
+        pc.discovery_address.clone_from(addr);
+    }
+    if let Some(port) = annotations.get(ANNOTATION_STATUS_PORT) {
+        match port.parse::<u16>() {
+            Ok(p) => pc.status_port = p,
+            Err(_) => errors.push(ConfigError::InvalidAnnotation {
+                name: ANNOTATION_STATUS_PORT.to_owned(),
+                value: port.clone(),
+                expected: "a port number between 0 and 65535".to_owned(),
+            }),
+        }
+    }
+    if !flags.template_file.as_os_str().is_empty() && pc.custom_config_file.as_os_str().is_empty() {
+        pc.proxy_bootstrap_template_path
+            .clone_from(&flags.template_file);
+    }
+    validate(&pc, &mut errors);
+
+    let domain = if flags.domain.is_empty() {
+        format!("{}.svc.cluster.local", pod.namespace)
+    } else {
+        flags.domain.clone()
+    };
+
+    let identity = IdentityConfig::from_env(&mut r, &pc.discovery_address);
+    let platform = PlatformConfig::from_env(&r);
+    let xds = XdsConfig::from_env(&mut r);
+    let bootstrap = BootstrapConfig::from_env(&mut r);
+    let lifecycle = LifecycleConfig::from_env(&mut r);
+    let status = StatusConfig::from_env(&mut r);
+    let dns = DnsConfig::from_env(&mut r);
+    let wasm = WasmConfig::from_env(&mut r);
+    let grpc = GrpcConfig::from_env(&r);
+    errors.extend(r.errors);
+
+    if !errors.is_empty() {
+        return Err(ConfigError::from_many(errors));
+    }
+    for w in &warnings {
+        tracing::warn!("{w}");
+    }
+    Ok(Config {
+        proxy_type: flags.proxy_type,
+        domain,
+        flags: flags.clone(),
+        proxy_config: pc,
+        pod_annotations: annotations,
+        pod,
+        identity,
+        platform,
+        xds,
+        bootstrap,
+        lifecycle,
+        status,
+        dns,
+        wasm,
+        grpc,
+        warnings,
+    })
+}
+
+/// A subset of Istio's `ValidateMeshConfigProxyConfig`, on the merged result.
+fn validate(pc: &ProxyConfig, errors: &mut Vec<ConfigError>) {
+    let mut fail = |field: &'static str, value: String, expected: &'static str| {
+        errors.push(ConfigError::Validation {
+            field,
+            value,
+            expected,
+        });
+    };
+    if pc.config_path.as_os_str().is_empty() {
+        fail("configPath", String::new(), "a non-empty path");
+    }
+    if pc.binary_path.as_os_str().is_empty() {
+        fail("binaryPath", String::new(), "a non-empty path");
+    }
+    if pc.drain_duration.get() < std::time::Duration::from_millis(1) {
+        fail(
+            "drainDuration",
+            pc.drain_duration.to_string(),
+            "a duration of at least 1ms",
+        );
+    }
+    if !is_host_port(&pc.discovery_address) {
+        fail(
+            "discoveryAddress",
+            pc.discovery_address.clone(),
+            "host:port with a port between 1 and 65535",
+        );
+    }
+    if pc.proxy_admin_port == 0 {
+        fail(
+            "proxyAdminPort",
+            "0".to_owned(),
+            "a port number between 1 and 65535",
+        );
+    }
+}
+
+fn is_host_port(addr: &str) -> bool {
+    let Some((host, port)) = addr.rsplit_once(':') else {
+        return false;
+    };
+    !host.is_empty() && port.parse::<u16>().is_ok_and(|p| p != 0)
+}
+
+/// Serializes `std::time::Duration` the way Go prints durations (`24h0m0s`).
+mod serde_duration {
+    use serde::Serializer;
+    use std::time::Duration;
+
+    pub(crate) fn serialize<S: Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_str(&super::parse::go_duration_string(*d))
+    }
+}

@@ -1,0 +1,86 @@
+//! The `meshagent` binary (also installed as `pilot-agent`).
+
+use std::path::Path;
+use std::process::ExitCode;
+
+use meshagent::cli::{self, Command, ProxyArgs};
+use meshagent::{config, logging};
+
+fn main() -> ExitCode {
+    let parsed = match cli::parse_args(std::env::args_os()) {
+        Ok(p) => p,
+        Err(e) => {
+            // --help output is a clap "error" printed to stdout.
+            let _ = e.print();
+            return if e.use_stderr() {
+                ExitCode::from(1)
+            } else {
+                ExitCode::SUCCESS
+            };
+        }
+    };
+    let cli::Cli { log, command } = parsed.cli;
+    let mut log_options = log.to_options();
+    if matches!(&command, Command::Proxy(a) if a.dump_config) {
+        // stdout carries the JSON dump; keep it parseable.
+        log_options.targets = vec!["stderr".into()];
+    }
+    match logging::init(&log_options) {
+        Ok(warnings) => warnings.iter().for_each(|w| tracing::warn!("{w}")),
+        Err(e) => {
+            eprintln!("error: {e}");
+            return ExitCode::from(1);
+        }
+    }
+    for flag in &parsed.dropped_flags {
+        tracing::warn!("ignoring unknown flag {flag}");
+    }
+    match command {
+        Command::Version(args) => match cli::version_output(&args) {
+            Ok(out) => {
+                print!("{out}");
+                ExitCode::SUCCESS
+            }
+            Err(e) => {
+                eprintln!("error: {e}");
+                ExitCode::from(1)
+            }
+        },
+        Command::Proxy(args) => proxy(&args, log.as_json),
+    }
+}
+
+fn proxy(args: &ProxyArgs, log_as_json: bool) -> ExitCode {
+    let loaded = args
+        .to_flags(log_as_json)
+        .map_err(anyhow::Error::from)
+        .and_then(|flags| {
+            config::load(&flags, &config::ProcessEnv, Path::new(".")).map_err(anyhow::Error::from)
+        });
+    let config = match loaded {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return ExitCode::from(1);
+        }
+    };
+    if args.dump_config {
+        return match serde_json::to_string_pretty(&config) {
+            Ok(json) => {
+                println!("{json}");
+                ExitCode::SUCCESS
+            }
+            Err(e) => {
+                eprintln!("error: cannot render config: {e}");
+                ExitCode::from(1)
+            }
+        };
+    }
+    match meshagent::run(&config) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            tracing::error!("{e}");
+            ExitCode::from(e.exit_code())
+        }
+    }
+}

@@ -1,0 +1,89 @@
+//! The `meshagent` binary as a pod runs it: env vars, a cwd with Istio's relative paths, and
+//! the `pilot-agent` name.
+
+#![allow(clippy::unwrap_used)] // tests fail loudly by design
+
+use std::path::Path;
+use std::process::{Command, Output};
+
+fn run(cwd: &Path, exe: &Path, args: &[&str], env: &[(&str, &str)]) -> Output {
+    Command::new(exe)
+        .args(args)
+        .current_dir(cwd)
+        .env_clear()
+        .envs(env.iter().copied())
+        .output()
+        .expect("run meshagent")
+}
+
+fn meshagent() -> &'static Path {
+    Path::new(env!("CARGO_BIN_EXE_meshagent"))
+}
+
+#[test]
+fn dump_config_reflects_env_and_files() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::create_dir_all(dir.path().join("etc/istio/pod")).unwrap();
+    std::fs::write(
+        dir.path().join("etc/istio/pod/annotations"),
+        "proxy.istio.io/config=\"concurrency: 3\\n\"\n",
+    )
+    .unwrap();
+    let out = run(
+        dir.path(),
+        meshagent(),
+        &["proxy", "sidecar", "--unknownFlag", "x", "--dump-config"],
+        &[
+            ("POD_NAMESPACE", "shop"),
+            ("SECRET_TTL", "12h"),
+            ("XDS_HEADER_X_TEAM", "payments"),
+            ("PROXY_CONFIG", r#"{"drainDuration": "30s"}"#),
+        ],
+    );
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let text = v.to_string();
+    assert_eq!(v["domain"], "shop.svc.cluster.local", "{text}");
+    assert_eq!(v["proxyConfig"]["drainDuration"], "30s", "{text}");
+    assert_eq!(v["proxyConfig"]["concurrency"], 3, "{text}");
+    assert_eq!(
+        v["proxyConfig"]["discoveryAddress"],
+        "istiod.istio-system.svc:15012"
+    );
+    assert!(text.contains("X_TEAM"), "{text}");
+}
+
+#[test]
+fn bad_value_exits_nonzero_naming_the_variable() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = run(
+        dir.path(),
+        meshagent(),
+        &["proxy", "--dump-config"],
+        &[("SECRET_TTL", "tomorrow")],
+    );
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("SECRET_TTL") && err.contains("tomorrow"),
+        "{err}"
+    );
+}
+
+#[test]
+fn answers_as_pilot_agent() {
+    let dir = tempfile::tempdir().unwrap();
+    let link = dir.path().join("pilot-agent");
+    std::os::unix::fs::symlink(meshagent(), &link).unwrap();
+    let a = run(dir.path(), &link, &["version", "--short"], &[]);
+    let b = run(dir.path(), meshagent(), &["version", "--short"], &[]);
+    assert!(a.status.success());
+    assert_eq!(a.stdout, b.stdout);
+    let bad = run(dir.path(), &link, &["proxy", "gateway"], &[]);
+    assert!(!bad.status.success());
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("invalid proxy Type"));
+}

