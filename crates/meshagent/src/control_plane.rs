@@ -1,0 +1,460 @@
+//! Dialing the control plane (istiod's CA and xDS ports) the way Istio's agent does.
+//!
+//! * TLS (1.2+, h2) unless plaintext is configured; roots and server name follow Istio's rules
+//!   ([`ca_target`], [`xds_target`]); the client certificate comes from `PROV_CERT` (or file-
+//!   mounted certs) and is skipped when expired.
+//! * Roots and client certificates are read for **every new connection**, so a rotated root or
+//!   client certificate is picked up without restarting (Istio rebuilds its dial options on a
+//!   root change; reading per connection has the same effect with nothing to watch).
+//! * [`CallMetadata`] adds `ClusterID`, extra headers and `authorization: Bearer <token>`, with
+//!   the token read from its file on every call, so kubelet-rotated tokens just work.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use hyper_util::rt::TokioIo;
+use rustls_pki_types::pem::PemObject;
+use rustls_pki_types::{CertificateDer, PrivateKeyDer, ServerName};
+use tokio::net::TcpStream;
+use tokio_util::either::Either;
+use tonic::metadata::{AsciiMetadataKey, AsciiMetadataValue, MetadataMap};
+use tonic::transport::{Channel, Endpoint};
+
+use crate::config::{AuthenticationPolicy, Config};
+
+/// Default root of istiod's CA (the `istio-ca-root-cert` configmap mount).
+pub const DEFAULT_ROOT: &str = "./var/run/secrets/istio/root-cert.pem";
+/// Legacy mounted certs; its root is preferred for xDS when present.
+pub const ETC_CERTS_ROOT: &str = "./etc/certs/root-cert.pem";
+/// Server name used when the address is `localhost` (and istiod's SAN).
+pub const ISTIOD_SVC: &str = "istiod.istio-system.svc";
+
+/// Where OS trust bundles live (Istio's list, first existing wins).
+pub const SYSTEM_ROOT_PATHS: [&str; 8] = [
+    "/etc/ssl/certs/ca-certificates.crt",
+    "/etc/pki/tls/certs/ca-bundle.crt",
+    "/etc/ssl/ca-bundle.pem",
+    "/etc/pki/tls/cacert.pem",
+    "/etc/pki/ca-trust/extracted/pem/tls-ca-bundle.pem",
+    "/etc/ssl/cert.pem",
+    "/usr/local/etc/ssl/cert.pem",
+    "/etc/ssl/certs/ca-certificates",
+];
+
+#[derive(Debug, thiserror::Error)]
+pub enum DialError {
+    #[error("invalid control plane address {addr:?}: {reason}")]
+    Address { addr: String, reason: String },
+    #[error("TLS is required for {what} but PILOT_CERT_PROVIDER=none gives no root certificate")]
+    NoRoot { what: &'static str },
+    #[error("no OS trust bundle found (looked in {0:?})")]
+    NoSystemRoots(Vec<&'static str>),
+}
+
+/// Roots that verify istiod's serving certificate.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Roots {
+    /// The OS trust bundle (`SYSTEM`).
+    System,
+    /// A PEM bundle file, resolved against the agent's working directory.
+    File(PathBuf),
+}
+
+/// A client certificate (mTLS to istiod, VMs): PEM chain and key files.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ClientCert {
+    pub cert_chain: PathBuf,
+    pub key: PathBuf,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Tls {
+    pub roots: Roots,
+    pub server_name: String,
+    pub client_cert: Option<ClientCert>,
+}
+
+/// Where and how to dial.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Target {
+    /// `host:port`.
+    pub addr: String,
+    /// `None` means plaintext.
+    pub tls: Option<Tls>,
+}
+
+fn host_of(addr: &str) -> Result<&str, DialError> {
+    let bad = |reason: &str| DialError::Address {
+        addr: addr.to_owned(),
+        reason: reason.to_owned(),
+    };
+    let (host, port) = addr
+        .rsplit_once(':')
+        .ok_or_else(|| bad("expected host:port"))?;
+    port.parse::<u16>()
+        .map_err(|_| bad("port is not a number 0-65535"))?;
+    let host = host.trim_start_matches('[').trim_end_matches(']');
+    if host.is_empty() {
+        return Err(bad("empty host"));
+    }
+    Ok(host)
+}
+
+/// `localhost` is not a name istiod's certificate carries; Istio substitutes its service name.
+fn server_name_for(host: &str) -> String {
+    if host.starts_with("localhost") {
+        ISTIOD_SVC.to_owned()
+    } else {
+        host.to_owned()
+    }
+}
+
+fn prov_cert(cfg: &Config) -> Option<ClientCert> {
+    cfg.identity.prov_cert.as_ref().map(|d| ClientCert {
+        cert_chain: d.join("cert-chain.pem"),
+        key: d.join("key.pem"),
+    })
+}
+
+/// The CA endpoint (spec §4.6): plaintext when `CA_ADDR` ends in `:15010`; roots from
+/// `CA_ROOT_CA` | `SYSTEM` | `./etc/certs/root-cert.pem` (PILOT_CERT_PROVIDER=custom) |
+/// `<PROV_CERT>/root-cert.pem` | the istiod root; `ISTIOD_SAN` only when `CA_ADDR` defaulted.
+pub fn ca_target(cfg: &Config) -> Result<Target, DialError> {
+    let addr = cfg.identity.ca_addr.clone();
+    let host = host_of(&addr)?;
+    if addr.ends_with(":15010") {
+        return Ok(Target { addr, tls: None });
+    }
+    let id = &cfg.identity;
+    let roots = if id.ca_root_ca == "SYSTEM" {
+        Roots::System
+    } else if !id.ca_root_ca.is_empty() {
+        Roots::File(PathBuf::from(&id.ca_root_ca))
+    } else if id.pilot_cert_provider == "custom" {
+        Roots::File(PathBuf::from(ETC_CERTS_ROOT))
+    } else if let Some(d) = &id.prov_cert {
+        Roots::File(d.join("root-cert.pem"))
+    } else if id.pilot_cert_provider == "none" {
+        return Err(DialError::NoRoot { what: "the CA" });
+    } else {
+        Roots::File(PathBuf::from(DEFAULT_ROOT))
+    };
+    let server_name = if !id.ca_addr_set && !id.istiod_san.is_empty() {
+        id.istiod_san.clone()
+    } else {
+        server_name_for(host)
+    };
+    Ok(Target {
+        tls: Some(Tls {
+            roots,
+            server_name,
+            client_cert: prov_cert(cfg),
+        }),
+        addr,
+    })
+}
+
+/// The xDS endpoint (spec §5.4): plaintext when `controlPlaneAuthPolicy` is `NONE`; roots from
+/// `XDS_ROOT_CA` (`SYSTEM` or a path) | `./etc/certs/root-cert.pem` if it exists |
+/// `<PROV_CERT>/root-cert.pem` | file-mounted `TLS_CLIENT_ROOT_CERT` | the istiod root;
+/// `ISTIOD_SAN` always wins for the server name.
+pub fn xds_target(cfg: &Config, cwd: &Path) -> Result<Target, DialError> {
+    let addr = cfg.proxy_config.discovery_address.clone();
+    let host = host_of(&addr)?;
+    if cfg.proxy_config.control_plane_auth_policy == AuthenticationPolicy::None {
+        return Ok(Target { addr, tls: None });
+    }
+    let id = &cfg.identity;
+    let meta = &cfg.proxy_config.proxy_metadata;
+    let roots = if cfg.xds.root_ca == "SYSTEM" {
+        Roots::System
+    } else if !cfg.xds.root_ca.is_empty() {
+        Roots::File(PathBuf::from(&cfg.xds.root_ca))
+    } else if cwd.join(ETC_CERTS_ROOT).exists() {
+        Roots::File(PathBuf::from(ETC_CERTS_ROOT))
+    } else if let Some(d) = &id.prov_cert {
+        Roots::File(d.join("root-cert.pem"))
+    } else if id.file_mounted_certs
+        && let Some(p) = meta.get("ISTIO_META_TLS_CLIENT_ROOT_CERT")
+    {
+        Roots::File(PathBuf::from(p))
+    } else if id.pilot_cert_provider == "none" {
+        return Err(DialError::NoRoot { what: "xDS" });
+    } else {
+        Roots::File(PathBuf::from(DEFAULT_ROOT))
+    };
+    let client_cert = prov_cert(cfg).or_else(|| {
+        if !id.file_mounted_certs {
+            return None;
+        }
+        Some(ClientCert {
+            cert_chain: PathBuf::from(meta.get("ISTIO_META_TLS_CLIENT_CERT_CHAIN")?),
+            key: PathBuf::from(meta.get("ISTIO_META_TLS_CLIENT_KEY")?),
+        })
+    });
+    let server_name = if id.istiod_san.is_empty() {
+        server_name_for(host)
+    } else {
+        id.istiod_san.clone()
+    };
+    Ok(Target {
+        tls: Some(Tls {
+            roots,
+            server_name,
+            client_cert,
+        }),
+        addr,
+    })
+}
+
+// === dialing ===
+
+/// Keepalive of control-plane connections (`GRPC_KEEPALIVE_INTERVAL`/`_TIMEOUT` defaults).
+#[derive(Debug, Clone, Copy)]
+pub struct Keepalive {
+    pub interval: Duration,
+    pub timeout: Duration,
+}
+
+impl Default for Keepalive {
+    fn default() -> Keepalive {
+        Keepalive {
+            interval: Duration::from_secs(30),
+            timeout: Duration::from_secs(10),
+        }
+    }
+}
+
+/// A lazily-connecting channel to `target`. Files are resolved against `cwd` (the agent's
+/// working directory; `.` in production, a temp dir in tests).
+pub fn channel(target: &Target, cwd: &Path, keepalive: Keepalive) -> Result<Channel, DialError> {
+    let endpoint = Endpoint::from_shared(format!("http://{}", target.addr))
+        .map_err(|e| DialError::Address {
+            addr: target.addr.clone(),
+            reason: e.to_string(),
+        })?
+        .connect_timeout(Duration::from_secs(5))
+        .http2_keep_alive_interval(keepalive.interval)
+        .keep_alive_timeout(keepalive.timeout)
+        .keep_alive_while_idle(true)
+        .tcp_nodelay(true);
+    let addr = target.addr.clone();
+    let tls = target.tls.clone().map(|t| Arc::new((t, cwd.to_path_buf())));
+    let connector = tower::service_fn(move |_uri: http::Uri| {
+        let addr = addr.clone();
+        let tls = tls.clone();
+        async move {
+            let tcp = TcpStream::connect(&addr).await?;
+            let _ = tcp.set_nodelay(true);
+            let Some(tls) = tls else {
+                return Ok::<_, std::io::Error>(TokioIo::new(Either::Left(tcp)));
+            };
+            let (settings, cwd) = &*tls;
+            let config = client_config(settings, cwd)?;
+            let name = ServerName::try_from(settings.server_name.clone()).map_err(|e| {
+                std::io::Error::other(format!("server name {:?}: {e}", settings.server_name))
+            })?;
+            let stream = tokio_rustls::TlsConnector::from(Arc::new(config))
+                .connect(name, tcp)
+                .await?;
+            Ok(TokioIo::new(Either::Right(stream)))
+        }
+    });
+    Ok(endpoint.connect_with_connector_lazy(connector))
+}
+
+/// Builds the rustls client config for one connection from the current files.
+pub fn client_config(tls: &Tls, cwd: &Path) -> std::io::Result<rustls::ClientConfig> {
+    let roots = load_roots(&tls.roots, cwd)?;
+    let provider = Arc::new(rustls::crypto::aws_lc_rs::default_provider());
+    let builder = rustls::ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .map_err(std::io::Error::other)?
+        .with_root_certificates(roots);
+    let mut config = match tls
+        .client_cert
+        .as_ref()
+        .and_then(|c| load_client_cert(c, cwd))
+    {
+        Some((chain, key)) => builder
+            .with_client_auth_cert(chain, key)
+            .map_err(std::io::Error::other)?,
+        None => builder.with_no_client_auth(),
+    };
+    config.alpn_protocols = vec![b"h2".to_vec()];
+    Ok(config)
+}
+
+fn load_roots(roots: &Roots, cwd: &Path) -> std::io::Result<rustls::RootCertStore> {
+    let path = match roots {
+        Roots::File(p) => cwd.join(p),
+        Roots::System => SYSTEM_ROOT_PATHS
+            .iter()
+            .map(PathBuf::from)
+            .find(|p| p.is_file())
+            .ok_or_else(|| {
+                std::io::Error::other(DialError::NoSystemRoots(SYSTEM_ROOT_PATHS.to_vec()))
+            })?,
+    };
+    let pem = std::fs::read(&path).map_err(|e| {
+        std::io::Error::new(
+            e.kind(),
+            format!("root certificates {}: {e}", path.display()),
+        )
+    })?;
+    let mut store = rustls::RootCertStore::empty();
+    // Invalid entries in a bundle are skipped, as Istio does; an empty result is an error.
+    for der in CertificateDer::pem_slice_iter(&pem).flatten() {
+        let _ = store.add(der);
+    }
+    if store.is_empty() {
+        return Err(std::io::Error::other(format!(
+            "root certificates {}: no valid PEM certificate",
+            path.display()
+        )));
+    }
+    Ok(store)
+}
+
+/// The client certificate if both files parse and the leaf has not expired; otherwise no
+/// client certificate is presented (the token still authenticates), as Istio does.
+fn load_client_cert(
+    c: &ClientCert,
+    cwd: &Path,
+) -> Option<(Vec<CertificateDer<'static>>, PrivateKeyDer<'static>)> {
+    let chain_pem = std::fs::read(cwd.join(&c.cert_chain)).ok()?;
+    let chain: Vec<CertificateDer<'static>> = CertificateDer::pem_slice_iter(&chain_pem)
+        .collect::<Result<_, _>>()
+        .ok()?;
+    let key = PrivateKeyDer::from_pem_file(cwd.join(&c.key)).ok()?;
+    let leaf = chain.first()?;
+    let (_, parsed) = x509_parser::parse_x509_certificate(leaf.as_ref()).ok()?;
+    if !parsed.validity().is_valid() {
+        tracing::warn!(cert = %c.cert_chain.display(), "client certificate expired; connecting with the token only");
+        return None;
+    }
+    Some((chain, key))
+}
+
+// === per-call metadata ===
+
+/// Reads the bearer token from its file on every call.
+#[derive(Debug, Clone)]
+pub struct TokenSource {
+    path: Option<PathBuf>,
+    warned: Arc<AtomicBool>,
+}
+
+impl TokenSource {
+    pub fn new(path: Option<PathBuf>) -> TokenSource {
+        TokenSource {
+            path,
+            warned: Arc::default(),
+        }
+    }
+
+    /// The current token, trimmed; `None` (logged once) when missing or empty.
+    pub fn token(&self) -> Option<String> {
+        let path = self.path.as_ref()?;
+        match std::fs::read_to_string(path) {
+            Ok(t) if !t.trim().is_empty() => {
+                self.warned.store(false, Ordering::Relaxed);
+                Some(t.trim().to_owned())
+            }
+            result => {
+                if !self.warned.swap(true, Ordering::Relaxed) {
+                    let why = result.err().map_or("empty".to_owned(), |e| e.to_string());
+                    tracing::warn!(path = %path.display(), reason = %why, "no token; calling without an authorization header");
+                }
+                None
+            }
+        }
+    }
+}
+
+/// Metadata added to every control-plane call.
+#[derive(Debug, Clone)]
+pub struct CallMetadata {
+    headers: Vec<(AsciiMetadataKey, AsciiMetadataValue)>,
+    token: TokenSource,
+}
+
+impl CallMetadata {
+    /// `ClusterID` (when set) plus `extra` headers; invalid header names or values are
+    /// skipped with a warning rather than failing every call.
+    pub fn new(
+        cluster_id: &str,
+        extra: &std::collections::BTreeMap<String, String>,
+        token: TokenSource,
+    ) -> CallMetadata {
+        let mut headers = Vec::new();
+        let pairs = (!cluster_id.is_empty())
+            .then(|| ("ClusterID".to_owned(), cluster_id.to_owned()))
+            .into_iter()
+            .chain(extra.iter().map(|(k, v)| (k.clone(), v.clone())));
+        for (k, v) in pairs {
+            match (
+                AsciiMetadataKey::from_bytes(k.to_ascii_lowercase().as_bytes()),
+                AsciiMetadataValue::try_from(v.as_str()),
+            ) {
+                (Ok(k), Ok(v)) => headers.push((k, v)),
+                _ => tracing::warn!(header = %k, "skipping header that is not valid gRPC metadata"),
+            }
+        }
+        CallMetadata { headers, token }
+    }
+
+    pub fn apply(&self, md: &mut MetadataMap) {
+        for (k, v) in &self.headers {
+            md.insert(k.clone(), v.clone());
+        }
+        if let Some(t) = self.token.token()
+            && let Ok(v) = AsciiMetadataValue::try_from(format!("Bearer {t}"))
+        {
+            md.insert("authorization", v);
+        }
+    }
+
+    pub fn token_source(&self) -> &TokenSource {
+        &self.token
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn server_names() {
+        assert_eq!(server_name_for("localhost"), ISTIOD_SVC);
+        assert_eq!(server_name_for("istiod.foo.svc"), "istiod.foo.svc");
+        assert!(host_of("nohost").is_err());
+        assert!(host_of("h:99999").is_err());
+        assert_eq!(host_of("[::1]:15012").unwrap(), "::1");
+    }
+
+    #[test]
+    fn token_is_read_on_every_call() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("t");
+        let ts = TokenSource::new(Some(p.clone()));
+        assert_eq!(ts.token(), None);
+        std::fs::write(&p, "one\n").unwrap();
+        assert_eq!(ts.token().as_deref(), Some("one"));
+        std::fs::write(&p, "two").unwrap();
+        assert_eq!(ts.token().as_deref(), Some("two"));
+    }
+
+    #[test]
+    fn metadata_headers() {
+        let extra = std::collections::BTreeMap::from([("X-Team".to_owned(), "pay".to_owned())]);
+        let m = CallMetadata::new("Kubernetes", &extra, TokenSource::new(None));
+        let mut md = MetadataMap::new();
+        m.apply(&mut md);
+        assert_eq!(md.get("clusterid").unwrap(), "Kubernetes");
+        assert_eq!(md.get("x-team").unwrap(), "pay");
+        assert!(md.get("authorization").is_none());
+    }
+}
