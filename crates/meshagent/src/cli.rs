@@ -88,6 +88,41 @@ pub enum Command {
     Proxy(ProxyArgs),
     /// Print build information.
     Version(VersionArgs),
+    /// Wait until a URL (by default Envoy's readiness) answers 200.
+    Wait(WaitArgs),
+    /// Send an HTTP request to Envoy's admin or the agent's status port and print the body.
+    Request(RequestArgs),
+}
+
+/// `wait` flags (spec §1.3).
+#[derive(Debug, Clone, Args)]
+pub struct WaitArgs {
+    /// URL to poll until it returns 200.
+    #[arg(long, default_value = "http://localhost:15021/healthz/ready")]
+    pub url: String,
+    /// Overall timeout.
+    #[arg(long = "timeoutSeconds", default_value_t = 60)]
+    pub timeout_seconds: u64,
+    /// Timeout of each request.
+    #[arg(long = "requestTimeoutMillis", default_value_t = 500)]
+    pub request_timeout_millis: u64,
+    /// Wait before each attempt, including the first.
+    #[arg(long = "periodMillis", default_value_t = 500)]
+    pub period_millis: u64,
+}
+
+/// `request <method> <path> [<body>]` (spec §1.4).
+#[derive(Debug, Clone, Args)]
+pub struct RequestArgs {
+    /// HTTP method, e.g. GET or POST.
+    pub method: String,
+    /// Path, with or without a leading slash.
+    pub path: String,
+    /// Optional request body.
+    pub body: Option<String>,
+    /// Port on localhost: one of 15000 (Envoy admin), 15020 (agent), 15021, 15004.
+    #[arg(long = "debug-port", default_value_t = 15000)]
+    pub debug_port: i32,
 }
 
 /// `proxy [TYPE]` flags (spec §1.2).
@@ -353,7 +388,7 @@ mod tests {
     fn proxy(p: &Parsed) -> &ProxyArgs {
         match &p.cli.command {
             Command::Proxy(a) => a,
-            Command::Version(_) => panic!("expected proxy"),
+            _ => panic!("expected proxy"),
         }
     }
 
@@ -478,8 +513,44 @@ mod tests {
 
     #[test]
     fn unknown_subcommands_are_rejected() {
-        assert!(parse(&["a", "wait"]).is_err());
+        assert!(parse(&["a", "collateral"]).is_err());
+        assert!(parse(&["a", "istio-iptables"]).is_err());
         assert!(parse(&["a"]).is_err());
+    }
+
+    #[test]
+    fn wait_and_request_flags() {
+        let p = parse(&[
+            "pilot-agent",
+            "wait",
+            "--url=http://localhost:15020/healthz/ready",
+            "--timeoutSeconds",
+            "5",
+        ])
+        .unwrap();
+        let Command::Wait(w) = p.cli.command else {
+            panic!("expected wait")
+        };
+        assert_eq!(w.url, "http://localhost:15020/healthz/ready");
+        assert_eq!(
+            (w.timeout_seconds, w.request_timeout_millis, w.period_millis),
+            (5, 500, 500)
+        );
+        let p = parse(&[
+            "pilot-agent",
+            "request",
+            "--debug-port=15020",
+            "POST",
+            "drain",
+        ])
+        .unwrap();
+        let Command::Request(r) = p.cli.command else {
+            panic!("expected request")
+        };
+        assert_eq!(
+            (r.method.as_str(), r.path.as_str(), r.debug_port),
+            ("POST", "drain", 15020)
+        );
     }
 
     #[test]
@@ -496,7 +567,7 @@ mod tests {
         argv.extend_from_slice(args);
         match parse(&argv).unwrap().cli.command {
             Command::Version(v) => version_output(&v).unwrap(),
-            Command::Proxy(_) => panic!("expected version"),
+            _ => panic!("expected version"),
         }
     }
 

@@ -239,6 +239,8 @@ pub struct Config {
     pub proxy_config: ProxyConfig,
     /// Pod annotations from the downward API file (empty if absent).
     pub pod_annotations: BTreeMap<String, String>,
+    /// Pod labels from the downward API file `./etc/istio/pod/labels` (empty if absent).
+    pub pod_labels: BTreeMap<String, String>,
     /// Pod identity.
     pub pod: PodConfig,
     /// Identity and CA client.
@@ -318,6 +320,10 @@ pub fn load(
             Err(e) => layer_errors.push(e),
         }
     }
+    let labels = files::pod_labels(base_dir).unwrap_or_else(|e| {
+        layer_errors.push(e);
+        BTreeMap::new()
+    });
     errors.extend(layer_errors);
 
     let mut r = Reader::new(env);
@@ -386,6 +392,7 @@ pub fn load(
         flags: flags.clone(),
         proxy_config: pc,
         pod_annotations: annotations,
+        pod_labels: labels,
         pod,
         identity,
         platform,

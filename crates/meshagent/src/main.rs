@@ -47,7 +47,41 @@ fn main() -> ExitCode {
             }
         },
         Command::Proxy(args) => proxy(&args, log.as_json),
+        Command::Wait(args) => match runtime().map(|rt| rt.block_on(meshagent::wait::run(&args))) {
+            Ok(Ok(())) => ExitCode::SUCCESS,
+            Ok(Err(e)) => {
+                eprintln!("error: {e}");
+                ExitCode::from(1)
+            }
+            Err(e) => {
+                eprintln!("error: {e}");
+                ExitCode::from(1)
+            }
+        },
+        Command::Request(args) => {
+            match runtime().map(|rt| rt.block_on(meshagent::request::run(&args))) {
+                Ok(Ok(body)) => {
+                    print!("{body}");
+                    ExitCode::SUCCESS
+                }
+                Ok(Err(e)) => {
+                    eprintln!("error: {e}");
+                    ExitCode::from(1)
+                }
+                Err(e) => {
+                    eprintln!("error: {e}");
+                    ExitCode::from(1)
+                }
+            }
+        }
     }
+}
+
+fn runtime() -> std::io::Result<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
 }
 
 fn proxy(args: &ProxyArgs, log_as_json: bool) -> ExitCode {
@@ -76,11 +110,22 @@ fn proxy(args: &ProxyArgs, log_as_json: bool) -> ExitCode {
             }
         };
     }
-    match meshagent::run(&config) {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(e) => {
+    match serde_json::to_string(&config) {
+        Ok(json) => tracing::info!("Effective config: {json}"),
+        Err(e) => tracing::warn!("cannot render effective config: {e}"),
+    }
+    let _ = rustls::crypto::aws_lc_rs::default_provider().install_default();
+    let agent = meshagent::app::Agent::new(config, Path::new("."));
+    match runtime().map(|rt| rt.block_on(agent.run())) {
+        Ok(Ok(code)) => ExitCode::from(code),
+        Ok(Err(e)) => {
             tracing::error!("{e}");
-            ExitCode::from(e.exit_code())
+            eprintln!("error: {e}");
+            ExitCode::from(1)
+        }
+        Err(e) => {
+            eprintln!("error: cannot start the runtime: {e}");
+            ExitCode::from(1)
         }
     }
 }

@@ -12,6 +12,8 @@ use super::parse::unquote_go;
 
 /// Where the downward API mounts pod annotations (cwd-relative, like Istio).
 pub const POD_ANNOTATIONS_PATH: &str = "./etc/istio/pod/annotations";
+/// Downward-API pod labels file.
+pub const POD_LABELS_PATH: &str = "./etc/istio/pod/labels";
 
 /// Reads `path` (resolved against `base_dir`); a missing file is `Ok(None)`.
 fn read_optional(
@@ -71,6 +73,18 @@ pub(crate) fn pod_annotations(base_dir: &Path) -> Result<BTreeMap<String, String
     match read_optional(base_dir, &path, "pod annotations file")? {
         Some(text) => parse_downward_api(&text).map_err(|reason| ConfigError::Parse {
             origin: format!("pod annotations file {}", path.display()),
+            reason,
+        }),
+        None => Ok(BTreeMap::new()),
+    }
+}
+
+/// Pod labels from [`POD_LABELS_PATH`]; a missing file means none.
+pub(crate) fn pod_labels(base_dir: &Path) -> Result<BTreeMap<String, String>, ConfigError> {
+    let path = PathBuf::from(POD_LABELS_PATH);
+    match read_optional(base_dir, &path, "pod labels file")? {
+        Some(text) => parse_downward_api(&text).map_err(|reason| ConfigError::Parse {
+            origin: format!("pod labels file {}", path.display()),
             reason,
         }),
         None => Ok(BTreeMap::new()),

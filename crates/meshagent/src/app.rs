@@ -1,0 +1,210 @@
+//! Wires the agent together for `meshagent proxy` (spec §1.2 startup order): status server,
+//! then Envoy's bootstrap and process, supervised until Envoy exits or the agent is told to
+//! stop (SIGTERM/SIGINT or `/quitquitquit`), in which case Envoy is drained first.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use tokio_util::sync::CancellationToken;
+
+use crate::bootstrap::{self, Node};
+use crate::config::Config;
+use crate::envoy::{self, DrainOptions, DrainState, Envoy, EnvoyArgs, Outcome};
+use crate::metrics::Registry;
+use crate::status;
+
+#[derive(Debug, thiserror::Error)]
+pub enum AppError {
+    #[error(transparent)]
+    Bootstrap(#[from] bootstrap::BootstrapError),
+    #[error(transparent)]
+    Envoy(#[from] envoy::EnvoyError),
+    #[error("cannot serve the status port {port}: {source}")]
+    StatusPort {
+        port: u16,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("cannot read ISTIO_BOOTSTRAP_OVERRIDE file {path}: {reason}")]
+    Override { path: PathBuf, reason: String },
+    #[error("cannot install signal handlers: {0}")]
+    Signals(#[source] std::io::Error),
+}
+
+/// The running agent's shared pieces; tests drive an agent in-process through this.
+pub struct Agent {
+    pub config: Config,
+    pub cwd: PathBuf,
+    pub registry: Registry,
+    pub shutdown: CancellationToken,
+    pub drain: Arc<DrainState>,
+    pub readiness: status::Readiness,
+    pub started: tokio::time::Instant,
+}
+
+impl Agent {
+    pub fn new(config: Config, cwd: &Path) -> Agent {
+        Agent {
+            config,
+            cwd: cwd.to_path_buf(),
+            registry: Registry::new(),
+            shutdown: CancellationToken::new(),
+            drain: Arc::default(),
+            readiness: status::Readiness::default(),
+            started: tokio::time::Instant::now(),
+        }
+    }
+
+    /// Runs until Envoy exits or shutdown completes; returns the process exit code.
+    pub async fn run(self) -> Result<u8, AppError> {
+        let cfg = &self.config;
+        bootstrap::check_template(cfg)?;
+        let node = Node::from_config(cfg)?;
+        tracing::info!(node = %node.id, ips = ?node.ips, "proxy node");
+        let admin = std::net::SocketAddr::new(node.localhost, cfg.proxy_config.proxy_admin_port);
+        let envoy_enabled = !cfg.lifecycle.disable_envoy;
+
+        if envoy_enabled {
+            self.readiness.add_envoy(status::EnvoyProbe::new(
+                admin,
+                self.started,
+                &self.registry,
+                self.drain.clone(),
+            ));
+        }
+        let status_stop = CancellationToken::new();
+        let mut status_task = None;
+        if cfg.proxy_config.status_port > 0 {
+            let port = cfg.proxy_config.status_port;
+            let listener = status::bind(port, node.ipv6_only())
+                .await
+                .map_err(|source| AppError::StatusPort { port, source })?;
+            let state = status::StatusState {
+                readiness: self.readiness.clone(),
+                registry: self.registry.clone(),
+                drain: self.drain.clone(),
+                shutdown: self.shutdown.clone(),
+                envoy_admin: envoy_enabled.then_some(admin),
+                proxy_type: cfg.proxy_type,
+            };
+            let stop = status_stop.clone();
+            let shutdown = self.shutdown.clone();
+            status_task = Some(tokio::spawn(async move {
+                if let Err(e) = status::serve(listener, state, stop).await {
+                    // Istio's agent terminates itself when the status server dies.
+                    tracing::error!(error = %e, "status server failed; shutting down");
+                    shutdown.cancel();
+                }
+            }));
+            tracing::info!(port, "status server listening");
+        }
+        spawn_signal_handler(self.shutdown.clone()).map_err(AppError::Signals)?;
+
+        let code = if envoy_enabled {
+            let (config_file, generated) =
+                if cfg.proxy_config.custom_config_file.as_os_str().is_empty() {
+                    let rendered = bootstrap::render(cfg, &node);
+                    let path = bootstrap::write(cfg, &self.cwd, &rendered)?;
+                    (path.clone(), Some(self.cwd.join(path)))
+                } else {
+                    (cfg.proxy_config.custom_config_file.clone(), None)
+                };
+            let args = envoy_args(cfg, &node, &self.cwd, config_file)?;
+            let envoy = Envoy::start(&args, &self.cwd, generated)?;
+            let drain = DrainOptions {
+                admin,
+                proxy_type: cfg.proxy_type,
+                termination_drain_duration: cfg.proxy_config.termination_drain_duration.get(),
+                minimum_drain_duration: cfg.lifecycle.minimum_drain_duration,
+                exit_on_zero_active_connections: cfg.lifecycle.exit_on_zero_active_connections,
+                ignored_ports: [
+                    cfg.bootstrap.envoy_status_port,
+                    cfg.bootstrap.envoy_prometheus_port,
+                    cfg.bootstrap.envoy_secure_metrics_port,
+                    cfg.bootstrap.envoy_secure_merged_metrics_port,
+                ]
+                .into_iter()
+                .filter(|p| *p != 0)
+                .collect(),
+            };
+            match envoy
+                .supervise(self.shutdown.clone(), drain, self.drain.clone())
+                .await?
+            {
+                Outcome::EnvoyExited(status) => {
+                    self.shutdown.cancel();
+                    envoy::process::exit_code(status)
+                }
+                Outcome::Stopped(_) => 0,
+            }
+        } else {
+            self.shutdown.cancelled().await;
+            0
+        };
+        status_stop.cancel();
+        if let Some(t) = status_task {
+            let _ = t.await;
+        }
+        tracing::info!(code, "agent exiting");
+        Ok(code)
+    }
+}
+
+fn envoy_args(
+    cfg: &Config,
+    node: &Node,
+    cwd: &Path,
+    config: PathBuf,
+) -> Result<EnvoyArgs, AppError> {
+    let config_yaml = match &cfg.bootstrap.bootstrap_override {
+        None => None,
+        Some(p) => {
+            let path = cwd.join(p);
+            let text = std::fs::read_to_string(&path).map_err(|e| AppError::Override {
+                path: path.clone(),
+                reason: e.to_string(),
+            })?;
+            let text = text.replace("$(HOST_IP)", &cfg.pod.host_ip);
+            let value: serde_json::Value =
+                serde_yaml::from_str(&text).map_err(|e| AppError::Override {
+                    path: path.clone(),
+                    reason: format!("not YAML/JSON: {e}"),
+                })?;
+            Some(value.to_string())
+        }
+    };
+    Ok(EnvoyArgs {
+        binary: cfg.proxy_config.binary_path.clone(),
+        config,
+        drain_duration: cfg.proxy_config.drain_duration.get(),
+        ipv6: node.ipv6_only(),
+        file_flush_interval: cfg
+            .proxy_config
+            .file_flush_interval
+            .map(|d| d.get())
+            .unwrap_or(std::time::Duration::from_secs(1)),
+        log_level: cfg.flags.proxy_log_level.clone(),
+        component_log_level: cfg.flags.proxy_component_log_level.clone(),
+        skip_deprecated_logs: cfg.bootstrap.envoy_skip_deprecated_logs,
+        enable_core_dump: cfg.bootstrap.envoy_enable_core_dump,
+        config_yaml,
+        concurrency: cfg.proxy_config.concurrency,
+    })
+}
+
+/// SIGTERM or SIGINT starts graceful shutdown; a second signal is left to the default action
+/// of the drain timeouts (Envoy is stopped when they end).
+fn spawn_signal_handler(shutdown: CancellationToken) -> std::io::Result<()> {
+    use tokio::signal::unix::{SignalKind, signal};
+    let mut term = signal(SignalKind::terminate())?;
+    let mut int = signal(SignalKind::interrupt())?;
+    tokio::spawn(async move {
+        tokio::select! {
+            _ = term.recv() => tracing::info!("received SIGTERM; starting graceful shutdown"),
+            _ = int.recv() => tracing::info!("received SIGINT; starting graceful shutdown"),
+            _ = shutdown.cancelled() => return,
+        }
+        shutdown.cancel();
+    });
+    Ok(())
+}

@@ -1,0 +1,437 @@
+//! The proxy's xDS node: instance IPs, node id and node metadata (spec §1.2, §6.2).
+
+use std::collections::BTreeMap;
+use std::net::IpAddr;
+
+use serde_json::{Map, Value, json};
+
+use crate::config::Config;
+
+/// Annotation listing interfaces whose addresses are not instance IPs.
+pub const EXCLUDE_INTERFACES_ANNOTATION: &str = "traffic.sidecar.istio.io/excludeInterfaces";
+
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum NodeError {
+    #[error("invalid node metadata {key}={value:?} (from {origin}): expected {expected}")]
+    Metadata {
+        key: String,
+        value: String,
+        origin: String,
+        expected: &'static str,
+    },
+    #[error("invalid {origin}: {reason}")]
+    MetaJson { origin: String, reason: String },
+}
+
+/// A network interface address, as the OS reports it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct InterfaceAddr {
+    pub interface: String,
+    pub ip: IpAddr,
+    pub up: bool,
+    pub loopback: bool,
+}
+
+/// The host's interface addresses (empty if they cannot be listed).
+pub fn interface_addrs() -> Vec<InterfaceAddr> {
+    let Ok(addrs) = nix::ifaddrs::getifaddrs() else {
+        return vec![];
+    };
+    addrs
+        .filter_map(|a| {
+            let sa = a.address?;
+            let ip = if let Some(v4) = sa.as_sockaddr_in() {
+                IpAddr::V4(v4.ip())
+            } else {
+                IpAddr::V6(sa.as_sockaddr_in6()?.ip())
+            };
+            Some(InterfaceAddr {
+                interface: a.interface_name,
+                ip,
+                up: a.flags.contains(nix::net::if_::InterfaceFlags::IFF_UP),
+                loopback: a
+                    .flags
+                    .contains(nix::net::if_::InterfaceFlags::IFF_LOOPBACK),
+            })
+        })
+        .collect()
+}
+
+fn link_local(ip: &IpAddr) -> bool {
+    match ip {
+        IpAddr::V4(v4) => v4.is_link_local(),
+        IpAddr::V6(v6) => (v6.segments()[0] & 0xffc0) == 0xfe80,
+    }
+}
+
+/// `INSTANCE_IP` first, then every up, non-loopback, non-link-local interface address not on
+/// an excluded interface; `127.0.0.1` and `::1` when nothing is found. Deduplicated.
+pub fn instance_ips(
+    instance_ip: Option<IpAddr>,
+    interfaces: &[InterfaceAddr],
+    excluded: &[&str],
+) -> Vec<IpAddr> {
+    let mut out: Vec<IpAddr> = instance_ip.into_iter().collect();
+    for a in interfaces {
+        if a.up
+            && !a.loopback
+            && !a.ip.is_loopback()
+            && !a.ip.is_unspecified()
+            && !link_local(&a.ip)
+            && !excluded.contains(&a.interface.as_str())
+            && !out.contains(&a.ip)
+        {
+            out.push(a.ip);
+        }
+    }
+    if out.is_empty() {
+        out = vec![
+            IpAddr::from([127, 0, 0, 1]),
+            IpAddr::from(std::net::Ipv6Addr::LOCALHOST),
+        ];
+    }
+    out
+}
+
+/// The IP the agent reaches Envoy's admin on: `::1` for IPv6-only proxies or an IPv6
+/// INSTANCE_IP, else `127.0.0.1` (spec §7.2).
+pub fn localhost_for(ips: &[IpAddr], instance_ip: Option<IpAddr>) -> IpAddr {
+    let v6_only = !ips.is_empty() && ips.iter().all(|i| i.is_ipv6());
+    let v6_instance = instance_ip.is_some_and(|i| i.is_ipv6() && !link_local(&i));
+    if v6_only || v6_instance {
+        IpAddr::from(std::net::Ipv6Addr::LOCALHOST)
+    } else {
+        IpAddr::from([127, 0, 0, 1])
+    }
+}
+
+/// `TYPE~IP~POD_NAME.POD_NAMESPACE~DOMAIN`.
+pub fn node_id(cfg: &Config, ips: &[IpAddr]) -> String {
+    let ip = ips.first().map(|i| i.to_string()).unwrap_or_default();
+    format!(
+        "{}~{ip}~{}.{}~{}",
+        cfg.proxy_type.as_str(),
+        cfg.pod.name,
+        cfg.pod.namespace,
+        cfg.domain
+    )
+}
+
+/// Metadata keys whose values must be the strings "true"/"false" (Istio `StringBool`).
+const STRING_BOOL_KEYS: &[&str] = &[
+    "HTTP10",
+    "DNS_CAPTURE",
+    "DNS_AUTO_ALLOCATE",
+    "ENABLE_HBONE",
+    "DISABLE_HBONE_SEND",
+    "ENABLE_SELF_DISCOVERY",
+    "UNPRIVILEGED_POD",
+    "EXIT_ON_ZERO_ACTIVE_CONNECTIONS",
+    "INBOUND_LISTENER_EXACT_BALANCE",
+    "OUTBOUND_LISTENER_EXACT_BALANCE",
+    "METADATA_DISCOVERY",
+    "ENVOY_SKIP_DEPRECATED_LOGS",
+];
+
+/// Validates typed metadata keys the way Istio's decode into `NodeMetadata` does: a type error
+/// is fatal at startup rather than a surprise in istiod.
+fn validate(
+    meta: &Map<String, Value>,
+    origin_of: impl Fn(&str) -> String,
+) -> Result<(), NodeError> {
+    let err = |key: &str, value: &Value, expected: &'static str| NodeError::Metadata {
+        key: key.to_owned(),
+        value: match value {
+            Value::String(s) => s.clone(),
+            v => v.to_string(),
+        },
+        origin: origin_of(key),
+        expected,
+    };
+    for (key, value) in meta {
+        if STRING_BOOL_KEYS.contains(&key.as_str()) {
+            match value {
+                Value::String(s) if s == "true" || s == "false" || s.is_empty() => {}
+                Value::Bool(_) => {}
+                _ => return Err(err(key, value, "\"true\" or \"false\"")),
+            }
+        }
+        if key == "POD_PORTS" {
+            // A JSON array of container ports, carried as a string.
+            let ok = value
+                .as_str()
+                .map(|s| {
+                    serde_json::from_str::<Vec<Value>>(s)
+                        .is_ok_and(|v| v.iter().all(|p| p.is_object()))
+                })
+                .unwrap_or(false);
+            if !ok {
+                return Err(err(
+                    key,
+                    value,
+                    "a string holding a JSON array of ports, e.g. [{\"containerPort\":8080,\"protocol\":\"TCP\"}]",
+                ));
+            }
+        }
+        if key == "INTERCEPTION_MODE"
+            && !matches!(value.as_str(), Some("REDIRECT" | "TPROXY" | "NONE"))
+        {
+            return Err(err(key, value, "REDIRECT, TPROXY or NONE"));
+        }
+        if matches!(key.as_str(), "LABELS" | "ANNOTATIONS" | "STATIC_LABELS") && !value.is_object()
+        {
+            return Err(err(key, value, "a JSON object of strings"));
+        }
+    }
+    Ok(())
+}
+
+/// Node metadata (spec §6.2): ProxyConfig `proxyMetadata` `ISTIO_META_*`, then env
+/// `ISTIO_META_*`, then `ISTIO_METAJSON_*` objects, then the fixed keys.
+pub fn metadata(cfg: &Config, ips: &[IpAddr]) -> Result<Map<String, Value>, NodeError> {
+    let mut meta = Map::new();
+    let mut origins: BTreeMap<String, String> = BTreeMap::new();
+    for (k, v) in &cfg.proxy_config.proxy_metadata {
+        if let Some(key) = k.strip_prefix("ISTIO_META_") {
+            meta.insert(key.to_owned(), Value::String(v.clone()));
+            origins.insert(key.to_owned(), format!("ProxyConfig proxyMetadata {k}"));
+        }
+    }
+    for (k, v) in &cfg.bootstrap.node_meta {
+        meta.insert(k.clone(), Value::String(v.clone()));
+        origins.insert(k.clone(), format!("env ISTIO_META_{k}"));
+    }
+    for (k, raw) in &cfg.bootstrap.node_meta_json {
+        let origin = format!("env ISTIO_METAJSON_{k}");
+        let obj: Map<String, Value> =
+            serde_json::from_str(raw).map_err(|e| NodeError::MetaJson {
+                origin: origin.clone(),
+                reason: format!("expected a JSON object: {e}"),
+            })?;
+        if k == "LABELS" {
+            meta.insert("LABELS".into(), Value::Object(obj.clone()));
+            meta.insert("STATIC_LABELS".into(), Value::Object(obj));
+            origins.insert("LABELS".into(), origin);
+        } else {
+            for (kk, vv) in obj {
+                origins.insert(kk.clone(), origin.clone());
+                meta.insert(kk, vv);
+            }
+        }
+    }
+    if cfg.dns.proxy_addr_set {
+        meta.insert(
+            "DNS_PROXY_ADDR".into(),
+            Value::String(cfg.dns.proxy_addr.clone()),
+        );
+    }
+    validate(&meta, |k| {
+        origins
+            .get(k)
+            .cloned()
+            .unwrap_or_else(|| "node metadata".into())
+    })?;
+
+    let s = |v: &str| Value::String(v.to_owned());
+    let b = |v: bool| Value::String(v.to_string());
+    if !meta.contains_key("ISTIO_VERSION") {
+        meta.insert("ISTIO_VERSION".into(), s(crate::ISTIO_COMPAT_VERSION));
+    }
+    let ips_str: Vec<String> = ips.iter().map(|i| i.to_string()).collect();
+    meta.insert("INSTANCE_IPS".into(), s(&ips_str.join(",")));
+    if cfg.flags.sts_port != 0 {
+        meta.insert("STS_PORT".into(), s(&cfg.flags.sts_port.to_string()));
+    }
+    let boot = &cfg.bootstrap;
+    meta.insert("ENVOY_STATUS_PORT".into(), json!(boot.envoy_status_port));
+    meta.insert(
+        "ENVOY_PROMETHEUS_PORT".into(),
+        json!(boot.envoy_prometheus_port),
+    );
+    if boot.envoy_secure_metrics_port != 0 {
+        meta.insert(
+            "ENVOY_SECURE_METRICS_PORT".into(),
+            json!(boot.envoy_secure_metrics_port),
+        );
+    }
+    if boot.envoy_secure_merged_metrics_port != 0 {
+        meta.insert(
+            "ENVOY_SECURE_MERGED_METRICS_PORT".into(),
+            json!(boot.envoy_secure_merged_metrics_port),
+        );
+    }
+    meta.insert(
+        "EXIT_ON_ZERO_ACTIVE_CONNECTIONS".into(),
+        b(cfg.lifecycle.exit_on_zero_active_connections),
+    );
+    let hbone = meta.get("ENABLE_HBONE").and_then(Value::as_str) == Some("true");
+    meta.insert(
+        "METADATA_DISCOVERY".into(),
+        b(boot.peer_metadata_discovery.unwrap_or(hbone)),
+    );
+    meta.insert(
+        "ENVOY_SKIP_DEPRECATED_LOGS".into(),
+        b(boot.envoy_skip_deprecated_logs),
+    );
+    meta.insert(
+        "WORKLOAD_IDENTITY_SOCKET_FILE".into(),
+        s(&cfg.identity.workload_identity_socket_file),
+    );
+    meta.insert(
+        "PROXY_CONFIG".into(),
+        serde_json::to_value(&cfg.proxy_config).unwrap_or(Value::Null),
+    );
+    let mut labels: Map<String, Value> = meta
+        .get("LABELS")
+        .and_then(Value::as_object)
+        .cloned()
+        .unwrap_or_default();
+    for (k, v) in &cfg.pod_labels {
+        if k != "pod-template-hash" {
+            labels.insert(k.clone(), s(v));
+        }
+    }
+    // Locality from the topology label; Istio stores it back with slashes.
+    if let Some(loc) = labels
+        .get("topology.istio.io/locality")
+        .or_else(|| labels.get("istio-locality"))
+        .and_then(Value::as_str)
+        .map(|l| l.replace('.', "/"))
+    {
+        labels.insert("topology.istio.io/locality".into(), s(&loc));
+    }
+    if !labels.is_empty() {
+        meta.insert("LABELS".into(), Value::Object(labels));
+    }
+    if !cfg.pod_annotations.is_empty() {
+        meta.insert(
+            "ANNOTATIONS".into(),
+            Value::Object(
+                cfg.pod_annotations
+                    .iter()
+                    .map(|(k, v)| (k.clone(), s(v)))
+                    .collect(),
+            ),
+        );
+    }
+    meta.insert("NAME".into(), s(&cfg.pod.name));
+    meta.insert("NAMESPACE".into(), s(&cfg.pod.namespace));
+    meta.insert("SERVICE_ACCOUNT".into(), s(&cfg.pod.service_account));
+    if cfg.proxy_config.control_plane_auth_policy == crate::config::AuthenticationPolicy::MutualTls
+    {
+        let host = cfg
+            .proxy_config
+            .discovery_address
+            .rsplit_once(':')
+            .map_or(cfg.proxy_config.discovery_address.as_str(), |(h, _)| h);
+        let san = if host.starts_with("localhost") {
+            crate::control_plane::ISTIOD_SVC
+        } else {
+            host
+        };
+        meta.insert("PILOT_SAN".into(), json!([san]));
+    }
+    if !cfg.flags.outlier_log_path.is_empty() {
+        meta.insert("OUTLIER_LOG_PATH".into(), s(&cfg.flags.outlier_log_path));
+    }
+    Ok(meta)
+}
+
+/// Locality `{region, zone, sub_zone}` from the `topology.istio.io/locality` label.
+pub fn locality(meta: &Map<String, Value>) -> Value {
+    let loc = meta
+        .get("LABELS")
+        .and_then(|l| l.get("topology.istio.io/locality"))
+        .and_then(Value::as_str)
+        .unwrap_or("");
+    let mut parts = loc.splitn(3, '/');
+    let mut out = Map::new();
+    for key in ["region", "zone", "sub_zone"] {
+        if let Some(p) = parts.next().filter(|p| !p.is_empty()) {
+            out.insert(key.into(), Value::String(p.to_owned()));
+        }
+    }
+    Value::Object(out)
+}
+
+/// Node `cluster`: serviceCluster unless it is the default, else the app label (or
+/// `WORKLOAD_NAME`, or `istio-proxy`) with the namespace.
+pub fn cluster(cfg: &Config, meta: &Map<String, Value>) -> String {
+    let sc = &cfg.proxy_config.service_cluster;
+    if !sc.is_empty() && sc != "istio-proxy" {
+        return sc.clone();
+    }
+    let label = |k: &str| {
+        meta.get("LABELS")
+            .and_then(|l| l.get(k))
+            .and_then(Value::as_str)
+            .map(str::to_owned)
+    };
+    let name = label("app")
+        .or_else(|| label("app.kubernetes.io/name"))
+        .or_else(|| {
+            meta.get("WORKLOAD_NAME")
+                .and_then(Value::as_str)
+                .map(str::to_owned)
+        })
+        .unwrap_or_else(|| "istio-proxy".into());
+    format!("{name}.{}", cfg.pod.namespace)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn iface(name: &str, ip: &str, up: bool, lo: bool) -> InterfaceAddr {
+        InterfaceAddr {
+            interface: name.into(),
+            ip: ip.parse().unwrap(),
+            up,
+            loopback: lo,
+        }
+    }
+
+    #[test]
+    fn instance_ips_order_and_filters() {
+        let ifs = vec![
+            iface("lo", "127.0.0.1", true, true),
+            iface("eth0", "10.0.0.5", true, false),
+            iface("eth0", "fe80::1", true, false),
+            iface("eth1", "10.1.0.5", true, false),
+            iface("down0", "10.2.0.5", false, false),
+            iface("eth0", "169.254.1.1", true, false),
+        ];
+        let ips = instance_ips(Some("10.9.9.9".parse().unwrap()), &ifs, &["eth1"]);
+        assert_eq!(
+            ips,
+            vec![
+                "10.9.9.9".parse::<IpAddr>().unwrap(),
+                "10.0.0.5".parse().unwrap()
+            ]
+        );
+        let none = instance_ips(None, &[iface("lo", "127.0.0.1", true, true)], &[]);
+        assert_eq!(none.len(), 2);
+        assert_eq!(localhost_for(&none, None), IpAddr::from([127, 0, 0, 1]));
+        let v6: Vec<IpAddr> = vec!["fd00::1".parse().unwrap()];
+        assert!(localhost_for(&v6, None).is_ipv6());
+    }
+
+    #[test]
+    fn pod_ports_must_be_a_json_array_string() {
+        let mut m = Map::new();
+        m.insert("POD_PORTS".into(), json!("[{\"containerPort\":80}]"));
+        assert!(validate(&m, |_| "x".into()).is_ok());
+        m.insert("POD_PORTS".into(), json!("80,81"));
+        let e = validate(&m, |_| "env ISTIO_META_POD_PORTS".into()).unwrap_err();
+        let msg = e.to_string();
+        assert!(
+            msg.contains("POD_PORTS")
+                && msg.contains("80,81")
+                && msg.contains("env ISTIO_META_POD_PORTS"),
+            "{msg}"
+        );
+        let mut m = Map::new();
+        m.insert("DNS_CAPTURE".into(), json!("yes"));
+        assert!(validate(&m, |_| "x".into()).is_err());
+    }
+}

@@ -1,0 +1,270 @@
+//! Runs and supervises Envoy, and drains it on shutdown (spec §6.4, §6.5).
+//!
+//! One task owns the Envoy child ([`Envoy::supervise`]). It ends when Envoy exits on its own
+//! (the agent then exits with Envoy's status) or when the shutdown token fires, in which case it
+//! drains per Istio's rules and then stops Envoy.
+
+pub mod admin;
+pub mod process;
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::{ExitStatus, Stdio};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use tokio::process::{Child, Command};
+use tokio_util::sync::CancellationToken;
+
+pub use process::EnvoyArgs;
+
+use crate::config::ProxyType;
+
+#[derive(Debug, thiserror::Error)]
+pub enum EnvoyError {
+    #[error("cannot start Envoy {binary}: {source}")]
+    Spawn {
+        binary: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("waiting for Envoy: {0}")]
+    Wait(#[source] std::io::Error),
+}
+
+/// Drain decisions made through the status server (`/drain`, `/quitquitquit`), read when the
+/// agent shuts down.
+#[derive(Debug, Default)]
+pub struct DrainState {
+    /// `/drain` already drained the listeners: stop Envoy at once on shutdown.
+    pub drained: AtomicBool,
+    /// `/quitquitquit`: skip draining.
+    pub skip_drain: AtomicBool,
+    /// Shutdown has begun (readiness then reports "server is terminated").
+    pub shutting_down: AtomicBool,
+}
+
+/// How the agent drains Envoy.
+#[derive(Debug, Clone)]
+pub struct DrainOptions {
+    pub admin: SocketAddr,
+    pub proxy_type: ProxyType,
+    pub termination_drain_duration: Duration,
+    pub minimum_drain_duration: Duration,
+    pub exit_on_zero_active_connections: bool,
+    /// Listener ports whose connections don't count (15021, 15090, secure metrics).
+    pub ignored_ports: Vec<u16>,
+}
+
+/// Why supervision ended.
+#[derive(Debug)]
+pub enum Outcome {
+    /// Envoy exited without being asked to.
+    EnvoyExited(ExitStatus),
+    /// The agent stopped Envoy after shutdown (and drain).
+    Stopped(ExitStatus),
+}
+
+pub struct Envoy {
+    child: Child,
+    /// Removed once Envoy exits (the generated bootstrap; `None` for customConfigFile).
+    bootstrap: Option<PathBuf>,
+}
+
+impl Envoy {
+    /// Starts Envoy with `args` in `cwd`; its output goes to the agent's stdout/stderr.
+    pub fn start(
+        args: &EnvoyArgs,
+        cwd: &Path,
+        bootstrap: Option<PathBuf>,
+    ) -> Result<Envoy, EnvoyError> {
+        let argv = args.argv();
+        tracing::info!(binary = %args.binary.display(), args = %argv.join(" "), "starting Envoy");
+        let child = Command::new(&args.binary)
+            .args(&argv)
+            .current_dir(cwd)
+            .stdin(Stdio::null())
+            .stdout(Stdio::inherit())
+            .stderr(Stdio::inherit())
+            // If the agent dies, Envoy must not outlive it in the pod.
+            .kill_on_drop(true)
+            .spawn()
+            .map_err(|source| EnvoyError::Spawn {
+                binary: args.binary.clone(),
+                source,
+            })?;
+        Ok(Envoy { child, bootstrap })
+    }
+
+    pub fn pid(&self) -> Option<u32> {
+        self.child.id()
+    }
+
+    /// Owns Envoy until it exits or `shutdown` fires (then drains and stops it).
+    pub async fn supervise(
+        mut self,
+        shutdown: CancellationToken,
+        drain: DrainOptions,
+        state: Arc<DrainState>,
+    ) -> Result<Outcome, EnvoyError> {
+        let outcome = tokio::select! {
+            status = self.child.wait() => {
+                let status = status.map_err(EnvoyError::Wait)?;
+                tracing::error!("Envoy {}", process::describe(status));
+                Outcome::EnvoyExited(status)
+            }
+            _ = shutdown.cancelled() => {
+                state.shutting_down.store(true, Ordering::SeqCst);
+                let status = self.drain_and_stop(&drain, &state).await?;
+                Outcome::Stopped(status)
+            }
+        };
+        if let Some(p) = self.bootstrap.take() {
+            let _ = std::fs::remove_file(&p);
+        }
+        Ok(outcome)
+    }
+
+    async fn drain_and_stop(
+        &mut self,
+        d: &DrainOptions,
+        state: &DrainState,
+    ) -> Result<ExitStatus, EnvoyError> {
+        if state.skip_drain.load(Ordering::SeqCst) || state.drained.load(Ordering::SeqCst) {
+            tracing::info!("stopping Envoy without draining (already drained or /quitquitquit)");
+            return self.stop().await;
+        }
+        let path = if d.proxy_type == ProxyType::Sidecar {
+            "/drain_listeners?inboundonly&graceful"
+        } else {
+            "/drain_listeners?graceful"
+        };
+        match admin::request("POST", d.admin, path, Duration::from_secs(5)).await {
+            Ok((200, _)) => tracing::info!("draining Envoy listeners ({path})"),
+            Ok((code, body)) => tracing::warn!(code, body = %body.trim(), "Envoy refused drain"),
+            Err(e) => tracing::warn!(error = %e, "cannot drain Envoy"),
+        }
+        if d.exit_on_zero_active_connections {
+            self.wait_for_zero_connections(d).await?;
+        } else {
+            tracing::info!(wait = ?d.termination_drain_duration, "waiting for terminationDrainDuration");
+            tokio::select! {
+                _ = tokio::time::sleep(d.termination_drain_duration) => {}
+                s = self.child.wait() => return s.map_err(EnvoyError::Wait),
+            }
+        }
+        self.stop().await
+    }
+
+    /// Istio's EXIT_ON_ZERO_ACTIVE_CONNECTIONS: wait the minimum drain, then poll every
+    /// second until no downstream connection is active (or stats vanish, or 5 errors in a row).
+    async fn wait_for_zero_connections(&mut self, d: &DrainOptions) -> Result<(), EnvoyError> {
+        tracing::info!(min = ?d.minimum_drain_duration, "waiting for active connections to end");
+        tokio::select! {
+            _ = tokio::time::sleep(d.minimum_drain_duration) => {}
+            s = self.child.wait() => { s.map_err(EnvoyError::Wait)?; return Ok(()); }
+        }
+        let mut errors = 0;
+        loop {
+            match active_connections(d).await {
+                Ok(Some(0)) | Ok(None) => {
+                    tracing::info!("no active downstream connections; stopping Envoy");
+                    return Ok(());
+                }
+                Ok(Some(n)) => {
+                    errors = 0;
+                    tracing::debug!(active = n, "downstream connections still active");
+                }
+                Err(e) => {
+                    errors += 1;
+                    tracing::warn!(error = %e, errors, "cannot read active connections");
+                    if errors >= 5 {
+                        return Ok(());
+                    }
+                }
+            }
+            tokio::select! {
+                _ = tokio::time::sleep(Duration::from_secs(1)) => {}
+                s = self.child.wait() => { s.map_err(EnvoyError::Wait)?; return Ok(()); }
+            }
+        }
+    }
+
+    /// SIGTERM (Envoy exits promptly), SIGKILL if it lingers.
+    async fn stop(&mut self) -> Result<ExitStatus, EnvoyError> {
+        if let Ok(Some(s)) = self.child.try_wait() {
+            return Ok(s);
+        }
+        if let Some(pid) = self.child.id().and_then(|p| i32::try_from(p).ok()) {
+            let _ = nix::sys::signal::kill(
+                nix::unistd::Pid::from_raw(pid),
+                nix::sys::signal::Signal::SIGTERM,
+            );
+        }
+        match tokio::time::timeout(Duration::from_secs(5), self.child.wait()).await {
+            Ok(s) => s.map_err(EnvoyError::Wait),
+            Err(_) => {
+                tracing::warn!("Envoy did not exit after SIGTERM; killing it");
+                let _ = self.child.start_kill();
+                self.child.wait().await.map_err(EnvoyError::Wait)
+            }
+        }
+    }
+}
+
+/// Sum of active downstream connections on Envoy's listeners, excluding the admin, internal
+/// and per-worker stats and the agent's own ports (Istio's `activeProxyConnections`).
+/// `None` when Envoy reports no such stats at all.
+pub async fn active_connections(d: &DrainOptions) -> Result<Option<u64>, admin::AdminError> {
+    let (_, body) = admin::request(
+        "GET",
+        d.admin,
+        "/stats?usedonly&filter=downstream_cx_active$",
+        Duration::from_secs(2),
+    )
+    .await?;
+    Ok(sum_active(&body, &d.ignored_ports))
+}
+
+fn sum_active(body: &str, ignored_ports: &[u16]) -> Option<u64> {
+    let mut seen = false;
+    let mut total = 0;
+    for line in body.lines() {
+        let Some((name, value)) = line.split_once(':') else {
+            continue;
+        };
+        let name = name.trim();
+        if !name.starts_with("listener.")
+            || name.starts_with("listener.admin.")
+            || name.starts_with("listener.envoy_internal_")
+            || name.contains(".worker_")
+            || ignored_ports
+                .iter()
+                .any(|p| name.contains(&format!("_{p}.")))
+        {
+            continue;
+        }
+        seen = true;
+        total += value.trim().parse::<u64>().unwrap_or(0);
+    }
+    seen.then_some(total)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn counts_only_real_listeners() {
+        let body = "listener.0.0.0.0_15006.downstream_cx_active: 2\n\
+                    listener.0.0.0.0_15006.worker_0.downstream_cx_active: 2\n\
+                    listener.0.0.0.0_15021.downstream_cx_active: 1\n\
+                    listener.admin.downstream_cx_active: 1\n\
+                    listener.envoy_internal_x.downstream_cx_active: 4\n\
+                    http.inbound.downstream_cx_active: 9\n\
+                    listener.127.0.0.1_15001.downstream_cx_active: 3\n";
+        assert_eq!(sum_active(body, &[15021, 15090]), Some(5));
+        assert_eq!(sum_active("", &[15021]), None);
+    }
+}

@@ -1,0 +1,304 @@
+//! `meshagent proxy` as a pod runs it (separate process, Istio's env vars, temp cwd): Envoy
+//! started with a generated bootstrap that Envoy itself validates, readiness reasons, `wait`,
+//! SIGTERM drain, Envoy crash propagation, `/quitquitquit`.
+
+#![allow(clippy::unwrap_used)] // tests fail loudly by design
+
+use std::net::SocketAddr;
+use std::path::Path;
+use std::process::Command;
+use std::time::Duration;
+
+use meshagent::config::{self, MapEnv, ProxyFlags, ProxyType};
+use meshagent_testkit::{DEADLINE, Proc, envoy_bin, free_port, http, http_get, wait_for};
+
+struct AgentUnderTest {
+    proc: Proc,
+    cwd: tempfile::TempDir,
+    status: SocketAddr,
+}
+
+fn agent_env(status: u16, admin: u16, extra: &[(&str, String)]) -> Vec<(String, String)> {
+    let pc = serde_json::json!({
+        "binaryPath": envoy_bin(),
+        "proxyAdminPort": admin,
+        "statusPort": status,
+        // Nothing listens here: Envoy never gets config in these tests.
+        "discoveryAddress": format!("127.0.0.1:{}", free_port()),
+        "terminationDrainDuration": "2s",
+        "drainDuration": "2s",
+    });
+    let mut env: Vec<(String, String)> = vec![
+        ("POD_NAME".into(), "app-7d9f".into()),
+        ("POD_NAMESPACE".into(), "default".into()),
+        ("SERVICE_ACCOUNT".into(), "app".into()),
+        ("INSTANCE_IP".into(), "127.0.0.1".into()),
+        ("ISTIO_META_CLUSTER_ID".into(), "Kubernetes".into()),
+        ("ENVOY_STATUS_PORT".into(), free_port().to_string()),
+        ("ENVOY_PROMETHEUS_PORT".into(), free_port().to_string()),
+        ("PROXY_CONFIG".into(), pc.to_string()),
+    ];
+    env.extend(extra.iter().map(|(k, v)| (k.to_string(), v.clone())));
+    env
+}
+
+fn start_agent(proxy_type: &str, extra: &[(&str, String)]) -> AgentUnderTest {
+    let cwd = tempfile::tempdir().unwrap();
+    let status = free_port();
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_meshagent"));
+    cmd.args([
+        "proxy",
+        proxy_type,
+        "--proxyLogLevel=warning",
+        "--proxyComponentLogLevel=misc:error",
+    ])
+    .current_dir(cwd.path())
+    .env_clear()
+    .envs(agent_env(status, free_port(), extra));
+    let proc = Proc::spawn("agent", cmd, cwd.path());
+    AgentUnderTest {
+        proc,
+        cwd,
+        status: SocketAddr::from(([127, 0, 0, 1], status)),
+    }
+}
+
+async fn wait_exit(p: &mut Proc, within: Duration) -> std::process::ExitStatus {
+    wait_for("the agent to exit", within, || {
+        let s = p.try_wait();
+        async move { s }
+    })
+    .await
+}
+
+fn children_of(pid: u32) -> Vec<u32> {
+    std::fs::read_dir("/proc")
+        .unwrap()
+        .filter_map(|e| e.ok()?.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|p| {
+            std::fs::read_to_string(format!("/proc/{p}/stat"))
+                .ok()
+                .and_then(|s| s.rsplit_once(") ").map(|(_, r)| r.to_owned()))
+                .and_then(|r| {
+                    r.split_whitespace()
+                        .nth(1)
+                        .and_then(|pp| pp.parse::<u32>().ok())
+                })
+                == Some(pid)
+        })
+        .collect()
+}
+
+fn signal(pid: u32, sig: &str) {
+    assert!(
+        Command::new("kill")
+            .args([sig, &pid.to_string()])
+            .status()
+            .unwrap()
+            .success()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn not_ready_without_config_then_sigterm_drains_and_exits() {
+    let mut a = start_agent("sidecar", &[]);
+    let status = a.status;
+    let reason = wait_for("readiness 503 with a reason", DEADLINE, || async move {
+        match http_get(status, "/healthz/ready").await {
+            Ok((503, body)) if body.contains("config not received") => Some(body),
+            _ => None,
+        }
+    })
+    .await;
+    assert!(reason.contains("is Istiod running"), "{reason}");
+
+    // `wait` fails on timeout while the proxy is not ready.
+    let out = Command::new(env!("CARGO_BIN_EXE_meshagent"))
+        .args([
+            "wait",
+            &format!("--url=http://{status}/healthz/ready"),
+            "--timeoutSeconds=1",
+            "--periodMillis=100",
+        ])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(
+        String::from_utf8_lossy(&out.stderr)
+            .contains("timeout waiting for Envoy proxy to become ready")
+    );
+
+    // The generated bootstrap is accepted by Envoy itself.
+    let bootstrap = a.cwd.path().join("etc/istio/proxy/envoy-rev.json");
+    assert!(bootstrap.exists());
+    let v = Command::new(envoy_bin())
+        .args([
+            "--mode",
+            "validate",
+            "--disable-hot-restart",
+            "-l",
+            "error",
+            "-c",
+        ])
+        .arg(&bootstrap)
+        .current_dir(a.cwd.path())
+        .output()
+        .unwrap();
+    assert!(
+        v.status.success(),
+        "envoy --mode validate: {}",
+        String::from_utf8_lossy(&v.stderr)
+    );
+    let b: serde_json::Value = serde_json::from_slice(&std::fs::read(&bootstrap).unwrap()).unwrap();
+    assert_eq!(
+        b["node"]["id"],
+        "sidecar~127.0.0.1~app-7d9f.default~default.svc.cluster.local"
+    );
+    assert_eq!(b["node"]["metadata"]["CLUSTER_ID"], "Kubernetes");
+    assert_eq!(
+        b["dynamic_resources"]["ads_config"]["api_type"],
+        "DELTA_GRPC"
+    );
+
+    // SIGTERM: drain, wait terminationDrainDuration (2s), stop Envoy, exit 0, remove bootstrap.
+    let envoy_pids = children_of(a.proc.pid());
+    assert_eq!(envoy_pids.len(), 1, "one Envoy child");
+    let t0 = std::time::Instant::now();
+    signal(a.proc.pid(), "-TERM");
+    let st = wait_exit(&mut a.proc, Duration::from_secs(10)).await;
+    let took = t0.elapsed();
+    assert!(st.success(), "{st:?}");
+    assert!(
+        took >= Duration::from_millis(1900) && took < Duration::from_secs(7),
+        "{took:?}"
+    );
+    assert!(!bootstrap.exists(), "bootstrap removed after Envoy exits");
+    assert!(
+        !Path::new(&format!("/proc/{}", envoy_pids[0])).exists(),
+        "Envoy stopped"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn envoy_killed_agent_exits_nonzero() {
+    let mut a = start_agent("sidecar", &[]);
+    let pid = a.proc.pid();
+    let envoy = wait_for("Envoy child", DEADLINE, || async move {
+        children_of(pid).first().copied()
+    })
+    .await;
+    signal(envoy, "-KILL");
+    let st = wait_exit(&mut a.proc, Duration::from_secs(10)).await;
+    assert_eq!(st.code(), Some(137), "128 + SIGKILL");
+    assert!(
+        a.proc.log_text().contains("out of memory"),
+        "OOM hint logged"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn quitquitquit_from_loopback_stops_everything() {
+    let mut a = start_agent("router", &[]);
+    let status = a.status;
+    wait_for("status server", DEADLINE, || async move {
+        http_get(status, "/healthz/ready").await.ok()
+    })
+    .await;
+    let pid = a.proc.pid();
+    let envoy = wait_for("Envoy child", DEADLINE, || async move {
+        children_of(pid).first().copied()
+    })
+    .await;
+    assert_eq!(http("GET", status, "/quitquitquit").await.unwrap().0, 405);
+    let (code, body) = http("POST", status, "/quitquitquit").await.unwrap();
+    assert_eq!((code, body.as_str()), (200, "OK"));
+    let st = wait_exit(&mut a.proc, Duration::from_secs(5)).await;
+    assert!(st.success(), "{st:?}");
+    assert!(!Path::new(&format!("/proc/{envoy}")).exists());
+}
+
+/// Every generated bootstrap variant passes `envoy --mode validate`.
+#[test]
+fn generated_bootstraps_validate() {
+    let cases: Vec<(ProxyType, Vec<(&str, &str)>)> = vec![
+        (ProxyType::Sidecar, vec![]),
+        (ProxyType::Router, vec![("ISTIO_DELTA_XDS", "false")]),
+        (
+            ProxyType::Sidecar,
+            vec![
+                ("EXIT_ON_ZERO_ACTIVE_CONNECTIONS", "true"),
+                ("ISTIO_META_DNS_CAPTURE", "true"),
+                (
+                    "ISTIO_METAJSON_LABELS",
+                    r#"{"app":"web","topology.istio.io/locality":"us-east1.b"}"#,
+                ),
+                (
+                    "ISTIO_META_POD_PORTS",
+                    r#"[{"containerPort":8080,"protocol":"TCP"}]"#,
+                ),
+                ("HOST_IP", "10.0.0.9"),
+                (
+                    "PROXY_CONFIG",
+                    r#"{"tracing":{"zipkin":{"address":"$(HOST_IP):9411"}},"statsdUdpAddress":"127.0.0.1:8125","extraStatTags":["my_tag"],"proxyStatsMatcher":{"inclusionPrefixes":["upstream_rq"],"inclusionRegexps":[".*circuit_breakers.*"]},"runtimeValues":{"foo.bar":"true"},"concurrency":2}"#,
+                ),
+            ],
+        ),
+    ];
+    for (ty, env) in cases {
+        let dir = tempfile::tempdir().unwrap();
+        let mut e = vec![
+            ("POD_NAME", "p"),
+            ("POD_NAMESPACE", "ns"),
+            ("INSTANCE_IP", "10.1.1.1"),
+        ];
+        e.extend(env.iter().copied());
+        let flags = ProxyFlags {
+            proxy_type: ty,
+            ..ProxyFlags::default()
+        };
+        let cfg = config::load(&flags, &MapEnv::from_pairs(e), dir.path()).unwrap();
+        let node = meshagent::bootstrap::Node::from_config(&cfg).unwrap();
+        let b = meshagent::bootstrap::render(&cfg, &node);
+        let path = meshagent::bootstrap::write(&cfg, dir.path(), &b).unwrap();
+        let out = Command::new(envoy_bin())
+            .args([
+                "--mode",
+                "validate",
+                "--disable-hot-restart",
+                "-l",
+                "error",
+                "-c",
+            ])
+            .arg(dir.path().join(&path))
+            .current_dir(dir.path())
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{ty:?} {env:?}: {}\n{}",
+            String::from_utf8_lossy(&out.stderr),
+            serde_json::to_string_pretty(&b).unwrap()
+        );
+    }
+}
+
+#[test]
+fn malformed_pod_ports_is_a_startup_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_meshagent"))
+        .args(["proxy", "sidecar"])
+        .current_dir(dir.path())
+        .env_clear()
+        .envs([
+            ("ISTIO_META_POD_PORTS", "8080,9090"),
+            ("POD_NAMESPACE", "ns"),
+        ])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("POD_PORTS") && err.contains("8080,9090"),
+        "{err}"
+    );
+}
