@@ -163,7 +163,7 @@ async fn not_ready_without_config_then_sigterm_drains_and_exits() {
     // SIGTERM: drain, wait terminationDrainDuration (2s), stop Envoy, exit 0, remove bootstrap.
     let envoy_pids = children_of(a.proc.pid());
     assert_eq!(envoy_pids.len(), 1, "one Envoy child");
-    let t0 = std::time::Instant::now();
+    let t0 = tokio::time::Instant::now();
     signal(a.proc.pid(), "-TERM");
     let st = wait_exit(&mut a.proc, Duration::from_secs(10)).await;
     let took = t0.elapsed();
