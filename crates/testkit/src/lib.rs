@@ -552,3 +552,222 @@ pub fn direct_bootstrap(
         }
     })
 }
+
+// === the agent as a pod runs it ===
+
+/// `meshagent proxy sidecar` run as a separate process, exactly as a pod runs it: Istio's env
+/// vars, a working directory holding the projected token and istiod's root at Istio's
+/// relative paths, and Envoy from [`envoy_bin`].
+pub struct Sidecar {
+    pub proc: Proc,
+    pub cwd: tempfile::TempDir,
+    /// The agent's status port (15020 in a pod).
+    pub status: SocketAddr,
+    /// Envoy's admin (15000 in a pod).
+    pub admin: SocketAddr,
+    /// Envoy's readiness listener (15021 in a pod).
+    pub envoy_status: SocketAddr,
+}
+
+impl Sidecar {
+    /// Starts a sidecar for pod `<workload>-<suffix>` in `namespace` with service account `sa`,
+    /// talking to devplane for both CA and xDS. `extra_env` is added last (wins).
+    pub async fn start(
+        dp: &Devplane,
+        workload: &str,
+        namespace: &str,
+        sa: &str,
+        extra_env: &[(&str, String)],
+    ) -> Sidecar {
+        Self::start_with(dp, workload, namespace, sa, extra_env, json!({})).await
+    }
+
+    /// [`Sidecar::start`] with ProxyConfig fields overriding the defaults used here.
+    pub async fn start_with(
+        dp: &Devplane,
+        workload: &str,
+        namespace: &str,
+        sa: &str,
+        extra_env: &[(&str, String)],
+        proxy_config: Value,
+    ) -> Sidecar {
+        let cwd = tempfile::tempdir().unwrap();
+        let root = cwd.path().join("var/run/secrets/istio/root-cert.pem");
+        std::fs::create_dir_all(root.parent().unwrap()).unwrap();
+        std::fs::copy(dp.root_cert_path(), &root).unwrap();
+        let token = cwd.path().join("var/run/secrets/tokens/istio-token");
+        std::fs::create_dir_all(token.parent().unwrap()).unwrap();
+        std::fs::write(&token, dp.token(namespace, sa, 3600).await).unwrap();
+
+        let (status, admin, envoy_status) = (free_addr(), free_addr(), free_addr());
+        // `localhost:<port>` exercises Istio's server-name rule (→ istiod.istio-system.svc).
+        let istiod = format!("localhost:{}", dp.grpc_addr.port());
+        let mut pc = json!({
+            "discoveryAddress": istiod,
+            "binaryPath": envoy_bin(),
+            "proxyAdminPort": admin.port(),
+            "statusPort": status.port(),
+            "terminationDrainDuration": "2s",
+            "drainDuration": "2s",
+        });
+        for (k, v) in proxy_config.as_object().into_iter().flatten() {
+            pc[k] = v.clone();
+        }
+        let mut cmd = Command::new(workspace_bin("meshagent"));
+        cmd.args([
+            "proxy",
+            "sidecar",
+            "--domain",
+            &format!("{namespace}.svc.cluster.local"),
+            "--proxyLogLevel=warning",
+            "--proxyComponentLogLevel=misc:error",
+            "--log_output_level=default:info",
+        ])
+        .current_dir(cwd.path())
+        .env_clear()
+        .env("PATH", std::env::var_os("PATH").unwrap_or_default())
+        .env("POD_NAME", format!("{workload}-5f7d9"))
+        .env("POD_NAMESPACE", namespace)
+        .env("SERVICE_ACCOUNT", sa)
+        .env("INSTANCE_IP", "127.0.0.1")
+        .env("CA_ADDR", &istiod)
+        .env("ISTIO_META_CLUSTER_ID", "Kubernetes")
+        .env("ISTIO_META_WORKLOAD_NAME", workload)
+        .env("ENVOY_STATUS_PORT", envoy_status.port().to_string())
+        .env("ENVOY_PROMETHEUS_PORT", free_port().to_string())
+        .env("PROXY_CONFIG", pc.to_string())
+        .env("RUST_BACKTRACE", "1");
+        for (k, v) in extra_env {
+            cmd.env(k, v);
+        }
+        let proc = Proc::spawn(&format!("agent-{workload}"), cmd, cwd.path());
+        Sidecar {
+            proc,
+            cwd,
+            status,
+            admin,
+            envoy_status,
+        }
+    }
+
+    /// Waits until the agent's `/healthz/ready` answers 200.
+    pub async fn wait_ready(&mut self, timeout: Duration) {
+        let status = self.status;
+        let deadline = tokio::time::Instant::now() + timeout;
+        loop {
+            if let Some(s) = self.proc.try_wait() {
+                panic!("agent exited before ready: {s}");
+            }
+            let last = match http_get(status, "/healthz/ready").await {
+                Ok((200, _)) => return,
+                Ok((code, body)) => format!("{code} {body}"),
+                Err(e) => e.to_string(),
+            };
+            if tokio::time::Instant::now() >= deadline {
+                panic!("sidecar not ready after {timeout:?}: {last}");
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    /// Envoy's admin `/certs` URI SANs (deduplicated).
+    pub async fn spiffe_ids(&self) -> Vec<String> {
+        let body = match http_get(self.admin, "/certs").await {
+            Ok((200, b)) => b,
+            _ => return vec![],
+        };
+        let certs: Value = serde_json::from_str(&body).unwrap_or_default();
+        let mut ids = vec![];
+        for c in certs["certificates"].as_array().into_iter().flatten() {
+            for chain in c["cert_chain"].as_array().into_iter().flatten() {
+                for san in chain["subject_alt_names"].as_array().into_iter().flatten() {
+                    if let Some(u) = san["uri"].as_str() {
+                        ids.push(u.to_owned());
+                    }
+                }
+            }
+        }
+        ids.sort();
+        ids.dedup();
+        ids
+    }
+}
+
+/// A tiny HTTP app that says who it is and which SPIFFE identity called it (from the
+/// `x-forwarded-client-cert` header its sidecar sets). `delay` slows every response.
+pub async fn identity_app(name: &'static str, listener: tokio::net::TcpListener, delay: Duration) {
+    loop {
+        let Ok((mut s, _)) = listener.accept().await else {
+            continue;
+        };
+        tokio::spawn(async move {
+            let mut buf = vec![0u8; 16 * 1024];
+            let mut n = 0;
+            while n < buf.len() {
+                match s.read(&mut buf[n..]).await {
+                    Ok(0) | Err(_) => return,
+                    Ok(k) => n += k,
+                }
+                if buf[..n].windows(4).any(|w| w == b"\r\n\r\n") {
+                    break;
+                }
+            }
+            let head = String::from_utf8_lossy(&buf[..n]);
+            let caller = head
+                .lines()
+                .find_map(|l| {
+                    let (k, v) = l.split_once(':')?;
+                    k.eq_ignore_ascii_case("x-forwarded-client-cert")
+                        .then(|| v.trim().to_owned())
+                })
+                .and_then(|xfcc| {
+                    xfcc.split(';')
+                        .find_map(|kv| kv.strip_prefix("URI=").map(str::to_owned))
+                })
+                .unwrap_or_else(|| "unknown (no client certificate)".into());
+            tokio::time::sleep(delay).await;
+            let body = format!("hello from {name}; caller identity: {caller}\n");
+            let resp = format!(
+                "HTTP/1.1 200 OK\r\ncontent-type: text/plain\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+                body.len()
+            );
+            let _ = s.write_all(resp.as_bytes()).await;
+        });
+    }
+}
+
+/// A two-workload mesh (a calls b) on free ports: (yaml, a's outbound address to b, app ports).
+pub fn two_workload_mesh() -> (String, SocketAddr, u16, u16) {
+    let (a_app, a_in, a_out, b_app, b_in) = (
+        free_port(),
+        free_port(),
+        free_port(),
+        free_port(),
+        free_port(),
+    );
+    let yaml = format!(
+        r#"
+workloads:
+  - name: a
+    serviceAccount: a
+    ports: [{{name: http, port: {a_app}, inboundPort: {a_in}}}]
+    outbound: [{{service: b.default, port: 80, bind: "127.0.0.1:{a_out}"}}]
+  - name: b
+    serviceAccount: b
+    ports: [{{name: http, port: {b_app}, inboundPort: {b_in}}}]
+services:
+  - name: a
+    selector: [a]
+    ports: [{{port: 80, targetPort: {a_app}}}]
+  - name: b
+    selector: [b]
+    ports: [{{port: 80, targetPort: {b_app}}}]
+"#
+    );
+    (
+        yaml,
+        SocketAddr::from(([127, 0, 0, 1], a_out)),
+        a_app,
+        b_app,
+    )
+}
