@@ -9,8 +9,10 @@
 pub mod cli;
 pub mod config;
 pub mod control_plane;
+pub mod identity;
 pub mod logging;
 pub mod metrics;
+pub mod sds;
 
 /// The Istio release whose agent behaviour (flags, env, files) we match.
 pub const ISTIO_COMPAT_VERSION: &str = "1.29.0";
