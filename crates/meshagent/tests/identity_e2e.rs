@@ -48,25 +48,27 @@ async fn devplane() -> Devplane {
     Devplane::start(&mesh).await
 }
 
-/// Prepares `dir` like a pod's filesystem (istiod root, projected token) and starts identity.
-async fn start_agent(dp: Option<&Devplane>, env: &[(&str, &str)], opts: Options) -> Agent {
-    let dir = tempfile::tempdir().unwrap();
+/// Lays out `dir` like a pod's filesystem: istiod's root and (optionally) the projected token.
+async fn prepare_pod(dir: &Path, dp: &Devplane, token: bool) {
+    let root_dir = dir.join("var/run/secrets/istio");
+    std::fs::create_dir_all(&root_dir).unwrap();
+    std::fs::copy(dp.root_cert_path(), root_dir.join("root-cert.pem")).unwrap();
+    if token {
+        let token = dp.token("default", "a", 3600).await;
+        kubelet::atomic_write(
+            &dir.join("var/run/secrets/tokens"),
+            &[("istio-token", token.as_bytes())],
+        );
+    }
+}
+
+/// Starts identity with `dir` as the agent's cwd.
+async fn start_in(dir: tempfile::TempDir, env: &[(&str, &str)], opts: Options) -> Agent {
     let mut pairs: Vec<(String, String)> = vec![
         ("POD_NAMESPACE".into(), "default".into()),
         ("SERVICE_ACCOUNT".into(), "a".into()),
         ("POD_NAME".into(), "a-1".into()),
     ];
-    if let Some(dp) = dp {
-        let root_dir = dir.path().join("var/run/secrets/istio");
-        std::fs::create_dir_all(&root_dir).unwrap();
-        std::fs::copy(dp.root_cert_path(), root_dir.join("root-cert.pem")).unwrap();
-        let token = dp.token("default", "a", 3600).await;
-        kubelet::atomic_write(
-            &dir.path().join("var/run/secrets/tokens"),
-            &[("istio-token", token.as_bytes())],
-        );
-        pairs.push(("CA_ADDR".into(), dp.grpc_addr.to_string()));
-    }
     pairs.extend(env.iter().map(|(k, v)| (k.to_string(), v.to_string())));
     let cfg = config::load(
         &ProxyFlags::default(),
@@ -85,6 +87,18 @@ async fn start_agent(dp: Option<&Devplane>, env: &[(&str, &str)], opts: Options)
         registry,
         dir,
     }
+}
+
+/// A pod dir with root and token, identity started against `dp` (or without a CA).
+async fn start_agent(dp: Option<&Devplane>, env: &[(&str, &str)], opts: Options) -> Agent {
+    let dir = tempfile::tempdir().unwrap();
+    let mut env = env.to_vec();
+    let ca_addr = dp.map(|d| d.grpc_addr.to_string()).unwrap_or_default();
+    if let Some(dp) = dp {
+        prepare_pod(dir.path(), dp, true).await;
+        env.push(("CA_ADDR", &ca_addr));
+    }
+    start_in(dir, &env, opts).await
 }
 
 fn sds_config() -> Value {
@@ -641,4 +655,143 @@ mod raw {
                 .contains("istio_agent_num_file_secret_failures_total 2")
         );
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn missing_token_is_one_clear_readiness_reason_without_retries() {
+    let dp = devplane().await;
+    let dir = tempfile::tempdir().unwrap();
+    prepare_pod(dir.path(), &dp, false).await;
+    let env = [
+        ("ECC_SIGNATURE_ALGORITHM", "ECDSA"),
+        ("CA_ADDR", &dp.grpc_addr.to_string()),
+    ];
+    let agent = start_in(dir, &env, Options::default()).await;
+    let status = agent.handle().status();
+    let reason = poll("a readiness reason", Duration::from_secs(20), || async {
+        status
+            .borrow()
+            .not_ready
+            .clone()
+            .filter(|r| r.contains("Unauthenticated"))
+    })
+    .await;
+    assert!(reason.contains("token"), "names the likely cause: {reason}");
+    let m = agent.registry.encode();
+    assert!(
+        m.contains("istio_agent_num_outgoing_retries{request_type=\"csr\"} 0"),
+        "{m}"
+    );
+    assert!(
+        m.contains("istio_agent_num_failed_outgoing_requests{request_type=\"csr\"} 1"),
+        "{m}"
+    );
+    // Once a token appears, the next attempt (0.5 s backoff, then 1 s …) succeeds.
+    let token = dp.token("default", "a", 3600).await;
+    kubelet::atomic_write(
+        &agent.path().join("var/run/secrets/tokens"),
+        &[("istio-token", token.as_bytes())],
+    );
+    poll(
+        "ready once the token exists",
+        Duration::from_secs(10),
+        || async { status.borrow().not_ready.is_none().then_some(()) },
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn early_requests_are_held_until_the_first_cert() {
+    let mut dp = devplane().await;
+    let dir = tempfile::tempdir().unwrap();
+    prepare_pod(dir.path(), &dp, true).await;
+    // The CA is down when the agent starts (F1) and Envoy asks at once.
+    dp.stop();
+    let ca_addr = dp.grpc_addr.to_string();
+    let env = [
+        ("ECC_SIGNATURE_ALGORITHM", "ECDSA"),
+        ("CA_ADDR", ca_addr.as_str()),
+    ];
+    let agent = start_in(dir, &env, Options::default()).await;
+    let envoy = start_envoy(&agent, "default", "ROOTCA");
+    let status = agent.handle().status();
+    poll("a failed first CSR", Duration::from_secs(20), || async {
+        status.borrow().last_error.clone()
+    })
+    .await;
+    assert!(held(&envoy).await.is_none(), "nothing to hold yet");
+    dp.restart().await;
+    let h = wait_for_cert(&envoy, None, Duration::from_secs(20)).await;
+    assert_eq!(h.uris, vec![SPIFFE_A.to_owned()]);
+    assert_eq!(
+        stat(&envoy, "cluster.sds-grpc.upstream_cx_total").await,
+        1,
+        "held, not refused"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pcds_trust_anchors_are_merged_into_rootca() {
+    let dp = devplane().await;
+    let agent = start_agent(
+        Some(&dp),
+        &[("ECC_SIGNATURE_ALGORITHM", "ECDSA")],
+        Options::default(),
+    )
+    .await;
+    let envoy = start_envoy(&agent, "default", "ROOTCA");
+    wait_for_cert(&envoy, None, Duration::from_secs(30)).await;
+    let ca_count = |envoy: &Envoy| {
+        let envoy_admin = envoy.admin;
+        async move {
+            let (_, body) = meshagent_testkit::http_get(envoy_admin, "/certs")
+                .await
+                .ok()?;
+            let v: Value = serde_json::from_str(&body).ok()?;
+            Some(v["certificates"][0]["ca_cert"].as_array()?.len())
+        }
+    };
+    assert_eq!(ca_count(&envoy).await, Some(1));
+    let (extra, _) = self_signed(99);
+    agent.handle().set_trust_anchors(vec![extra]);
+    poll("ROOTCA with two roots", Duration::from_secs(10), || async {
+        (ca_count(&envoy).await == Some(2)).then_some(())
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn external_sds_socket_serves_only_files() {
+    // A healthy external socket: we must not take it over.
+    let dir = tempfile::tempdir().unwrap();
+    let ext = dir
+        .path()
+        .join("var/run/secrets/workload-spiffe-uds/socket");
+    std::fs::create_dir_all(ext.parent().unwrap()).unwrap();
+    let listener = tokio::net::UnixListener::bind(&ext).unwrap();
+    let agent = start_in(dir, &[], Options::default()).await;
+    assert_eq!(*agent.handle().mode(), identity::IdentityMode::ExternalSds);
+    assert!(
+        agent
+            .socket()
+            .ends_with("var/run/secrets/credential-uds/files-socket")
+    );
+    assert!(ext.exists(), "external socket left alone");
+    drop(listener);
+    drop(agent);
+
+    // An unhealthy one (nobody listening) is removed and we serve the workload socket.
+    let dir = tempfile::tempdir().unwrap();
+    let ext = dir
+        .path()
+        .join("var/run/secrets/workload-spiffe-uds/socket");
+    std::fs::create_dir_all(ext.parent().unwrap()).unwrap();
+    drop(std::os::unix::net::UnixListener::bind(&ext).unwrap());
+    let agent = start_in(dir, &[("FILE_MOUNTED_CERTS", "true")], Options::default()).await;
+    assert_eq!(*agent.handle().mode(), identity::IdentityMode::FileMounted);
+    assert_eq!(agent.socket(), ext);
+    use std::os::unix::fs::{FileTypeExt as _, PermissionsExt as _};
+    let meta = std::fs::metadata(&ext).unwrap();
+    assert!(meta.file_type().is_socket());
+    assert_eq!(meta.permissions().mode() & 0o777, 0o666);
 }

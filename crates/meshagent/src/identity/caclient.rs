@@ -280,6 +280,92 @@ mod tests {
         assert!(hint(Code::Unauthenticated, "").contains("token"));
     }
 
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicU32, Ordering};
+
+    use meshagent_proto::ca::istio_certificate_service_server::{
+        IstioCertificateService, IstioCertificateServiceServer,
+    };
+    use tonic::{Request, Response, Status};
+
+    /// A CA that always answers with one status code and counts calls.
+    struct Fixed {
+        code: Code,
+        calls: Arc<AtomicU32>,
+    }
+
+    #[tonic::async_trait]
+    impl IstioCertificateService for Fixed {
+        async fn create_certificate(
+            &self,
+            _r: Request<IstioCertificateRequest>,
+        ) -> Result<Response<IstioCertificateResponse>, Status> {
+            self.calls.fetch_add(1, Ordering::SeqCst);
+            Err(Status::new(
+                self.code,
+                "unknown service istio.v1.auth.IstioCertificateService",
+            ))
+        }
+    }
+
+    /// F2: which codes are retried (5 times) and which fail at once with a hint, against a
+    /// real gRPC server.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn status_matrix_over_grpc() {
+        for (code, retried) in [
+            (Code::Unavailable, true),
+            (Code::Internal, true),
+            (Code::Unauthenticated, false),
+            (Code::Unimplemented, false),
+            (Code::InvalidArgument, false),
+        ] {
+            let calls = Arc::new(AtomicU32::new(0));
+            let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+            let addr = listener.local_addr().unwrap();
+            let svc = IstioCertificateServiceServer::new(Fixed {
+                code,
+                calls: calls.clone(),
+            });
+            let server = tokio::spawn(
+                tonic::transport::Server::builder()
+                    .add_service(svc)
+                    .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
+            );
+            let registry = crate::metrics::Registry::new();
+            let metrics = Metrics::register(&registry);
+            let md = CallMetadata::new("", &Default::default(), TokenSource::new(None));
+            let mut client = IstioCaClient::new(
+                Target {
+                    addr: addr.to_string(),
+                    tls: None,
+                },
+                Path::new("/"),
+                md,
+                String::new(),
+                metrics.clone(),
+            );
+            client.retry.initial = Duration::from_millis(5);
+            let err = client
+                .sign("csr".into(), Duration::from_secs(60))
+                .await
+                .unwrap_err();
+            let expected_calls = if retried { 6 } else { 1 };
+            assert_eq!(calls.load(Ordering::SeqCst), expected_calls, "{code:?}");
+            assert_eq!(err.is_retryable(), retried, "{code:?}: {err}");
+            assert_eq!(metrics.csr_requests.get(), u64::from(expected_calls));
+            assert_eq!(metrics.csr_retries.get(), u64::from(expected_calls - 1));
+            assert_eq!(metrics.csr_failures.get(), 1);
+            if code == Code::Unimplemented {
+                assert!(
+                    err.to_string()
+                        .contains("CA_ADDR does not point at an Istio CA"),
+                    "{err}"
+                );
+            }
+            server.abort();
+        }
+    }
+
     #[test]
     fn chain_needs_leaf_and_root() {
         assert!(validate_chain(vec!["leaf".into()]).is_err());
