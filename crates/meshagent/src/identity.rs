@@ -310,6 +310,31 @@ pub async fn start_with(
     };
     tracing::info!(?mode, "identity mode");
 
+    // Validate everything before starting any task, so an error leaves nothing running.
+    let ca_parts = if mode == IdentityMode::Ca {
+        if id.ca_provider != "Citadel" {
+            return Err(IdentityError::CaProvider(id.ca_provider.clone()));
+        }
+        if cfg.pod.namespace.is_empty() || cfg.pod.service_account.is_empty() {
+            return Err(IdentityError::NoIdentity {
+                namespace: cfg.pod.namespace.clone(),
+                service_account: cfg.pod.service_account.clone(),
+            });
+        }
+        Some((
+            keys::KeySpec::from_config(id)?,
+            crate::control_plane::ca_target(cfg)?,
+        ))
+    } else {
+        None
+    };
+    let socket = cwd.join(if serve_only_files {
+        crate::sds::FILES_SOCKET
+    } else {
+        crate::sds::WORKLOAD_SOCKET
+    });
+    let listener = crate::sds::bind(&socket).await?;
+
     let (store, file_requests) = SecretStore::new(aliases);
     let (status_tx, status_rx) = watch::channel(IdentityStatus {
         not_ready: (mode == IdentityMode::Ca)
@@ -331,18 +356,7 @@ pub async fn start_with(
     };
     tasks.push(tokio::spawn(file_task.run(shutdown.clone())));
 
-    if mode == IdentityMode::Ca {
-        if id.ca_provider != "Citadel" {
-            return Err(IdentityError::CaProvider(id.ca_provider.clone()));
-        }
-        if cfg.pod.namespace.is_empty() || cfg.pod.service_account.is_empty() {
-            return Err(IdentityError::NoIdentity {
-                namespace: cfg.pod.namespace.clone(),
-                service_account: cfg.pod.service_account.clone(),
-            });
-        }
-        let key_spec = keys::KeySpec::from_config(id)?;
-        let target = crate::control_plane::ca_target(cfg)?;
+    if let Some((key_spec, target)) = ca_parts {
         let token = TokenSource::new(id.jwt_path.as_ref().map(|p| cwd.join(p)));
         let md = CallMetadata::new(&id.cluster_id, &id.ca_headers, token);
         let ca =
@@ -370,12 +384,6 @@ pub async fn start_with(
         tasks.push(tokio::spawn(mgr.run(shutdown.clone())));
     }
 
-    let socket = cwd.join(if serve_only_files {
-        crate::sds::FILES_SOCKET
-    } else {
-        crate::sds::WORKLOAD_SOCKET
-    });
-    let listener = crate::sds::bind(&socket).await?;
     tracing::info!(socket = %socket.display(), "SDS server listening");
     let sds_store = store.clone();
     let sds_shutdown = shutdown.clone();

@@ -77,7 +77,10 @@ pub async fn serve(
 ) -> Result<(), tonic::transport::Error> {
     tonic::transport::Server::builder()
         .max_concurrent_streams(Some(100_000))
-        .add_service(SecretDiscoveryServiceServer::new(SdsService::new(store)))
+        .add_service(SecretDiscoveryServiceServer::new(SdsService::new(
+            store,
+            shutdown.clone(),
+        )))
         .serve_with_incoming_shutdown(
             UnixListenerStream::new(listener),
             shutdown.cancelled_owned(),

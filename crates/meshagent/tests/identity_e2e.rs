@@ -248,6 +248,14 @@ async fn gets_default_and_rootca(env: &[(&str, &str)], key_header: &str) {
         "{metrics}"
     );
     assert!(agent.handle().status().borrow().not_ready.is_none());
+    // Shutdown is prompt even with Envoy's SDS streams open.
+    let mut agent = agent;
+    agent.cancel.cancel();
+    let handle = agent.handle.take().unwrap();
+    tokio::time::timeout(Duration::from_secs(5), handle.stopped())
+        .await
+        .expect("identity stops promptly with Envoy connected");
+    drop(envoy);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

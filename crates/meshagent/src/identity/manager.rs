@@ -208,9 +208,13 @@ impl SecretManager {
                 match generated {
                     Ok(Ok(k)) => key = Some(k),
                     Ok(Err(e)) => {
-                        tracing::error!(error = %e, "cannot generate workload key");
+                        let delay = self.backoff.next_delay();
+                        tracing::error!(error = %e, retry_in = ?delay, "cannot generate workload key");
                         self.set_status(|s| s.not_ready = Some(e.to_string()));
-                        return;
+                        tokio::select! {
+                            _ = cancel.cancelled() => return,
+                            _ = tokio::time::sleep(delay) => continue,
+                        }
                     }
                     Err(e) => {
                         tracing::error!(error = %e, "key generation task failed");

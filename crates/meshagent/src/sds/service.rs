@@ -29,6 +29,7 @@ use meshagent_proto::envoy::util::pack_any;
 use meshagent_proto::type_url;
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
+use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status, Streaming};
 
 use crate::identity::store::{SecretData, SecretState, SecretStore};
@@ -39,13 +40,16 @@ type ResponseStream<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send>>;
 pub struct SdsService {
     store: Arc<SecretStore>,
     counter: Arc<AtomicU64>,
+    /// Ends every stream, so the server's graceful shutdown does not wait for Envoy.
+    shutdown: CancellationToken,
 }
 
 impl SdsService {
-    pub fn new(store: Arc<SecretStore>) -> SdsService {
+    pub fn new(store: Arc<SecretStore>, shutdown: CancellationToken) -> SdsService {
         SdsService {
             store,
             counter: Arc::default(),
+            shutdown,
         }
     }
 
@@ -143,6 +147,7 @@ impl SdsService {
         let mut peer = String::new();
         loop {
             let to_send: Vec<String> = tokio::select! {
+                _ = self.shutdown.cancelled() => return,
                 msg = inbound.message() => {
                     let req = match msg {
                         Ok(Some(r)) => r,
@@ -228,6 +233,7 @@ impl SdsService {
         let mut sent: HashMap<String, Option<u64>> = HashMap::new();
         loop {
             let to_send: Vec<String> = tokio::select! {
+                _ = self.shutdown.cancelled() => return,
                 msg = inbound.message() => {
                     let req = match msg {
                         Ok(Some(r)) => r,
