@@ -380,6 +380,9 @@ pub async fn start_with(
             metrics: metrics.clone(),
             clock: opts.clock,
             backoff: opts.backoff,
+            crl: id
+                .pilot_enable_ca_crl
+                .then(|| PathBuf::from(files::CRL_PATH)),
         };
         tasks.push(tokio::spawn(mgr.run(shutdown.clone())));
     }

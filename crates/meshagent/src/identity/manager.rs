@@ -140,6 +140,8 @@ pub struct SecretManager {
     pub metrics: Metrics,
     pub clock: Clock,
     pub backoff: Backoff,
+    /// CRL file attached to `ROOTCA` when it exists (`PILOT_ENABLE_CA_CRL`).
+    pub crl: Option<std::path::PathBuf>,
 }
 
 fn spawn_key(spec: KeySpec) -> tokio::task::JoinHandle<Result<WorkloadKey, super::keys::KeyError>> {
@@ -184,7 +186,7 @@ impl SecretManager {
             ROOT,
             SecretState::Ready(Arc::new(SecretData::Root {
                 pem: merged,
-                crl: None,
+                crl: self.crl.clone().filter(|p| p.is_file()),
             })),
         );
     }
@@ -312,11 +314,24 @@ impl SecretManager {
                 }
             };
             // Wait for the rotation/retry point; PCDS anchor changes re-publish ROOTCA in the
-            // meantime without touching the workload certificate.
+            // meantime without touching the workload certificate, and readiness flips exactly
+            // when a certificate we failed to renew expires (not at the next retry, up to 150 s
+            // later).
+            let expiry = current.as_ref().and_then(|c| {
+                let left = c.expire.duration_since(self.clock.now()).ok()?;
+                (logged_error.is_some()).then(|| Instant::now() + left)
+            });
+            let mut expiry_armed = expiry.is_some_and(|e| e < deadline);
             loop {
                 tokio::select! {
                     _ = cancel.cancelled() => return,
                     _ = sleep_until(deadline) => break,
+                    _ = sleep_until(expiry.unwrap_or(deadline)), if expiry_armed => {
+                        expiry_armed = false;
+                        let last = logged_error.clone().unwrap_or_default();
+                        tracing::warn!(error = %last, "workload certificate expired; the CA is still failing");
+                        self.set_status(|s| s.not_ready = Some(format!("workload certificate expired: {last}")));
+                    }
                     r = self.anchors.changed(), if anchors_open => {
                         if r.is_err() {
                             anchors_open = false;

@@ -109,6 +109,7 @@ fn start(ttl: Duration, jitter: f64) -> Running {
         metrics: Metrics::register(&crate::metrics::Registry::new()),
         clock,
         backoff: Backoff::default(),
+        crl: None,
     };
     tokio::spawn(mgr.run(cancel.clone()));
     Running {
