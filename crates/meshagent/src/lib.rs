@@ -12,9 +12,11 @@ pub mod cli;
 pub mod config;
 pub mod control_plane;
 pub mod envoy;
+pub mod identity;
 pub mod logging;
 pub mod metrics;
 pub mod request;
+pub mod sds;
 pub mod status;
 pub mod wait;
 

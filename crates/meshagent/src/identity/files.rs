@@ -1,0 +1,409 @@
+//! File-backed secrets: `file-cert:<cert>~<key>`, `file-root:<path>`, `file-root:system`, and
+//! `default`/`ROOTCA` in file-mounted mode (spec §4.3, §4.4 step 1).
+//!
+//! Watching: Kubernetes' atomic writer never modifies the files we are given — it writes a new
+//! `..<timestamp>` directory, renames a `..data_tmp` symlink over `..data`, then deletes the
+//! old directory, and the visible files are symlinks through `..data`. A watch on the file (or
+//! its resolved target) is lost at the first swap (istio#38366, kubernetes#111947), and event
+//! names are `..data`, never the file. So we watch the **directories** (the one holding the
+//! name we were given, and the one holding its current target) and treat any event in them as
+//! "re-read every resource that lives there", debounced by `FILE_DEBOUNCE_DURATION`. Content is
+//! compared, so metadata-only events never push, and a real change is never missed because we
+//! do not try to match event names (istio#59912). If inotify is unavailable we poll once a
+//! second instead.
+
+use std::collections::{HashMap, HashSet};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use notify::{RecursiveMode, Watcher as _};
+use rustls_pki_types::pem::PemObject;
+use rustls_pki_types::{CertificateDer, PrivateKeyDer};
+use tokio::sync::mpsc;
+use tokio::time::{Instant, sleep_until};
+use tokio_util::sync::CancellationToken;
+
+use super::metrics::Metrics;
+use super::store::{FILE_CERT_PREFIX, FILE_ROOT_PREFIX, SecretData, SecretState, SecretStore};
+use crate::control_plane::SYSTEM_ROOT_PATHS;
+
+/// Istio's CRL file, attached to roots when present.
+pub const CRL_PATH: &str = "/var/run/secrets/istio/crl/ca-crl.pem";
+
+#[derive(Debug, Clone, thiserror::Error, PartialEq, Eq)]
+pub enum FileSecretError {
+    #[error(
+        "invalid file resource name {0:?} (expected file-cert:<cert>~<key> or file-root:<path>)"
+    )]
+    Name(String),
+    #[error("cannot read {path}: {reason}")]
+    Read { path: String, reason: String },
+    #[error("{path}: no valid PEM certificate")]
+    NoCertificate { path: String },
+    #[error("{path}: no valid PEM private key")]
+    NoKey { path: String },
+    #[error("certificate {cert} and key {key} do not match: {reason}")]
+    Mismatch {
+        cert: String,
+        key: String,
+        reason: String,
+    },
+    #[error("no OS trust bundle found (looked in {0})")]
+    NoSystemRoots(String),
+}
+
+/// What a file resource reads.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Source {
+    Cert { cert: PathBuf, key: PathBuf },
+    Root { path: PathBuf },
+}
+
+fn parse_name(name: &str, cwd: &Path) -> Result<Source, FileSecretError> {
+    let bad = || FileSecretError::Name(name.to_owned());
+    if let Some(rest) = name.strip_prefix(FILE_CERT_PREFIX) {
+        let (c, k) = rest.split_once('~').ok_or_else(bad)?;
+        if c.is_empty() || k.is_empty() {
+            return Err(bad());
+        }
+        return Ok(Source::Cert {
+            cert: cwd.join(c),
+            key: cwd.join(k),
+        });
+    }
+    let rest = name.strip_prefix(FILE_ROOT_PREFIX).ok_or_else(bad)?;
+    if rest == "system" {
+        let found = SYSTEM_ROOT_PATHS
+            .iter()
+            .map(PathBuf::from)
+            .find(|p| p.is_file());
+        return found
+            .map(|path| Source::Root { path })
+            .ok_or_else(|| FileSecretError::NoSystemRoots(SYSTEM_ROOT_PATHS.join(", ")));
+    }
+    if rest.is_empty() {
+        return Err(bad());
+    }
+    Ok(Source::Root {
+        path: cwd.join(rest),
+    })
+}
+
+fn read(path: &Path) -> Result<Vec<u8>, FileSecretError> {
+    std::fs::read(path).map_err(|e| FileSecretError::Read {
+        path: path.display().to_string(),
+        reason: e.to_string(),
+    })
+}
+
+/// Loads a cert/key pair, checking that the key belongs to the leaf.
+pub fn load_cert_pair(cert: &Path, key: &Path) -> Result<SecretData, FileSecretError> {
+    let chain_pem = read(cert)?;
+    let key_pem = read(key)?;
+    let chain: Vec<CertificateDer<'static>> = CertificateDer::pem_slice_iter(&chain_pem)
+        .collect::<Result<_, _>>()
+        .map_err(|_| FileSecretError::NoCertificate {
+            path: cert.display().to_string(),
+        })?;
+    if chain.is_empty() {
+        return Err(FileSecretError::NoCertificate {
+            path: cert.display().to_string(),
+        });
+    }
+    let key_der = PrivateKeyDer::from_pem_slice(&key_pem).map_err(|_| FileSecretError::NoKey {
+        path: key.display().to_string(),
+    })?;
+    let provider = rustls::crypto::aws_lc_rs::default_provider();
+    let mismatch = |reason: String| FileSecretError::Mismatch {
+        cert: cert.display().to_string(),
+        key: key.display().to_string(),
+        reason,
+    };
+    let signing = provider
+        .key_provider
+        .load_private_key(key_der)
+        .map_err(|e| mismatch(e.to_string()))?;
+    rustls::sign::CertifiedKey::new(chain, signing)
+        .keys_match()
+        .map_err(|e| mismatch(e.to_string()))?;
+    Ok(SecretData::Cert {
+        chain: String::from_utf8_lossy(&chain_pem).into_owned(),
+        key: String::from_utf8_lossy(&key_pem).into_owned(),
+    })
+}
+
+/// Loads a root bundle: invalid certificates are skipped; none valid is an error.
+pub fn load_root(path: &Path, crl: Option<PathBuf>) -> Result<SecretData, FileSecretError> {
+    let pem = read(path)?;
+    let mut out = String::new();
+    for der in CertificateDer::pem_slice_iter(&pem).flatten() {
+        if x509_parser::parse_x509_certificate(der.as_ref()).is_ok() {
+            out.push_str(&super::keys::pem_encode("CERTIFICATE", der.as_ref()));
+        }
+    }
+    if out.is_empty() {
+        return Err(FileSecretError::NoCertificate {
+            path: path.display().to_string(),
+        });
+    }
+    Ok(SecretData::Root { pem: out, crl })
+}
+
+fn load(source: &Source, crl: &Option<PathBuf>) -> Result<SecretData, FileSecretError> {
+    match source {
+        Source::Cert { cert, key } => load_cert_pair(cert, key),
+        Source::Root { path } => load_root(path, crl.clone().filter(|p| p.is_file())),
+    }
+}
+
+struct Resource {
+    source: Source,
+    dirs: HashSet<PathBuf>,
+    /// First failure of the current failing streak (load retried until `load_wait` passes).
+    failing_since: Option<Instant>,
+    loaded_once: bool,
+}
+
+impl Resource {
+    fn files(&self) -> Vec<&Path> {
+        match &self.source {
+            Source::Cert { cert, key } => vec![cert, key],
+            Source::Root { path } => vec![path],
+        }
+    }
+}
+
+/// The file-secret task. Owns the watcher and every file resource.
+pub struct FileSecrets {
+    pub store: Arc<SecretStore>,
+    pub requests: mpsc::UnboundedReceiver<String>,
+    pub cwd: PathBuf,
+    pub debounce: Duration,
+    /// How long a resource may fail to load before its streams get the error (Istio: 10 s,
+    /// since cert and key are often written one after the other).
+    pub load_wait: Duration,
+    pub crl: Option<PathBuf>,
+    pub metrics: Metrics,
+}
+
+impl FileSecrets {
+    pub async fn run(mut self, cancel: CancellationToken) {
+        let (ev_tx, mut events) = mpsc::unbounded_channel::<PathBuf>();
+        let watcher = notify::recommended_watcher(move |res: notify::Result<notify::Event>| {
+            if let Ok(ev) = res {
+                for p in ev.paths {
+                    let _ = ev_tx.send(p);
+                }
+            }
+        });
+        let mut watcher = match watcher {
+            Ok(w) => Some(w),
+            Err(e) => {
+                self.metrics.file_watcher_failures.inc();
+                tracing::warn!(error = %e, "file watcher unavailable; polling certificate files every second");
+                None
+            }
+        };
+        let mut resources: HashMap<String, Resource> = HashMap::new();
+        let mut watched: HashSet<PathBuf> = HashSet::new();
+        let mut dirty: HashSet<String> = HashSet::new();
+        let mut reload_at: Option<Instant> = None;
+        let poll = Duration::from_secs(1);
+        let mut next_poll = Instant::now() + poll;
+
+        loop {
+            // Event arms only mark work; reloading happens at one debounced deadline, so a burst
+            // of kubelet events (create dir, rename symlink, delete old dir) costs one read.
+            tokio::select! {
+                _ = cancel.cancelled() => return,
+                Some(name) = self.requests.recv() => {
+                    match parse_name(&name, &self.cwd) {
+                        Ok(source) => {
+                            resources.insert(name.clone(), Resource { source, dirs: HashSet::new(), failing_since: None, loaded_once: false });
+                            self.reload(&name, &mut resources);
+                            self.watch_dirs(&name, &mut resources, watcher.as_mut(), &mut watched);
+                            if resources.get(&name).is_some_and(|r| r.failing_since.is_some()) {
+                                dirty.insert(name);
+                                reload_at.get_or_insert(Instant::now() + self.debounce);
+                            }
+                        }
+                        Err(e) => {
+                            self.metrics.file_secret_failures.inc();
+                            self.store.set(&name, SecretState::Failed(e.to_string().into()));
+                        }
+                    }
+                }
+                Some(path) = events.recv() => {
+                    let parent = path.parent().map(Path::to_path_buf);
+                    for (name, r) in &resources {
+                        if r.dirs.contains(&path) || parent.as_ref().is_some_and(|p| r.dirs.contains(p)) {
+                            dirty.insert(name.clone());
+                        }
+                    }
+                    if !dirty.is_empty() {
+                        reload_at = Some(Instant::now() + self.debounce);
+                    }
+                }
+                _ = sleep_until(reload_at.unwrap_or_else(far_future)), if reload_at.is_some() => {
+                    reload_at = None;
+                    for name in std::mem::take(&mut dirty) {
+                        self.reload(&name, &mut resources);
+                        self.watch_dirs(&name, &mut resources, watcher.as_mut(), &mut watched);
+                        if resources.get(&name).is_some_and(|r| r.failing_since.is_some()) {
+                            dirty.insert(name);
+                        }
+                    }
+                    if !dirty.is_empty() {
+                        reload_at = Some(Instant::now() + self.debounce);
+                    }
+                }
+                _ = sleep_until(next_poll), if watcher.is_none() => {
+                    next_poll = Instant::now() + poll;
+                    dirty.extend(resources.keys().cloned());
+                    reload_at = Some(Instant::now());
+                }
+            }
+        }
+    }
+
+    fn reload(&self, name: &str, resources: &mut HashMap<String, Resource>) {
+        let Some(r) = resources.get_mut(name) else {
+            return;
+        };
+        match load(&r.source, &self.crl) {
+            Ok(data) => {
+                if r.failing_since.take().is_some() && r.loaded_once {
+                    tracing::info!(resource = name, "file secret readable again");
+                }
+                r.loaded_once = true;
+                self.store.set(name, SecretState::Ready(Arc::new(data)));
+            }
+            Err(e) => {
+                let since = *r.failing_since.get_or_insert_with(Instant::now);
+                if since.elapsed() >= self.load_wait {
+                    // Give up on this streak: report once, and wait for the next file event.
+                    r.failing_since = None;
+                    self.metrics.file_secret_failures.inc();
+                    tracing::warn!(resource = name, error = %e, "cannot load file secret");
+                    if !r.loaded_once {
+                        self.store
+                            .set(name, SecretState::Failed(e.to_string().into()));
+                    }
+                }
+            }
+        }
+    }
+
+    fn watch_dirs(
+        &self,
+        name: &str,
+        resources: &mut HashMap<String, Resource>,
+        watcher: Option<&mut notify::RecommendedWatcher>,
+        watched: &mut HashSet<PathBuf>,
+    ) {
+        let Some(r) = resources.get_mut(name) else {
+            return;
+        };
+        let mut dirs = HashSet::new();
+        for f in r.files() {
+            if let Some(p) = f.parent() {
+                dirs.insert(p.to_path_buf());
+            }
+            if let Some(p) = std::fs::canonicalize(f)
+                .ok()
+                .and_then(|c| c.parent().map(Path::to_path_buf))
+            {
+                dirs.insert(p);
+            }
+        }
+        r.dirs.extend(dirs.iter().cloned());
+        let Some(w) = watcher else { return };
+        for d in dirs {
+            if watched.contains(&d) || !d.is_dir() {
+                continue;
+            }
+            match w.watch(&d, RecursiveMode::NonRecursive) {
+                Ok(()) => {
+                    watched.insert(d);
+                }
+                Err(e) => {
+                    self.metrics.file_watcher_failures.inc();
+                    tracing::warn!(dir = %d.display(), error = %e, "cannot watch certificate directory");
+                }
+            }
+        }
+    }
+}
+
+fn far_future() -> Instant {
+    Instant::now() + Duration::from_secs(86400 * 365)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pair() -> (String, String) {
+        let key = rcgen::KeyPair::generate().unwrap();
+        let params = rcgen::CertificateParams::new(vec!["a".into()]).unwrap();
+        (params.self_signed(&key).unwrap().pem(), key.serialize_pem())
+    }
+
+    #[test]
+    fn mismatch_and_unreadable_are_clear_errors() {
+        let dir = tempfile::tempdir().unwrap();
+        let (c1, k1) = pair();
+        let (_, k2) = pair();
+        let w = |n: &str, s: &str| {
+            let p = dir.path().join(n);
+            std::fs::write(&p, s).unwrap();
+            p
+        };
+        let (c, k, k_other) = (w("c.pem", &c1), w("k.pem", &k1), w("k2.pem", &k2));
+        assert!(load_cert_pair(&c, &k).is_ok());
+        let e = load_cert_pair(&c, &k_other).unwrap_err();
+        assert!(matches!(e, FileSecretError::Mismatch { .. }), "{e}");
+        assert!(e.to_string().contains("do not match"), "{e}");
+        let e = load_cert_pair(&dir.path().join("missing.pem"), &k).unwrap_err();
+        assert!(
+            e.to_string().contains("cannot read") && e.to_string().contains("missing.pem"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn root_bundle_skips_invalid_certs() {
+        let dir = tempfile::tempdir().unwrap();
+        let (c1, _) = pair();
+        let junk = "-----BEGIN CERTIFICATE-----\nAAAA\n-----END CERTIFICATE-----\n";
+        let p = dir.path().join("roots.pem");
+        std::fs::write(&p, format!("{junk}{c1}")).unwrap();
+        let SecretData::Root { pem, .. } = load_root(&p, None).unwrap() else {
+            panic!()
+        };
+        assert_eq!(pem.matches("BEGIN CERTIFICATE").count(), 1);
+        std::fs::write(&p, junk).unwrap();
+        let e = load_root(&p, None).unwrap_err();
+        assert!(e.to_string().contains("roots.pem"), "{e}");
+    }
+
+    #[test]
+    fn names() {
+        let cwd = Path::new("/w");
+        assert_eq!(
+            parse_name("file-cert:a.pem~b.pem", cwd).unwrap(),
+            Source::Cert {
+                cert: "/w/a.pem".into(),
+                key: "/w/b.pem".into()
+            }
+        );
+        assert_eq!(
+            parse_name("file-root:/etc/r.pem", cwd).unwrap(),
+            Source::Root {
+                path: "/etc/r.pem".into()
+            }
+        );
+        assert!(parse_name("file-cert:nokey", cwd).is_err());
+    }
+}

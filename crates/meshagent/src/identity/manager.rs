@@ -1,0 +1,350 @@
+//! The secret manager: one task that owns the workload certificate (spec §4.4, §4.7).
+//!
+//! Loop: take a pre-generated key → CSR → CA → publish `default` and `ROOTCA` → sleep until the
+//! jittered rotation point → repeat. On failure the last valid certificate stays published and
+//! the CSR is retried with per-identity backoff (0.5 s doubling to 150 s, jittered, reset on
+//! success); readiness fails only once that certificate has expired (or none was ever issued).
+//! The next key is generated on a blocking thread as soon as the previous one is taken, so a
+//! rotation never waits for RSA key generation.
+//!
+//! Time comes from [`Clock`] and `tokio::time`, so the schedule and backoff run on paused time
+//! in tests.
+
+use std::collections::BTreeSet;
+use std::sync::Arc;
+use std::time::{Duration, SystemTime};
+
+use rustls_pki_types::CertificateDer;
+use rustls_pki_types::pem::PemObject;
+use tokio::sync::watch;
+use tokio::time::{Instant, sleep_until};
+use tokio_util::sync::CancellationToken;
+
+use super::IdentityStatus;
+use super::caclient::{CaError, CertificateAuthority};
+use super::keys::{KeySpec, WorkloadKey, pem_encode};
+use super::metrics::Metrics;
+use super::output::OutputCerts;
+use super::store::{ROOT, SecretData, SecretState, SecretStore, WORKLOAD};
+
+/// Wall-clock time, either real or derived from tokio's (pausable) clock.
+#[derive(Debug, Clone, Copy)]
+pub enum Clock {
+    System,
+    /// `base_sys` at `base`, advancing with `tokio::time::Instant` (paused-time tests).
+    Tokio {
+        base_sys: SystemTime,
+        base: Instant,
+    },
+}
+
+impl Clock {
+    pub fn tokio() -> Clock {
+        Clock::Tokio {
+            base_sys: SystemTime::now(),
+            base: Instant::now(),
+        }
+    }
+
+    pub fn now(&self) -> SystemTime {
+        match self {
+            Clock::System => SystemTime::now(),
+            Clock::Tokio { base_sys, base } => *base_sys + base.elapsed(),
+        }
+    }
+}
+
+/// When to rotate (spec §4.7): `ratio' = ratio ± u·jitter` (sign from `positive`), clamped to
+/// [0,1]; rotate when `ratio'` of the lifetime remains. `u` is in [0,1).
+pub fn rotation_delay(
+    created: SystemTime,
+    expire: SystemTime,
+    now: SystemTime,
+    ratio: f64,
+    jitter: f64,
+    u: f64,
+    positive: bool,
+) -> Duration {
+    let delta = u * jitter;
+    let r = if positive {
+        ratio + delta
+    } else {
+        ratio - delta
+    }
+    .clamp(0.0, 1.0);
+    let lifetime = expire.duration_since(created).unwrap_or_default();
+    let rotate_at = expire - lifetime.mul_f64(r);
+    rotate_at.duration_since(now).unwrap_or_default()
+}
+
+/// Per-identity backoff: `initial` doubling to `max`, each step scaled by a random factor in
+/// [0.8, 1.0] so a fleet does not retry in lockstep (never above `max`).
+#[derive(Debug, Clone)]
+pub struct Backoff {
+    initial: Duration,
+    max: Duration,
+    attempt: u32,
+}
+
+impl Default for Backoff {
+    fn default() -> Backoff {
+        Backoff::new(Duration::from_millis(500), Duration::from_secs(150))
+    }
+}
+
+impl Backoff {
+    pub fn new(initial: Duration, max: Duration) -> Backoff {
+        Backoff {
+            initial,
+            max: max.max(initial),
+            attempt: 0,
+        }
+    }
+
+    /// The un-jittered step `attempt` would use.
+    pub fn base(&self) -> Duration {
+        let factor = 2u32.saturating_pow(self.attempt.min(20));
+        self.initial.saturating_mul(factor).min(self.max)
+    }
+
+    pub fn next_delay(&mut self) -> Duration {
+        let d = self.base().mul_f64(1.0 - 0.2 * rand::random::<f64>());
+        self.attempt = self.attempt.saturating_add(1);
+        d
+    }
+
+    pub fn reset(&mut self) {
+        self.attempt = 0;
+    }
+}
+
+/// A certificate as published.
+#[derive(Debug, Clone)]
+struct Issued {
+    expire: SystemTime,
+    root: String,
+}
+
+pub struct SecretManager {
+    pub ca: Arc<dyn CertificateAuthority>,
+    pub key_spec: KeySpec,
+    pub spiffe_id: String,
+    pub ttl: Duration,
+    pub grace_ratio: f64,
+    pub grace_jitter: f64,
+    pub store: Arc<SecretStore>,
+    pub status: watch::Sender<IdentityStatus>,
+    /// PCDS trust anchors merged into `ROOTCA`.
+    pub anchors: watch::Receiver<Vec<String>>,
+    pub output: Option<OutputCerts>,
+    pub metrics: Metrics,
+    pub clock: Clock,
+    pub backoff: Backoff,
+    /// CRL file attached to `ROOTCA` when it exists (`PILOT_ENABLE_CA_CRL`).
+    pub crl: Option<std::path::PathBuf>,
+}
+
+fn spawn_key(spec: KeySpec) -> tokio::task::JoinHandle<Result<WorkloadKey, super::keys::KeyError>> {
+    tokio::task::spawn_blocking(move || WorkloadKey::generate(spec))
+}
+
+/// Leaf `NotAfter` of a PEM chain.
+pub fn leaf_expiry(chain_pem: &str) -> Result<SystemTime, String> {
+    let der = CertificateDer::pem_slice_iter(chain_pem.as_bytes())
+        .next()
+        .ok_or("no certificate in chain")?
+        .map_err(|e| format!("chain PEM: {e}"))?;
+    let (_, cert) =
+        x509_parser::parse_x509_certificate(der.as_ref()).map_err(|e| format!("leaf: {e}"))?;
+    let secs = cert.validity().not_after.timestamp();
+    let secs = u64::try_from(secs).map_err(|_| "leaf NotAfter before 1970".to_owned())?;
+    Ok(SystemTime::UNIX_EPOCH + Duration::from_secs(secs))
+}
+
+/// Trust-bundle merge (spec §4.4): the set of PEM certificates from all bundles, deduplicated,
+/// sorted, concatenated.
+pub fn merge_roots<'a>(bundles: impl IntoIterator<Item = &'a str>) -> String {
+    let mut set = BTreeSet::new();
+    for b in bundles {
+        for der in CertificateDer::pem_slice_iter(b.as_bytes()).flatten() {
+            set.insert(pem_encode("CERTIFICATE", der.as_ref()));
+        }
+    }
+    set.into_iter().collect()
+}
+
+impl SecretManager {
+    fn set_status(&self, f: impl FnOnce(&mut IdentityStatus)) {
+        self.status.send_modify(f);
+    }
+
+    fn publish_root(&self, ca_root: &str) {
+        let anchors = self.anchors.borrow().clone();
+        let merged =
+            merge_roots(std::iter::once(ca_root).chain(anchors.iter().map(String::as_str)));
+        self.store.set(
+            ROOT,
+            SecretState::Ready(Arc::new(SecretData::Root {
+                pem: merged,
+                crl: self.crl.clone().filter(|p| p.is_file()),
+            })),
+        );
+    }
+
+    /// Runs until `cancel`.
+    pub async fn run(mut self, cancel: CancellationToken) {
+        let mut key: Option<WorkloadKey> = None;
+        let mut next = Some(spawn_key(self.key_spec));
+        let mut current: Option<Issued> = None;
+        let mut logged_error: Option<String> = None;
+        let mut anchors_open = true;
+        loop {
+            if key.is_none() {
+                let handle = next.take().unwrap_or_else(|| spawn_key(self.key_spec));
+                let generated = tokio::select! {
+                    _ = cancel.cancelled() => return,
+                    r = handle => r,
+                };
+                // The following key is generated now, while this one is in use.
+                next = Some(spawn_key(self.key_spec));
+                match generated {
+                    Ok(Ok(k)) => key = Some(k),
+                    Ok(Err(e)) => {
+                        let delay = self.backoff.next_delay();
+                        tracing::error!(error = %e, retry_in = ?delay, "cannot generate workload key");
+                        self.set_status(|s| s.not_ready = Some(e.to_string()));
+                        tokio::select! {
+                            _ = cancel.cancelled() => return,
+                            _ = tokio::time::sleep(delay) => continue,
+                        }
+                    }
+                    Err(e) => {
+                        tracing::error!(error = %e, "key generation task failed");
+                        continue;
+                    }
+                }
+            }
+            let Some(k) = key.as_ref() else { continue };
+            let result = match k.csr(&self.spiffe_id) {
+                Ok(csr) => tokio::select! {
+                    _ = cancel.cancelled() => return,
+                    r = self.ca.sign(csr, self.ttl) => r,
+                },
+                Err(e) => Err(CaError::InvalidResponse(e.to_string())),
+            };
+            let now = self.clock.now();
+            let result = result.and_then(|chain| {
+                let expire = leaf_expiry(chain.first().map_or("", String::as_str))
+                    .map_err(CaError::InvalidResponse)?;
+                Ok((chain, expire))
+            });
+            let deadline = match result {
+                Ok((chain, expire)) => {
+                    let Some(k) = key.take() else { continue };
+                    let root = chain.last().cloned().unwrap_or_default();
+                    let chain_pem: String = chain.concat();
+                    if let Some(out) = &self.output {
+                        out.write_workload(k.pem(), &chain_pem, &root);
+                    }
+                    self.store.set(
+                        WORKLOAD,
+                        SecretState::Ready(Arc::new(SecretData::Cert {
+                            chain: chain_pem,
+                            key: k.pem().to_owned(),
+                        })),
+                    );
+                    self.publish_root(&root);
+                    *self
+                        .metrics
+                        .expiry
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner()) = Some(expire);
+                    self.backoff.reset();
+                    if logged_error.take().is_some() {
+                        tracing::info!("CA recovered; workload certificate issued");
+                    }
+                    let delay = rotation_delay(
+                        now,
+                        expire,
+                        now,
+                        self.grace_ratio,
+                        self.grace_jitter,
+                        rand::random::<f64>(),
+                        rand::random::<bool>(),
+                    );
+                    tracing::info!(
+                        spiffe_id = %self.spiffe_id,
+                        expires_in = ?expire.duration_since(now).unwrap_or_default(),
+                        rotate_in = ?delay,
+                        "workload certificate issued"
+                    );
+                    self.set_status(|s| {
+                        s.not_ready = None;
+                        s.last_error = None;
+                        s.cert_expiry = Some(expire);
+                    });
+                    current = Some(Issued { expire, root });
+                    Instant::now() + delay
+                }
+                Err(e) => {
+                    let delay = self.backoff.next_delay();
+                    let msg = e.to_string();
+                    // One clear line per distinct failure, not one per retry.
+                    if logged_error.as_deref() != Some(msg.as_str()) {
+                        if e.is_retryable() {
+                            tracing::warn!(error = %msg, retry_in = ?delay, "CSR failed; keeping the current certificate and retrying with backoff");
+                        } else {
+                            tracing::error!(error = %msg, retry_in = ?delay, "CSR hit a non-retryable error; keeping the current certificate and retrying with backoff");
+                        }
+                        logged_error = Some(msg.clone());
+                    } else {
+                        tracing::debug!(error = %msg, retry_in = ?delay, "CSR failed again");
+                    }
+                    let expired = current.as_ref().is_none_or(|c| c.expire <= now);
+                    self.set_status(|s| {
+                        s.last_error = Some(msg.clone());
+                        if expired {
+                            s.not_ready = Some(match &current {
+                                None => format!("no workload certificate yet: {msg}"),
+                                Some(_) => format!("workload certificate expired: {msg}"),
+                            });
+                        }
+                    });
+                    Instant::now() + delay
+                }
+            };
+            // Wait for the rotation/retry point; PCDS anchor changes re-publish ROOTCA in the
+            // meantime without touching the workload certificate, and readiness flips exactly
+            // when a certificate we failed to renew expires (not at the next retry, up to 150 s
+            // later).
+            let expiry = current.as_ref().and_then(|c| {
+                let left = c.expire.duration_since(self.clock.now()).ok()?;
+                (logged_error.is_some()).then(|| Instant::now() + left)
+            });
+            let mut expiry_armed = expiry.is_some_and(|e| e < deadline);
+            loop {
+                tokio::select! {
+                    _ = cancel.cancelled() => return,
+                    _ = sleep_until(deadline) => break,
+                    _ = sleep_until(expiry.unwrap_or(deadline)), if expiry_armed => {
+                        expiry_armed = false;
+                        let last = logged_error.clone().unwrap_or_default();
+                        tracing::warn!(error = %last, "workload certificate expired; the CA is still failing");
+                        self.set_status(|s| s.not_ready = Some(format!("workload certificate expired: {last}")));
+                    }
+                    r = self.anchors.changed(), if anchors_open => {
+                        if r.is_err() {
+                            anchors_open = false;
+                        } else if let Some(c) = &current {
+                            let root = c.root.clone();
+                            self.publish_root(&root);
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;

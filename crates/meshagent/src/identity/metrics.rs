@@ -1,0 +1,76 @@
+//! Identity metrics, Istio's names (spec §11; the registry adds `istio_agent_`).
+
+use std::sync::{Arc, Mutex};
+use std::time::SystemTime;
+
+use crate::metrics::{Counter, Registry};
+
+#[derive(Clone)]
+pub struct Metrics {
+    /// `num_outgoing_requests{request_type="csr"}`
+    pub csr_requests: Counter,
+    /// `outgoing_latency{request_type="csr"}`: cumulative milliseconds.
+    pub csr_latency_ms: Counter,
+    /// `num_failed_outgoing_requests{request_type="csr"}`
+    pub csr_failures: Counter,
+    /// `num_outgoing_retries{request_type="csr"}`
+    pub csr_retries: Counter,
+    /// `num_file_watcher_failures_total`
+    pub file_watcher_failures: Counter,
+    /// `num_file_secret_failures_total`
+    pub file_secret_failures: Counter,
+    /// Feeds `cert_expiry_seconds{resource_name="default"}` at scrape time.
+    pub expiry: Arc<Mutex<Option<SystemTime>>>,
+}
+
+impl Metrics {
+    pub fn register(r: &Registry) -> Metrics {
+        let csr =
+            |name: &str, help: &str| r.counter_vec(name, help, &["request_type"]).with(&["csr"]);
+        let expiry: Arc<Mutex<Option<SystemTime>>> = Arc::default();
+        let e = expiry.clone();
+        r.gauge_fn(
+            "cert_expiry_seconds",
+            "The time remaining, in seconds, before the certificate chain will expire.",
+            &["resource_name"],
+            move || {
+                let at = *e.lock().unwrap_or_else(|p| p.into_inner());
+                at.map(|at| {
+                    let secs = match at.duration_since(SystemTime::now()) {
+                        Ok(d) => d.as_secs_f64(),
+                        Err(e) => -e.duration().as_secs_f64(),
+                    };
+                    vec![(vec!["default".to_owned()], secs.round())]
+                })
+                .unwrap_or_default()
+            },
+        );
+        Metrics {
+            csr_requests: csr(
+                "num_outgoing_requests",
+                "Number of total outgoing requests (e.g. to a token exchange server, CA, etc.)",
+            ),
+            csr_latency_ms: csr(
+                "outgoing_latency",
+                "The latency of outgoing requests (e.g. to a token exchange server, CA, etc.) in milliseconds.",
+            ),
+            csr_failures: csr(
+                "num_failed_outgoing_requests",
+                "Number of failed outgoing requests (e.g. to a token exchange server, CA, etc.)",
+            ),
+            csr_retries: csr(
+                "num_outgoing_retries",
+                "Number of outgoing retry requests (e.g. to a token exchange server, CA, etc.)",
+            ),
+            file_watcher_failures: r.counter(
+                "num_file_watcher_failures_total",
+                "Number of times the file watcher failed to add watches for certificate files.",
+            ),
+            file_secret_failures: r.counter(
+                "num_file_secret_failures_total",
+                "Number of times secret generation failed for files",
+            ),
+            expiry,
+        }
+    }
+}
