@@ -29,6 +29,8 @@ pub enum AppError {
     Override { path: PathBuf, reason: String },
     #[error("cannot install signal handlers: {0}")]
     Signals(#[source] std::io::Error),
+    #[error(transparent)]
+    Identity(#[from] crate::identity::IdentityError),
 }
 
 /// The running agent's shared pieces; tests drive an agent in-process through this.
@@ -100,6 +102,17 @@ impl Agent {
         }
         spawn_signal_handler(self.shutdown.clone()).map_err(AppError::Signals)?;
 
+        // Identity and xDS serve Envoy until it has drained and stopped, so they stop on their
+        // own token, after Envoy — not on the shutdown signal.
+        let services = CancellationToken::new();
+        let identity =
+            crate::identity::start(cfg, &self.cwd, &self.registry, services.clone()).await?;
+        let identity_status = identity.status();
+        self.readiness.add(Arc::new(move || {
+            let reason = identity_status.borrow().not_ready.clone();
+            Box::pin(async move { reason.map_or(Ok(()), Err) })
+        }));
+
         let code = if envoy_enabled {
             let (config_file, generated) =
                 if cfg.proxy_config.custom_config_file.as_os_str().is_empty() {
@@ -141,6 +154,8 @@ impl Agent {
             self.shutdown.cancelled().await;
             0
         };
+        services.cancel();
+        identity.stopped().await;
         status_stop.cancel();
         if let Some(t) = status_task {
             let _ = t.await;
