@@ -227,11 +227,12 @@ impl Merger {
             metrics,
             tx,
         ));
-        let stream = futures::stream::unfold(rx, |mut rx| async move {
+        // Fused: the gzip layer polls the body once more after its end.
+        let stream = futures::StreamExt::fuse(futures::stream::unfold(rx, |mut rx| async move {
             rx.recv()
                 .await
                 .map(|b| (Ok::<Bytes, std::convert::Infallible>(b), rx))
-        });
+        }));
         let mut resp = Response::new(Body::from_stream(stream));
         *resp.status_mut() = StatusCode::OK;
         if let Ok(v) = HeaderValue::from_str(&content_type) {
