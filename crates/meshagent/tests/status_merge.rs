@@ -183,7 +183,9 @@ fn valid_name(n: &str) -> bool {
         && chars.all(|c| c.is_ascii_alphanumeric() || c == '_' || c == ':')
 }
 
-fn parse_labels(s: &str) -> Result<(Vec<(String, String)>, &str), String> {
+type Labels = Vec<(String, String)>;
+
+fn parse_labels(s: &str) -> Result<(Labels, &str), String> {
     let mut rest = s;
     let mut out = Vec::new();
     loop {
