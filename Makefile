@@ -9,7 +9,7 @@ export ENVOY_BIN
 
 NEXTEST := $(shell cargo nextest --version >/dev/null 2>&1 && echo yes)
 
-.PHONY: all build test lint unit envoy peers demo clean-tools
+.PHONY: all build test lint unit envoy peers bench demo clean-tools
 
 all: build
 
@@ -44,6 +44,10 @@ ifeq ($(NEXTEST),yes)
 else
 	cargo test --workspace --no-fail-fast
 endif
+
+# Merged-metrics scrape latency and peak RSS increase (BENCHMARKS.md).
+bench:
+	cargo bench -p meshagent --bench merge
 
 demo: envoy
 	cargo build --workspace --bins

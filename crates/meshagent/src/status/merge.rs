@@ -31,7 +31,9 @@ pub const MAX_TARGET_BYTES: u64 = 10 * 1024 * 1024;
 /// Used when the scraper sends no `X-Prometheus-Scrape-Timeout-Seconds`.
 pub const DEFAULT_SCRAPE_TIMEOUT: Duration = Duration::from_secs(10);
 /// Chunks buffered per source before TCP back-pressure applies.
-const SOURCE_CHANNEL: usize = 4;
+const SOURCE_CHANNEL: usize = 2;
+/// hyper's HTTP/1 read buffer limit per upstream connection.
+const READ_BUFFER: usize = 64 * 1024;
 
 pub const TEXT_CONTENT_TYPE: &str = "text/plain; version=0.0.4; charset=utf-8";
 const TIMEOUT_HEADER: &str = "x-prometheus-scrape-timeout-seconds";
@@ -130,8 +132,11 @@ impl Merger {
         let mut connector = HttpConnector::new();
         connector.set_nodelay(true);
         connector.set_connect_timeout(Some(Duration::from_secs(5)));
+        // A small read buffer per connection: chunks are handed on as they arrive, so a larger
+        // buffer would only raise peak memory (hyper's default grows to ~400 KiB).
         let client = Client::builder(TokioExecutor::new())
             .pool_max_idle_per_host(1)
+            .http1_max_buf_size(READ_BUFFER)
             .build(connector);
         Merger {
             registry,
@@ -257,9 +262,12 @@ impl Merger {
         req = req.header(header::ACCEPT, accept);
         let client = self.client.clone();
         let what = uri.clone();
+        // Istio caps application targets only; Envoy's body is large by nature (100k+ lines)
+        // and is streamed, so it needs no cap to stay out of memory.
+        let cap = (kind == Kind::Application).then_some(MAX_TARGET_BYTES);
         tokio::spawn(async move {
             let r = match req.body(Empty::<Bytes>::new()) {
-                Ok(req) => fetch(client, req, &tx, deadline).await,
+                Ok(req) => fetch(client, req, &tx, deadline, cap).await,
                 Err(e) => Err(ScrapeError::Transport(e.to_string())),
             };
             if let Err(e) = r {
@@ -281,6 +289,7 @@ async fn fetch(
     req: Request<Empty<Bytes>>,
     tx: &mpsc::Sender<Msg>,
     deadline: Instant,
+    cap: Option<u64>,
 ) -> Result<(), ScrapeError> {
     let resp = tokio::time::timeout_at(deadline, client.request(req))
         .await
@@ -310,7 +319,7 @@ async fn fetch(
             continue;
         };
         total += data.len() as u64;
-        if total > MAX_TARGET_BYTES {
+        if cap.is_some_and(|c| total > c) {
             return Err(ScrapeError::TooLarge);
         }
         // A dropped receiver means the scraper went away: stop reading.

@@ -229,3 +229,50 @@ impl Readiness {
         }));
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn grpc_bootstrap_probe() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("grpc-bootstrap.json");
+        assert!(check_grpc_bootstrap(&path, false).await.is_ok());
+        assert!(check_grpc_bootstrap(&path, true).await.is_err());
+        std::fs::write(&path, "{not json").unwrap();
+        let e = check_grpc_bootstrap(&path, false).await.unwrap_err();
+        assert!(e.contains("failed to parse gRPC bootstrap"), "{e}");
+        let cert = dir.path().join("cert-chain.pem");
+        let bootstrap = serde_json::json!({
+            "xds_servers": [],
+            "certificate_providers": {"default": {"plugin_name": "file_watcher", "config": {
+                "certificate_file": cert, "private_key_file": cert, "ca_certificate_file": cert
+            }}}
+        });
+        std::fs::write(&path, bootstrap.to_string()).unwrap();
+        let e = check_grpc_bootstrap(&path, false).await.unwrap_err();
+        assert!(e.contains("certificate_file"), "{e}");
+        std::fs::write(&cert, "x").unwrap();
+        assert!(check_grpc_bootstrap(&path, false).await.is_ok());
+    }
+
+    #[tokio::test]
+    async fn probes_run_in_istio_order() {
+        let r = Readiness::default();
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("bad.json");
+        std::fs::write(&path, "[").unwrap();
+        let (tx, rx) = tokio::sync::watch::channel(None);
+        r.add_grpc_bootstrap(path.clone(), false);
+        r.add_dns_table(rx);
+        assert!(r.check().await.unwrap_err().contains("gRPC bootstrap"));
+        std::fs::write(&path, "{}").unwrap();
+        assert_eq!(
+            r.check().await.unwrap_err(),
+            "istio DNS capture is turned ON and DNS lookup table is not ready yet"
+        );
+        tx.send_replace(Some(Arc::new(crate::status::NameTable::default())));
+        assert!(r.check().await.is_ok());
+    }
+}
