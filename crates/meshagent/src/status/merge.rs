@@ -196,13 +196,17 @@ impl Merger {
             ));
         }
 
-        // Wait for the application heads (concurrently; each bounded by the deadline).
+        // Wait for the application heads (concurrently) for at most half the scrape budget: the
+        // Content-Type must be chosen before the body starts, but a slow target must not eat
+        // the time Envoy's body needs. Heads arriving later are still streamed; they just do
+        // not take part in choosing the format.
+        let head_deadline = Instant::now() + timeout / 2;
         let heads = futures::future::join_all(
             sources
                 .iter_mut()
                 .filter(|s| s.kind == Kind::Application)
                 .map(|s| async move {
-                    match tokio::time::timeout_at(deadline, s.rx.recv()).await {
+                    match tokio::time::timeout_at(head_deadline, s.rx.recv()).await {
                         Ok(Some(Msg::Head(ct))) => {
                             s.head = Some(ct.clone());
                             Some(ct)
