@@ -246,3 +246,48 @@ fn bad_probers_and_annotations_fail_startup() {
         );
     }
 }
+
+/// The wiring in `app.rs`: `ISTIO_PROMETHEUS_ANNOTATIONS` makes the agent binary merge a real
+/// application's metrics (python's http.server serving a file) after its own, with
+/// `istio_agent_process_*` metrics, and `/debug/ndsz` answers 404 `{}` until a table arrives.
+#[tokio::test]
+async fn binary_merges_annotated_app_metrics() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(
+        dir.path().join("metrics"),
+        "# TYPE app_hits counter\napp_hits{path=\"/\"} 42\n",
+    )
+    .unwrap();
+    let web = free_port();
+    let mut cmd = Command::new("python3");
+    cmd.args(["-m", "http.server", "--bind", "127.0.0.1"])
+        .arg(web.to_string())
+        .current_dir(dir.path());
+    let _web = Proc::spawn("http-server", cmd, dir.path());
+    let annotations =
+        json!({"scrape": "true", "targets": [{"port": web.to_string(), "path": "/metrics"}]});
+    let status = free_port();
+    let cwd = tempfile::tempdir().unwrap();
+    let cmd = agent_cmd(
+        cwd.path(),
+        status,
+        &[("ISTIO_PROMETHEUS_ANNOTATIONS", annotations.to_string())],
+    );
+    let _agent = Proc::spawn("agent", cmd, cwd.path());
+    let status = SocketAddr::from(([127, 0, 0, 1], status));
+    wait_port(status).await;
+    wait_port(SocketAddr::from(([127, 0, 0, 1], web))).await;
+    let (code, body) = http_get(status, "/stats/prometheus").await.unwrap();
+    assert_eq!(code, 200);
+    assert!(body.contains("istio_agent_scrapes_total 1\n"), "{body}");
+    assert!(
+        body.contains("istio_agent_process_resident_memory_bytes "),
+        "{body}"
+    );
+    assert!(body.contains("app_hits{path=\"/\"} 42\n"), "{body}");
+    assert!(body.find("istio_agent_").unwrap() < body.find("app_hits").unwrap());
+    let (code, body) = http_get(status, "/debug/ndsz").await.unwrap();
+    assert_eq!((code, body.as_str()), (404, "{}"));
+    let (code, body) = http_get(status, "/healthz/ready").await.unwrap();
+    assert_eq!(code, 200, "{body}");
+}
