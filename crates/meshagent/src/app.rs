@@ -31,6 +31,8 @@ pub enum AppError {
     Signals(#[source] std::io::Error),
     #[error(transparent)]
     Identity(#[from] crate::identity::IdentityError),
+    #[error("cannot set up TLS for application probes: {0}")]
+    ProbeTls(#[source] rustls::Error),
 }
 
 /// The running agent's shared pieces; tests drive an agent in-process through this.
@@ -42,18 +44,24 @@ pub struct Agent {
     pub drain: Arc<DrainState>,
     pub readiness: status::Readiness,
     pub started: tokio::time::Instant,
+    /// Where the xDS proxy publishes each NDS name table it receives; read by the DNS
+    /// readiness probe and `/debug/ndsz`.
+    pub name_table: tokio::sync::watch::Sender<Option<Arc<status::NameTable>>>,
 }
 
 impl Agent {
     pub fn new(config: Config, cwd: &Path) -> Agent {
+        let registry = Registry::new();
+        crate::metrics::register_process_metrics(&registry);
         Agent {
             config,
             cwd: cwd.to_path_buf(),
-            registry: Registry::new(),
+            registry,
             shutdown: CancellationToken::new(),
             drain: Arc::default(),
             readiness: status::Readiness::default(),
             started: tokio::time::Instant::now(),
+            name_table: tokio::sync::watch::Sender::new(None),
         }
     }
 
@@ -74,6 +82,15 @@ impl Agent {
                 self.drain.clone(),
             ));
         }
+        // Istio's order (spec §7.2): Envoy, gRPC bootstrap, DNS table.
+        // Nothing writes the gRPC bootstrap yet, so a missing file does not block readiness.
+        self.readiness
+            .add_grpc_bootstrap(self.cwd.join(&cfg.grpc.xds_bootstrap), false);
+        let dns_enabled = (cfg.dns.capture && cfg.proxy_type == crate::config::ProxyType::Sidecar)
+            || cfg.dns.enable_server;
+        if dns_enabled {
+            self.readiness.add_dns_table(self.name_table.subscribe());
+        }
         let status_stop = CancellationToken::new();
         let mut status_task = None;
         if cfg.proxy_config.status_port > 0 {
@@ -88,6 +105,21 @@ impl Agent {
                 shutdown: self.shutdown.clone(),
                 envoy_admin: envoy_enabled.then_some(admin),
                 proxy_type: cfg.proxy_type,
+                merger: merger(cfg, &self.registry, node.localhost, envoy_enabled),
+                probes: status::AppProbes::new(
+                    cfg.status.kube_app_probers.clone(),
+                    probe_destination(cfg, node.localhost),
+                    port,
+                    cfg.status.enable_http2_probing,
+                )
+                .map_err(AppError::ProbeTls)?,
+                metrics_localhost_only: cfg.status.metrics_localhost_access_only,
+                name_table: Some(self.name_table.subscribe()),
+                config_dump: cfg
+                    .flags
+                    .profiling
+                    .then(|| serde_json::to_value(cfg).ok().map(Arc::new))
+                    .flatten(),
             };
             let stop = status_stop.clone();
             let shutdown = self.shutdown.clone();
@@ -163,6 +195,40 @@ impl Agent {
         tracing::info!(code, "agent exiting");
         Ok(code)
     }
+}
+
+/// Sources of the merged metrics (spec §7.3): Envoy unless disabled, application targets only
+/// for sidecars with `ISTIO_PROMETHEUS_ANNOTATIONS` and `scrape` not "false".
+fn merger(
+    cfg: &Config,
+    registry: &Registry,
+    localhost: std::net::IpAddr,
+    envoy_enabled: bool,
+) -> status::Merger {
+    let envoy =
+        (envoy_enabled && cfg.status.merge_envoy_stats && cfg.bootstrap.envoy_prometheus_port != 0)
+            .then(|| std::net::SocketAddr::new(localhost, cfg.bootstrap.envoy_prometheus_port));
+    let targets = match &cfg.status.prometheus_annotations {
+        Some(p) if p.scrape && cfg.proxy_type == crate::config::ProxyType::Sidecar => {
+            p.targets.clone()
+        }
+        _ => Vec::new(),
+    };
+    status::Merger::new(
+        registry.clone(),
+        status::MergeMetrics::register(registry),
+        envoy,
+        targets,
+    )
+}
+
+/// `INSTANCE_IP` (apps bound only to the pod IP, #25177), or loopback with
+/// `REWRITE_PROBE_LEGACY_LOCALHOST_DESTINATION` or without a pod IP.
+fn probe_destination(cfg: &Config, localhost: std::net::IpAddr) -> std::net::IpAddr {
+    if cfg.status.rewrite_probe_legacy_localhost_destination {
+        return localhost;
+    }
+    cfg.pod.instance_ip.unwrap_or(localhost)
 }
 
 fn envoy_args(

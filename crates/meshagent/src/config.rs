@@ -19,6 +19,7 @@ mod env;
 mod files;
 mod identity;
 mod parse;
+pub mod probers;
 mod proxy_config;
 mod vars;
 
@@ -374,7 +375,7 @@ pub fn load(
     let xds = XdsConfig::from_env(&mut r);
     let bootstrap = BootstrapConfig::from_env(&mut r);
     let lifecycle = LifecycleConfig::from_env(&mut r);
-    let status = StatusConfig::from_env(&mut r);
+    let status = StatusConfig::from_env(&mut r, pc.status_port);
     let dns = DnsConfig::from_env(&mut r);
     let wasm = WasmConfig::from_env(&mut r);
     let grpc = GrpcConfig::from_env(&r);

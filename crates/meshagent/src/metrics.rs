@@ -97,6 +97,16 @@ impl Registry {
         self.add(name, help, "gauge", Source::GaugeFn(Box::new(f), labels));
     }
 
+    /// A counter whose value is read at scrape time (e.g. CPU seconds from `/proc`).
+    pub fn counter_fn(&self, name: &str, help: &str, f: impl Fn() -> f64 + Send + Sync + 'static) {
+        self.add(
+            name,
+            help,
+            "counter",
+            Source::GaugeFn(Box::new(move || vec![(Vec::new(), f())]), Vec::new()),
+        );
+    }
+
     pub fn histogram(&self, name: &str, help: &str, buckets: &[f64]) -> Histogram {
         let h = Histogram::new(buckets);
         self.add(name, help, "histogram", Source::Histogram(h.clone()));
@@ -161,6 +171,98 @@ fn fmt(x: f64) -> String {
     } else {
         format!("{x}")
     }
+}
+
+// === process metrics ===
+
+/// Go's process collector, as Istio exports it (`istio_agent_process_*`), read from `/proc/self`.
+/// Linux only; on read errors the family is simply empty for that scrape.
+pub fn register_process_metrics(registry: &Registry) {
+    registry.counter_fn(
+        "process_cpu_seconds_total",
+        "Total user and system CPU time spent in seconds.",
+        || proc_stat().map_or(0.0, |s| s.cpu_seconds),
+    );
+    registry.gauge_fn(
+        "process_open_fds",
+        "Number of open file descriptors.",
+        &[],
+        || {
+            std::fs::read_dir("/proc/self/fd")
+                .map(|d| vec![(Vec::new(), d.count() as f64)])
+                .unwrap_or_default()
+        },
+    );
+    registry.gauge_fn(
+        "process_max_fds",
+        "Maximum number of open file descriptors.",
+        &[],
+        || {
+            nix::sys::resource::getrlimit(nix::sys::resource::Resource::RLIMIT_NOFILE)
+                .map(|(soft, _)| vec![(Vec::new(), soft as f64)])
+                .unwrap_or_default()
+        },
+    );
+    registry.gauge_fn(
+        "process_virtual_memory_bytes",
+        "Virtual memory size in bytes.",
+        &[],
+        || status_kib("VmSize:").map_or_else(Vec::new, |v| vec![(Vec::new(), v * 1024.0)]),
+    );
+    registry.gauge_fn(
+        "process_resident_memory_bytes",
+        "Resident memory size in bytes.",
+        &[],
+        || status_kib("VmRSS:").map_or_else(Vec::new, |v| vec![(Vec::new(), v * 1024.0)]),
+    );
+    registry.gauge_fn(
+        "process_start_time_seconds",
+        "Start time of the process since unix epoch in seconds.",
+        &[],
+        || {
+            proc_stat()
+                .and_then(|s| s.start_time_seconds)
+                .map_or_else(Vec::new, |t| vec![(Vec::new(), t)])
+        },
+    );
+}
+
+struct ProcStat {
+    cpu_seconds: f64,
+    start_time_seconds: Option<f64>,
+}
+
+/// Clock ticks per second; 100 on every Linux ABI the agent runs on.
+const CLK_TCK: f64 = 100.0;
+
+fn proc_stat() -> Option<ProcStat> {
+    let stat = std::fs::read_to_string("/proc/self/stat").ok()?;
+    // Fields after the parenthesised command name (which may contain spaces).
+    let rest = &stat[stat.rfind(')')? + 2..];
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    // rest[0] is field 3 (state): utime=14, stime=15, starttime=22.
+    let utime: f64 = fields.get(11)?.parse().ok()?;
+    let stime: f64 = fields.get(12)?.parse().ok()?;
+    let start_ticks: Option<f64> = fields.get(19).and_then(|s| s.parse().ok());
+    let btime = std::fs::read_to_string("/proc/stat").ok().and_then(|s| {
+        s.lines()
+            .find_map(|l| l.strip_prefix("btime "))
+            .and_then(|v| v.trim().parse::<f64>().ok())
+    });
+    Some(ProcStat {
+        cpu_seconds: (utime + stime) / CLK_TCK,
+        start_time_seconds: btime.zip(start_ticks).map(|(b, t)| b + t / CLK_TCK),
+    })
+}
+
+/// A `kB` value from `/proc/self/status` (`VmRSS:`, `VmHWM:`, ...).
+pub fn status_kib(key: &str) -> Option<f64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix(key))
+        .and_then(|v| v.split_whitespace().next())
+        .and_then(|v| v.parse().ok())
 }
 
 // === counters and gauges ===
@@ -328,6 +430,23 @@ mod tests {
         );
         assert!(out.contains("istio_agent_dns_upstream_request_duration_seconds_count 1"));
         assert!(!out.contains("_total"), "{out}");
+    }
+
+    #[test]
+    fn process_metrics_from_proc() {
+        let r = Registry::new();
+        register_process_metrics(&r);
+        let out = r.encode();
+        for name in [
+            "istio_agent_process_cpu_seconds_total ",
+            "istio_agent_process_open_fds ",
+            "istio_agent_process_max_fds ",
+            "istio_agent_process_resident_memory_bytes ",
+            "istio_agent_process_start_time_seconds ",
+        ] {
+            assert!(out.contains(name), "{name} missing in {out}");
+        }
+        assert!(out.contains("# TYPE istio_agent_process_cpu_seconds_total counter"));
     }
 
     #[test]

@@ -1,170 +1,47 @@
-//! The agent's status server on `statusPort` (15020), first part (spec §7):
-//! `/healthz/ready` with Istio's Envoy readiness logic and reasons, loopback-only
-//! `POST /quitquitquit` and `POST /drain`, and the agent's own metrics on `/stats/prometheus`
-//! and `/metrics` (merging Envoy's and the app's comes with the full status server).
+//! The agent's status server on `statusPort` (15020), spec §7.
 //!
-//! Readiness is a list of probes evaluated in order; the first failure's reason is the 503
-//! body and is logged. Other subsystems add probes with [`Readiness::add`].
+//! | path | access | module |
+//! |---|---|---|
+//! | `/healthz/ready` | any | [`ready`]: Envoy, gRPC bootstrap and DNS-table probes in Istio's order |
+//! | `/stats/prometheus`, `/metrics` | any, or loopback with `METRICS_LOCALHOST_ACCESS_ONLY` | [`merge`]: streamed agent + Envoy + app merge |
+//! | `/app-health/<c>/<kind>`, `/app-lifecycle/<c>/<kind>` | any | [`probes`]: rewritten kubelet probes and hooks |
+//! | `POST /quitquitquit`, `POST /drain` | loopback | shutdown without drain; drain listeners now |
+//! | `/debug/ndsz` | loopback | the DNS name table as JSON, 404 `{}` until one arrived |
+//! | `/debug/config_dump` | loopback, `--profiling` | the effective agent configuration as JSON |
+//!
+//! Go's `/debug/pprof/*` has no Rust equivalent worth shipping (no runtime profiler in the
+//! binary); with `--profiling` (default on) the loopback-only `/debug/config_dump` takes its
+//! place as the "what is this process doing" endpoint, and the pprof paths answer 404.
+//! Every response is gzip-compressed when the client accepts it, as Istio wraps its mux.
+
+pub mod lines;
+pub mod merge;
+pub mod probes;
+pub mod ready;
 
 use std::net::{IpAddr, SocketAddr};
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use axum::extract::{ConnectInfo, State};
-use axum::http::{Method, StatusCode};
+use axum::http::{HeaderMap, Method, StatusCode, Uri};
 use axum::response::{IntoResponse, Response};
 use axum::routing::any;
+use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
 use crate::config::ProxyType;
 use crate::envoy::{DrainState, admin};
-use crate::metrics::{Gauge, Registry};
+use crate::metrics::Registry;
 
-/// A readiness check: `Err(reason)` when not ready.
-pub type Probe =
-    Arc<dyn Fn() -> futures::future::BoxFuture<'static, Result<(), String>> + Send + Sync>;
+pub use merge::{MergeMetrics, Merger};
+pub use probes::AppProbes;
+pub use ready::{EnvoyProbe, Probe, Readiness};
 
-/// Envoy's readiness (spec §7.2), with the "once true" caches Istio keeps.
-pub struct EnvoyProbe {
-    admin: SocketAddr,
-    config_received: AtomicBool,
-    live: AtomicBool,
-    started: tokio::time::Instant,
-    startup_duration: Gauge,
-    drain: Arc<DrainState>,
-}
-
-impl EnvoyProbe {
-    pub fn new(
-        admin: SocketAddr,
-        started: tokio::time::Instant,
-        registry: &Registry,
-        drain: Arc<DrainState>,
-    ) -> Arc<EnvoyProbe> {
-        Arc::new(EnvoyProbe {
-            admin,
-            config_received: AtomicBool::new(false),
-            live: AtomicBool::new(false),
-            started,
-            startup_duration: registry.gauge(
-                "startup_duration_seconds",
-                "The time from the process starting to being marked ready.",
-            ),
-            drain,
-        })
-    }
-
-    pub async fn check(&self) -> Result<(), String> {
-        if !self.config_received.load(Ordering::Relaxed) {
-            let path = "/stats?usedonly&filter=^(cluster_manager\\.cds|listener_manager\\.lds)\\.(update_success|update_rejected)$";
-            let (_, body) = admin::request("GET", self.admin, path, Duration::from_secs(1))
-                .await
-                .map_err(|e| format!("failed to get readiness stats: {e}"))?;
-            let cds = admin::stat_value(&body, "cluster_manager.cds.update_success");
-            let lds = admin::stat_value(&body, "listener_manager.lds.update_success");
-            let rejected = admin::stat_value(&body, "cluster_manager.cds.update_rejected")
-                .unwrap_or(0)
-                + admin::stat_value(&body, "listener_manager.lds.update_rejected").unwrap_or(0);
-            match (cds, lds) {
-                (Some(c), Some(l)) if c > 0 && l > 0 => {
-                    self.config_received.store(true, Ordering::Relaxed);
-                }
-                (None, None) if rejected == 0 => {
-                    return Err("config not received from XDS server (is Istiod running?)".into());
-                }
-                _ if rejected > 0 => {
-                    return Err(format!(
-                        "config received from XDS server, but was rejected: cds updates: {} successful, {} rejected; lds updates: {} successful, {} rejected",
-                        cds.unwrap_or(0),
-                        admin::stat_value(&body, "cluster_manager.cds.update_rejected")
-                            .unwrap_or(0),
-                        lds.unwrap_or(0),
-                        admin::stat_value(&body, "listener_manager.lds.update_rejected")
-                            .unwrap_or(0),
-                    ));
-                }
-                _ => {
-                    return Err(format!(
-                        "config not fully received from XDS server: cds updates: {}, lds updates: {}",
-                        cds.unwrap_or(0),
-                        lds.unwrap_or(0)
-                    ));
-                }
-            }
-        }
-        if self.drain.shutting_down.load(Ordering::Relaxed) {
-            return Err("server is terminated".into());
-        }
-        if !self.live.load(Ordering::Relaxed) {
-            let path =
-                "/stats?usedonly&filter=^(server\\.state|listener_manager\\.workers_started)";
-            let (_, body) = admin::request("GET", self.admin, path, Duration::from_secs(3))
-                .await
-                .map_err(|e| format!("failed to get server info: {e}"))?;
-            let state = admin::stat_value(&body, "server.state");
-            let workers = admin::stat_value(&body, "listener_manager.workers_started");
-            match (state, workers) {
-                (Some(0), Some(1)) => {
-                    self.live.store(true, Ordering::Relaxed);
-                    self.startup_duration
-                        .set(self.started.elapsed().as_secs_f64());
-                }
-                (Some(s), Some(w)) => {
-                    let name = match s {
-                        1 => "DRAINING",
-                        2 => "PRE_INITIALIZING",
-                        3 => "INITIALIZING",
-                        _ => "LIVE",
-                    };
-                    return Err(format!(
-                        "server is not live, current state is: {name}, workers started: {w}"
-                    ));
-                }
-                _ => {
-                    return Err(
-                        "server.state or listener_manager.workers_started stat missing".into(),
-                    );
-                }
-            }
-        }
-        Ok(())
-    }
-}
-
-#[derive(Clone, Default)]
-pub struct Readiness {
-    probes: Arc<Mutex<Vec<Probe>>>,
-}
-
-impl Readiness {
-    pub fn add(&self, probe: Probe) {
-        self.probes
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .push(probe);
-    }
-
-    pub fn add_envoy(&self, envoy: Arc<EnvoyProbe>) {
-        self.add(Arc::new(move || {
-            let e = envoy.clone();
-            Box::pin(async move { e.check().await })
-        }));
-    }
-
-    /// Runs the probes in order; the first failure wins.
-    pub async fn check(&self) -> Result<(), String> {
-        let probes: Vec<Probe> = self
-            .probes
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .clone();
-        for p in probes {
-            p().await?;
-        }
-        Ok(())
-    }
-}
+/// The DNS name table as the xDS proxy publishes it (NDS); `None` until the first push.
+pub type NameTable = meshagent_proto::nds::NameTable;
+pub type NameTableWatch = watch::Receiver<Option<Arc<NameTable>>>;
 
 /// What the status server needs.
 #[derive(Clone)]
@@ -177,6 +54,16 @@ pub struct StatusState {
     /// Envoy admin, for `/drain`; `None` without Envoy.
     pub envoy_admin: Option<SocketAddr>,
     pub proxy_type: ProxyType,
+    /// Merged metrics (agent, Envoy, application targets).
+    pub merger: Merger,
+    /// Rewritten application probes from `ISTIO_KUBE_APP_PROBERS`.
+    pub probes: AppProbes,
+    /// `METRICS_LOCALHOST_ACCESS_ONLY`.
+    pub metrics_localhost_only: bool,
+    /// The DNS table for `/debug/ndsz`; `None` when no DNS proxy runs.
+    pub name_table: Option<NameTableWatch>,
+    /// `/debug/config_dump` body; `None` disables it (`--profiling=false`).
+    pub config_dump: Option<Arc<serde_json::Value>>,
 }
 
 pub fn router(state: StatusState) -> axum::Router {
@@ -186,7 +73,12 @@ pub fn router(state: StatusState) -> axum::Router {
         .route("/drain", any(drain))
         .route("/stats/prometheus", any(metrics))
         .route("/metrics", any(metrics))
+        .route("/app-health/{container}/{kind}", any(app_probe))
+        .route("/app-lifecycle/{container}/{kind}", any(app_probe))
+        .route("/debug/ndsz", any(ndsz))
+        .route("/debug/config_dump", any(config_dump))
         .with_state(state)
+        .layer(tower_http::compression::CompressionLayer::new().gzip(true))
 }
 
 /// Serves until `shutdown`; a bind failure is returned to the caller (startup error).
@@ -231,13 +123,17 @@ fn loopback(peer: &SocketAddr) -> bool {
     }
 }
 
+fn forbidden(peer: &SocketAddr) -> Response {
+    tracing::warn!(%peer, "refused a loopback-only request from a non-loopback address");
+    (StatusCode::FORBIDDEN, "only allowed from localhost\n").into_response()
+}
+
 fn admin_guard(method: &Method, peer: &SocketAddr) -> Option<Response> {
     if method != Method::POST {
         return Some((StatusCode::METHOD_NOT_ALLOWED, "method not allowed\n").into_response());
     }
     if !loopback(peer) {
-        tracing::warn!(%peer, "refused admin request from a non-loopback address");
-        return Some((StatusCode::FORBIDDEN, "only allowed from localhost\n").into_response());
+        return Some(forbidden(peer));
     }
     None
 }
@@ -291,15 +187,77 @@ async fn drain(
     }
 }
 
-async fn metrics(State(s): State<StatusState>) -> Response {
+async fn metrics(
+    State(s): State<StatusState>,
+    ConnectInfo(peer): ConnectInfo<SocketAddr>,
+    uri: Uri,
+    headers: HeaderMap,
+) -> Response {
+    if s.metrics_localhost_only && !loopback(&peer) {
+        return forbidden(&peer);
+    }
+    s.merger.scrape(&headers, uri.query()).await
+}
+
+async fn app_probe(State(s): State<StatusState>, uri: Uri, headers: HeaderMap) -> Response {
+    s.probes.handle(uri.path(), &headers).await
+}
+
+fn json(code: StatusCode, v: &serde_json::Value) -> Response {
     (
-        [(
-            axum::http::header::CONTENT_TYPE,
-            "text/plain; version=0.0.4; charset=utf-8",
-        )],
-        s.registry.encode(),
+        code,
+        [(axum::http::header::CONTENT_TYPE, "application/json")],
+        v.to_string(),
     )
         .into_response()
+}
+
+/// Istio's `/debug/ndsz`: the NameTable in protojson field names.
+async fn ndsz(
+    State(s): State<StatusState>,
+    ConnectInfo(peer): ConnectInfo<SocketAddr>,
+) -> Response {
+    if !loopback(&peer) {
+        return forbidden(&peer);
+    }
+    let table = s.name_table.as_ref().and_then(|w| w.borrow().clone());
+    let Some(table) = table else {
+        return json(StatusCode::NOT_FOUND, &serde_json::json!({}));
+    };
+    let mut entries = serde_json::Map::new();
+    let mut hosts: Vec<_> = table.table.iter().collect();
+    hosts.sort_by(|a, b| a.0.cmp(b.0));
+    for (host, info) in hosts {
+        let mut e = serde_json::Map::new();
+        e.insert("ips".into(), serde_json::json!(info.ips));
+        if !info.registry.is_empty() {
+            e.insert("registry".into(), serde_json::json!(info.registry));
+        }
+        if !info.shortname.is_empty() {
+            e.insert("shortname".into(), serde_json::json!(info.shortname));
+        }
+        if !info.namespace.is_empty() {
+            e.insert("namespace".into(), serde_json::json!(info.namespace));
+        }
+        if !info.alt_hosts.is_empty() {
+            e.insert("altHosts".into(), serde_json::json!(info.alt_hosts));
+        }
+        entries.insert(host.clone(), serde_json::Value::Object(e));
+    }
+    json(StatusCode::OK, &serde_json::json!({ "table": entries }))
+}
+
+async fn config_dump(
+    State(s): State<StatusState>,
+    ConnectInfo(peer): ConnectInfo<SocketAddr>,
+) -> Response {
+    let Some(dump) = &s.config_dump else {
+        return StatusCode::NOT_FOUND.into_response();
+    };
+    if !loopback(&peer) {
+        return forbidden(&peer);
+    }
+    json(StatusCode::OK, dump)
 }
 
 #[cfg(test)]
@@ -311,13 +269,30 @@ mod tests {
     use tower::ServiceExt;
 
     fn state() -> StatusState {
+        let registry = Registry::new();
         StatusState {
             readiness: Readiness::default(),
-            registry: Registry::new(),
+            merger: Merger::new(
+                registry.clone(),
+                MergeMetrics::register(&registry),
+                None,
+                Vec::new(),
+            ),
+            registry,
             drain: Arc::default(),
             shutdown: CancellationToken::new(),
             envoy_admin: None,
             proxy_type: ProxyType::Sidecar,
+            probes: AppProbes::new(
+                Default::default(),
+                IpAddr::from([127, 0, 0, 1]),
+                15020,
+                true,
+            )
+            .unwrap(),
+            metrics_localhost_only: false,
+            name_table: None,
+            config_dump: None,
         }
     }
 
@@ -387,6 +362,56 @@ mod tests {
         assert_eq!(
             (code, body.as_str()),
             (StatusCode::SERVICE_UNAVAILABLE, "first reason")
+        );
+    }
+
+    #[tokio::test]
+    async fn loopback_only_endpoints_and_unknown_probe() {
+        let mut s = state();
+        let (code, body) = call(s.clone(), "127.0.0.1:1", "GET", "/debug/ndsz").await;
+        assert_eq!((code, body.as_str()), (StatusCode::NOT_FOUND, "{}"));
+        let (tx, rx) = watch::channel(None);
+        s.name_table = Some(rx);
+        let mut table = NameTable::default();
+        table.table.insert(
+            "b.default.svc.cluster.local".into(),
+            meshagent_proto::nds::name_table::NameInfo {
+                ips: vec!["240.240.0.1".into()],
+                registry: "Kubernetes".into(),
+                shortname: "b".into(),
+                namespace: "default".into(),
+                alt_hosts: vec![],
+            },
+        );
+        tx.send_replace(Some(Arc::new(table)));
+        let (code, body) = call(s.clone(), "127.0.0.1:1", "GET", "/debug/ndsz").await;
+        assert_eq!(code, StatusCode::OK);
+        let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+        assert_eq!(
+            v["table"]["b.default.svc.cluster.local"]["registry"],
+            "Kubernetes"
+        );
+        assert_eq!(
+            call(s.clone(), "192.0.2.1:1", "GET", "/debug/ndsz").await.0,
+            StatusCode::FORBIDDEN
+        );
+
+        s.metrics_localhost_only = true;
+        assert_eq!(
+            call(s.clone(), "192.0.2.1:1", "GET", "/metrics").await.0,
+            StatusCode::FORBIDDEN
+        );
+        let (code, body) = call(s.clone(), "127.0.0.1:1", "GET", "/stats/prometheus").await;
+        assert_eq!(code, StatusCode::OK);
+        assert!(body.contains("istio_agent_scrapes_total 1"), "{body}");
+
+        let (code, body) = call(s, "192.0.2.1:1", "GET", "/app-health/x/livez").await;
+        assert_eq!(
+            (code, body.as_str()),
+            (
+                StatusCode::BAD_REQUEST,
+                "app prober config does not exists for /app-health/x/livez"
+            )
         );
     }
 }

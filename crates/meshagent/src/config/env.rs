@@ -158,16 +158,6 @@ impl<'a> Reader<'a> {
         })
     }
 
-    /// A JSON object (kept parsed), or `None` when unset.
-    pub(crate) fn json_object(&mut self, key: &str) -> Option<serde_json::Value> {
-        self.parse(key, None, "a JSON object", |s| {
-            serde_json::from_str::<serde_json::Value>(s)
-                .ok()
-                .filter(serde_json::Value::is_object)
-                .map(Some)
-        })
-    }
-
     /// A comma-separated list; blank items are dropped.
     pub(crate) fn list(&self, key: &str, default: &[&str]) -> Vec<String> {
         match self.env.get(key) {

@@ -155,7 +155,7 @@ fn env_defaults() {
 
     assert!(c.status.enable_http2_probing && c.status.merge_envoy_stats);
     assert!(!c.status.metrics_localhost_access_only);
-    assert_eq!(c.status.kube_app_probers, None);
+    assert!(c.status.kube_app_probers.is_empty());
 
     assert_eq!(c.dns.proxy_addr, "localhost:15053");
     assert!(!c.dns.proxy_addr_set && !c.dns.capture && !c.dns.forward_parallel);
@@ -202,7 +202,10 @@ fn env_values_are_read() {
         .env("DNS_PROXY_ADDR", ":53")
         .env("WASM_INSECURE_REGISTRIES", "*")
         .env("BLOCKED_CIDRS_IN_WASM_FETCH", "10.0.0.0/8,fd00::/8")
-        .env("ISTIO_KUBE_APP_PROBERS", r#"{"/app-health/x/livez":{}}"#)
+        .env(
+            "ISTIO_KUBE_APP_PROBERS",
+            r#"{"/app-health/x/livez":{"tcpSocket":{"port":80}}}"#,
+        )
         .env("PEER_METADATA_DISCOVERY", "false")
         .ok();
     assert_eq!(c.domain, "prod.svc.cluster.local");
@@ -220,7 +223,7 @@ fn env_values_are_read() {
     assert!(c.dns.proxy_addr_set);
     assert_eq!(c.wasm.insecure_registries, vec!["*"]);
     assert_eq!(c.wasm.blocked_cidrs.len(), 2);
-    assert!(c.status.kube_app_probers.is_some());
+    assert_eq!(c.status.kube_app_probers.len(), 1);
     assert_eq!(c.bootstrap.peer_metadata_discovery, Some(false));
 }
 
@@ -506,6 +509,34 @@ fn missing_files_are_fine_and_annotations_are_kept() {
 // === bad input ===
 
 #[test]
+fn bad_probers_and_prometheus_annotations_name_the_problem() {
+    let cases: &[(&str, &str, &[&str])] = &[
+        ("ISTIO_KUBE_APP_PROBERS", "[1]", &["JSON object"]),
+        (
+            "ISTIO_KUBE_APP_PROBERS",
+            r#"{"/app-health/c/bogus":{"tcpSocket":{"port":1}}}"#,
+            &["invalid key \"/app-health/c/bogus\""],
+        ),
+        (
+            "ISTIO_KUBE_APP_PROBERS",
+            r#"{"/app-health/c/livez":{"httpGet":{"port":"http"}}}"#,
+            &["/app-health/c/livez", "httpGet.port", "integer"],
+        ),
+        ("ISTIO_PROMETHEUS_ANNOTATIONS", "{", &["not valid JSON"]),
+        (
+            "ISTIO_PROMETHEUS_ANNOTATIONS",
+            r#"{"scrape":"true","port":"15020"}"#,
+            &["status port"],
+        ),
+    ];
+    for (name, value, expected) in cases {
+        let err = Fixture::new().env(name, value).err();
+        assert_contains(&err, &[name]);
+        assert_contains(&err, expected);
+    }
+}
+
+#[test]
 fn bad_env_values() {
     let cases: &[(&str, &str, &[&str])] = &[
         ("SECRET_TTL", "abc", &["duration such as 24h, 30m or 1.5s"]),
@@ -529,8 +560,6 @@ fn bad_env_values() {
         ("ISTIO_CPU_LIMIT", "-1", &["integer between 0"]),
         ("ISTIO_GPRC_MAXSTREAMS", "0", &["integer between 1"]),
         ("INSTANCE_IP", "10.0.0", &["IPv4 or IPv6"]),
-        ("ISTIO_KUBE_APP_PROBERS", "[1]", &["JSON object"]),
-        ("ISTIO_PROMETHEUS_ANNOTATIONS", "{", &["JSON object"]),
         ("ISTIO_METAJSON_LABELS", "\"str\"", &["JSON object"]),
         ("BLOCKED_CIDRS_IN_WASM_FETCH", "10.0.0.0/33", &["CIDR"]),
         ("WASM_HTTP_REQUEST_MAX_RETRIES", "x", &["integer"]),

@@ -9,7 +9,11 @@ use std::time::Duration;
 use serde::Serialize;
 use serde_json::Value;
 
+use super::ConfigError;
 use super::env::Reader;
+use super::probers::{
+    AppProber, PrometheusScrape, parse_app_probers, parse_prometheus_annotations,
+};
 use super::serde_duration;
 
 const MIB: u64 = 1024 * 1024;
@@ -199,10 +203,10 @@ impl LifecycleConfig {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "camelCase")]
 pub struct StatusConfig {
-    /// `ISTIO_KUBE_APP_PROBERS`: JSON map of path to prober.
-    pub kube_app_probers: Option<Value>,
-    /// `ISTIO_PROMETHEUS_ANNOTATIONS`: enables app metrics merge.
-    pub prometheus_annotations: Option<Value>,
+    /// `ISTIO_KUBE_APP_PROBERS`: path → prober, validated (empty when unset).
+    pub kube_app_probers: BTreeMap<String, AppProber>,
+    /// `ISTIO_PROMETHEUS_ANNOTATIONS`: app metrics targets to merge, validated.
+    pub prometheus_annotations: Option<PrometheusScrape>,
     /// `ISTIO_ENABLE_HTTP2_PROBING` (default true).
     pub enable_http2_probing: bool,
     /// `REWRITE_PROBE_LEGACY_LOCALHOST_DESTINATION` (default false).
@@ -216,10 +220,34 @@ pub struct StatusConfig {
 }
 
 impl StatusConfig {
-    pub(crate) fn from_env(r: &mut Reader<'_>) -> Self {
+    pub(crate) fn from_env(r: &mut Reader<'_>, status_port: u16) -> Self {
+        // Istio exits when these do not validate; the error names the variable and the key.
+        let fail = |r: &mut Reader<'_>, name: &str, reason: String| {
+            r.errors.push(ConfigError::Parse {
+                origin: name.to_owned(),
+                reason,
+            })
+        };
+        let kube_app_probers = match r.non_empty("ISTIO_KUBE_APP_PROBERS") {
+            None => BTreeMap::new(),
+            Some(raw) => parse_app_probers(&raw).unwrap_or_else(|e| {
+                fail(r, "ISTIO_KUBE_APP_PROBERS", e);
+                BTreeMap::new()
+            }),
+        };
+        let prometheus_annotations = match r.non_empty("ISTIO_PROMETHEUS_ANNOTATIONS") {
+            None => None,
+            Some(raw) => match parse_prometheus_annotations(&raw, status_port) {
+                Ok(p) => Some(p),
+                Err(e) => {
+                    fail(r, "ISTIO_PROMETHEUS_ANNOTATIONS", e);
+                    None
+                }
+            },
+        };
         Self {
-            kube_app_probers: r.json_object("ISTIO_KUBE_APP_PROBERS"),
-            prometheus_annotations: r.json_object("ISTIO_PROMETHEUS_ANNOTATIONS"),
+            kube_app_probers,
+            prometheus_annotations,
             enable_http2_probing: r.bool("ISTIO_ENABLE_HTTP2_PROBING", true),
             rewrite_probe_legacy_localhost_destination: r
                 .bool("REWRITE_PROBE_LEGACY_LOCALHOST_DESTINATION", false),

@@ -1,0 +1,208 @@
+//! Merged-metrics benchmark (issue 6, field lessons F18): one scrape merging a 100,000-line
+//! Envoy stats body and a 1 MiB application body, both served by local HTTP servers. Reports
+//! scrape latency and the process's peak RSS increase during the scrape (VmHWM, reset through
+//! `/proc/self/clear_refs` before each scrape). Goal: ≤ 2 MiB extra.
+//!
+//! `cargo bench -p meshagent --bench merge` (or `make bench`).
+
+#![allow(clippy::unwrap_used, clippy::print_stdout)] // a benchmark binary, not the agent
+
+use std::fmt::Write as _;
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use axum::http::HeaderMap;
+use bytes::Bytes;
+use http_body_util::BodyExt;
+use meshagent::config::probers::ScrapeTarget;
+use meshagent::metrics::{Registry, register_process_metrics, status_kib};
+use meshagent::status::{MergeMetrics, Merger};
+
+const ENVOY_LINES: usize = 100_000;
+const APP_BYTES: usize = 1024 * 1024;
+
+fn envoy_body() -> Bytes {
+    // 10,000 families × (TYPE + 9 series) = 100,000 lines, shaped like Envoy's output.
+    let mut s = String::with_capacity(12 * 1024 * 1024);
+    for f in 0..ENVOY_LINES / 10 {
+        let _ = writeln!(s, "# TYPE envoy_cluster_upstream_rq_{f} counter");
+        for i in 0..9 {
+            let _ = writeln!(
+                s,
+                "envoy_cluster_upstream_rq_{f}{{response_code=\"{}\",cluster_name=\"outbound|8080||svc-{i}.default.svc.cluster.local\"}} {}",
+                200 + i,
+                f * 7 + i
+            );
+        }
+    }
+    Bytes::from(s)
+}
+
+fn app_body() -> Bytes {
+    let mut s = String::with_capacity(APP_BYTES + 256);
+    let mut n = 0;
+    while s.len() < APP_BYTES {
+        if n % 10 == 0 {
+            let _ = writeln!(s, "# TYPE app_metric_{} gauge", n / 10);
+        }
+        let _ = writeln!(s, "app_metric_{}{{instance=\"{n}\"}} {n}", n / 10);
+        n += 1;
+    }
+    Bytes::from(s)
+}
+
+async fn serve(body: Bytes, path: &'static str) -> SocketAddr {
+    let app = axum::Router::new().route(
+        path,
+        axum::routing::get(move || {
+            let b = body.clone();
+            async move { b }
+        }),
+    );
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = l.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(l, app).await });
+    addr
+}
+
+fn reset_hwm() {
+    // "5" resets the peak RSS (VmHWM) to the current RSS (Linux ≥ 4.0).
+    let _ = std::fs::write("/proc/self/clear_refs", "5");
+}
+
+async fn one_scrape(merger: &Merger) -> (Duration, usize) {
+    let start = tokio::time::Instant::now();
+    let resp = merger.scrape(&HeaderMap::new(), None).await;
+    let mut body = resp.into_body();
+    let mut total = 0;
+    while let Some(f) = body.frame().await {
+        if let Ok(d) = f.unwrap().into_data() {
+            total += d.len();
+        }
+    }
+    (start.elapsed(), total)
+}
+
+/// Child mode: serve the two bodies and print their ports; the parent measures only the merge.
+async fn serve_bodies() {
+    let envoy_body = envoy_body();
+    let app_body = app_body();
+    eprintln!(
+        "envoy body: {} lines, {:.1} MiB; app body: {:.2} MiB",
+        ENVOY_LINES,
+        envoy_body.len() as f64 / 1048576.0,
+        app_body.len() as f64 / 1048576.0
+    );
+    let envoy = serve(envoy_body, "/stats/prometheus").await;
+    let app = serve(app_body, "/metrics").await;
+    println!("{} {}", envoy.port(), app.port());
+    // Until the parent closes our stdin.
+    let _ = tokio::task::spawn_blocking(|| {
+        let mut buf = [0u8; 1];
+        std::io::Read::read(&mut std::io::stdin(), &mut buf)
+    })
+    .await;
+}
+
+fn main() {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    if std::env::args().any(|a| a == "--serve-bodies") {
+        rt.block_on(serve_bodies());
+        return;
+    }
+    let mut child = std::process::Command::new(std::env::current_exe().unwrap())
+        .arg("--serve-bodies")
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    std::io::BufRead::read_line(
+        &mut std::io::BufReader::new(child.stdout.take().unwrap()),
+        &mut line,
+    )
+    .unwrap();
+    let ports: Vec<u16> = line
+        .split_whitespace()
+        .map(|p| p.parse().unwrap())
+        .collect();
+    rt.block_on(async {
+        let envoy = SocketAddr::from(([127, 0, 0, 1], ports[0]));
+        let app = SocketAddr::from(([127, 0, 0, 1], ports[1]));
+        let registry = Registry::new();
+        register_process_metrics(&registry);
+        let merger = Merger::new(
+            registry.clone(),
+            MergeMetrics::register(&registry),
+            Some(envoy),
+            vec![ScrapeTarget {
+                port: app.port(),
+                path: "/metrics".into(),
+            }],
+        );
+        let mut lat = Vec::new();
+        let mut peaks = Vec::new();
+        for i in 0..8 {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            reset_hwm();
+            let before = status_kib("VmRSS:").unwrap_or(0.0);
+            let (took, bytes) = one_scrape(&merger).await;
+            let hwm = status_kib("VmHWM:").unwrap_or(0.0);
+            let extra_kib = (hwm - before).max(0.0);
+            println!(
+                "scrape {i}: {:>7.1} ms, {:.1} MiB out, peak RSS +{:.0} KiB",
+                took.as_secs_f64() * 1000.0,
+                bytes as f64 / 1048576.0,
+                extra_kib
+            );
+            lat.push(took);
+            peaks.push(extra_kib);
+        }
+        // Baseline in the same run: read both bodies whole, as Istio's merge does (#32386).
+        let client = hyper_util::client::legacy::Client::builder(
+            hyper_util::rt::TokioExecutor::new(),
+        )
+        .build_http::<http_body_util::Empty<Bytes>>();
+        for i in 0..3 {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            reset_hwm();
+            let before = status_kib("VmRSS:").unwrap_or(0.0);
+            let start = tokio::time::Instant::now();
+            let mut whole = Vec::new();
+            for uri in [
+                format!("http://{envoy}/stats/prometheus"),
+                format!("http://{app}/metrics"),
+            ] {
+                let resp = client.get(uri.parse().unwrap()).await.unwrap();
+                let body = resp.into_body().collect().await.unwrap().to_bytes();
+                whole.push(body);
+            }
+            let merged: Vec<u8> = whole.concat();
+            let hwm = status_kib("VmHWM:").unwrap_or(0.0);
+            println!(
+                "baseline {i} (buffered, Istio-style): {:>7.1} ms, {:.1} MiB, peak RSS +{:.0} KiB",
+                start.elapsed().as_secs_f64() * 1000.0,
+                merged.len() as f64 / 1048576.0,
+                (hwm - before).max(0.0)
+            );
+        }
+        lat.sort();
+        let first = peaks[0];
+        peaks.sort_by(f64::total_cmp);
+        println!(
+            "latency median {:.1} ms (min {:.1}, max {:.1}); peak RSS increase: first scrape +{:.0} KiB, median +{:.0} KiB, max +{:.0} KiB (goal ≤ 2048 KiB)",
+            lat[lat.len() / 2].as_secs_f64() * 1000.0,
+            lat[0].as_secs_f64() * 1000.0,
+            lat[lat.len() - 1].as_secs_f64() * 1000.0,
+            first,
+            peaks[peaks.len() / 2],
+            peaks[peaks.len() - 1],
+        );
+    });
+    drop(child.stdin.take());
+    let _ = child.wait();
+}

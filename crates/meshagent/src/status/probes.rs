@@ -1,0 +1,605 @@
+//! Application probe rewriting (spec §7.4, field lessons §2.12 and F21).
+//!
+//! The injector points kubelet's probes and lifecycle hooks at `/app-health/<c>/<kind>` and
+//! `/app-lifecycle/<c>/<kind>` on the status port; `ISTIO_KUBE_APP_PROBERS` says what to call
+//! instead. Every probe opens a fresh connection from `127.0.0.6` (`::6`), the source address
+//! Istio's iptables rules let through uncaptured, to `INSTANCE_IP` (apps that bind only the pod
+//! IP work, #25177) or `localhost` with the legacy switch. HTTPS is not verified (kubelet does
+//! not verify either) and may negotiate HTTP/2. Answers follow Istio: any 3xx → 200, otherwise
+//! the app's status and at most 10 KiB of body; transport errors → 500.
+
+use std::collections::BTreeMap;
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
+use std::sync::Arc;
+
+use axum::body::Body;
+use axum::http::{HeaderMap, HeaderName, HeaderValue, Request, Response, StatusCode, Uri, header};
+use bytes::{Bytes, BytesMut};
+use http_body_util::{BodyExt, Full};
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use rustls::pki_types::ServerName;
+use tokio::net::{TcpSocket, TcpStream};
+
+use crate::config::probers::{AppProber, ProberKind};
+
+/// Body bytes passed back to kubelet (Istio's 10 KiB).
+pub const MAX_BODY: usize = 10 * 1024;
+/// gRPC health responses are a few bytes; anything larger is an error.
+const MAX_GRPC_BODY: usize = 64 * 1024;
+const MAX_REDIRECTS: usize = 10;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ProbeError {
+    #[error("connect to {addr} failed: {source}")]
+    Connect {
+        addr: SocketAddr,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("cannot resolve {0}")]
+    Resolve(String),
+    #[error("TLS handshake failed: {0}")]
+    Tls(#[source] std::io::Error),
+    #[error("HTTP request failed: {0}")]
+    Http(String),
+    #[error("timed out")]
+    Timeout,
+    #[error("bad gRPC health response: {0}")]
+    Grpc(String),
+}
+
+/// The rewritten probes and how to reach the application.
+#[derive(Clone)]
+pub struct AppProbes {
+    probers: Arc<BTreeMap<String, AppProber>>,
+    /// Where the application is: `INSTANCE_IP`, or loopback with the legacy switch.
+    dest: IpAddr,
+    status_port: u16,
+    tls: Arc<rustls::ClientConfig>,
+}
+
+impl AppProbes {
+    pub fn new(
+        probers: BTreeMap<String, AppProber>,
+        dest: IpAddr,
+        status_port: u16,
+        http2: bool,
+    ) -> Result<AppProbes, rustls::Error> {
+        Ok(AppProbes {
+            probers: Arc::new(probers),
+            dest,
+            status_port,
+            tls: Arc::new(insecure_tls(http2)?),
+        })
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.probers.is_empty()
+    }
+
+    /// Answers kubelet for `path`.
+    pub async fn handle(&self, path: &str, incoming: &HeaderMap) -> Response<Body> {
+        let Some(prober) = self.probers.get(path) else {
+            return plain(
+                StatusCode::BAD_REQUEST,
+                Bytes::from(format!("app prober config does not exists for {path}")),
+            );
+        };
+        let work = self.run(prober, incoming);
+        let result = match prober.timeout() {
+            Some(t) => tokio::time::timeout(t, work)
+                .await
+                .unwrap_or(Err(ProbeError::Timeout)),
+            None => work.await,
+        };
+        match result {
+            Ok((code, body)) => plain(code, body),
+            Err(e) => {
+                tracing::debug!(path, error = %e, "application probe failed");
+                plain(
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    Bytes::from(format!("probe failed: {e}")),
+                )
+            }
+        }
+    }
+
+    async fn run(
+        &self,
+        prober: &AppProber,
+        incoming: &HeaderMap,
+    ) -> Result<(StatusCode, Bytes), ProbeError> {
+        match &prober.kind {
+            ProberKind::TcpSocket { port } => {
+                let addr = SocketAddr::new(self.dest, *port);
+                match connect(addr).await {
+                    Ok(_) => Ok((StatusCode::OK, Bytes::new())),
+                    Err(e) => {
+                        tracing::debug!(error = %e, "TCP probe failed");
+                        Ok((StatusCode::INTERNAL_SERVER_ERROR, Bytes::new()))
+                    }
+                }
+            }
+            ProberKind::Grpc { port, service } => {
+                let addr = SocketAddr::new(self.dest, *port);
+                let ua = incoming.get(header::USER_AGENT).cloned();
+                match grpc_check(addr, service, ua).await {
+                    Ok(true) => Ok((StatusCode::OK, Bytes::new())),
+                    Ok(false) => Ok((StatusCode::INTERNAL_SERVER_ERROR, Bytes::new())),
+                    Err(e) => {
+                        tracing::debug!(error = %e, "gRPC probe failed");
+                        Ok((StatusCode::INTERNAL_SERVER_ERROR, Bytes::new()))
+                    }
+                }
+            }
+            ProberKind::HttpGet {
+                path,
+                port,
+                https,
+                host,
+                headers,
+            } => {
+                self.http(path, *port, *https, host.as_deref(), headers, incoming)
+                    .await
+            }
+        }
+    }
+
+    async fn http(
+        &self,
+        path: &str,
+        port: u16,
+        https: bool,
+        host: Option<&str>,
+        extra: &[(String, String)],
+        incoming: &HeaderMap,
+    ) -> Result<(StatusCode, Bytes), ProbeError> {
+        let dest_host = host
+            .map(str::to_owned)
+            .unwrap_or_else(|| self.dest.to_string());
+        let mut target = Target {
+            https,
+            host: dest_host.clone(),
+            port,
+            path_and_query: if path.starts_with('/') {
+                path.to_owned()
+            } else {
+                format!("/{path}")
+            },
+        };
+        let headers = self.request_headers(port, extra, incoming);
+        for _ in 0..=MAX_REDIRECTS {
+            let (status, location, body) = self.http_once(&target, &headers).await?;
+            if !status.is_redirection() {
+                return Ok((status, body));
+            }
+            // Follow only to the same hostname; otherwise the 3xx itself is the answer (→ 200).
+            let Some(next) = location.and_then(|l| target.redirect(&l)) else {
+                return Ok((StatusCode::OK, body));
+            };
+            if next.host != dest_host {
+                return Ok((StatusCode::OK, body));
+            }
+            target = next;
+        }
+        // Too many redirects: Go's client errors out, which Istio maps to 500.
+        Err(ProbeError::Http("stopped after 10 redirects".into()))
+    }
+
+    /// Incoming headers minus hop-by-hop ones; Host with the status port replaced by the app
+    /// port; configured `httpHeaders` last (an explicit `Host` wins).
+    fn request_headers(
+        &self,
+        port: u16,
+        extra: &[(String, String)],
+        incoming: &HeaderMap,
+    ) -> HeaderMap {
+        let mut out = HeaderMap::new();
+        for (k, v) in incoming {
+            if matches!(
+                k.as_str(),
+                "host"
+                    | "connection"
+                    | "keep-alive"
+                    | "proxy-connection"
+                    | "transfer-encoding"
+                    | "upgrade"
+                    | "te"
+                    | "content-length"
+                    | "accept-encoding"
+            ) {
+                continue;
+            }
+            out.append(k.clone(), v.clone());
+        }
+        if let Some(h) = incoming.get(header::HOST).and_then(|v| v.to_str().ok()) {
+            let status_suffix = format!(":{}", self.status_port);
+            let host = match h.strip_suffix(&status_suffix) {
+                Some(name) => format!("{name}:{port}"),
+                None => h.to_owned(),
+            };
+            if let Ok(v) = HeaderValue::from_str(&host) {
+                out.insert(header::HOST, v);
+            }
+        }
+        for (k, v) in extra {
+            if let (Ok(k), Ok(v)) = (
+                HeaderName::from_bytes(k.as_bytes()),
+                HeaderValue::from_str(v),
+            ) {
+                out.insert(k, v);
+            }
+        }
+        out
+    }
+
+    async fn http_once(
+        &self,
+        t: &Target,
+        headers: &HeaderMap,
+    ) -> Result<(StatusCode, Option<String>, Bytes), ProbeError> {
+        let addr = resolve(&t.host, t.port).await?;
+        let tcp = connect(addr)
+            .await
+            .map_err(|source| ProbeError::Connect { addr, source })?;
+        let authority = match headers.get(header::HOST).and_then(|v| v.to_str().ok()) {
+            Some(h) => h.to_owned(),
+            None => SocketAddr::new(addr.ip(), t.port).to_string(),
+        };
+        let resp = if t.https {
+            let name = match t.host.parse::<IpAddr>() {
+                Ok(ip) => ServerName::IpAddress(ip.into()),
+                Err(_) => ServerName::try_from(t.host.clone())
+                    .map_err(|_| ProbeError::Resolve(t.host.clone()))?,
+            };
+            let tls = tokio_rustls::TlsConnector::from(self.tls.clone())
+                .connect(name, tcp)
+                .await
+                .map_err(ProbeError::Tls)?;
+            let h2 = tls.get_ref().1.alpn_protocol() == Some(b"h2");
+            send(TokioIo::new(tls), h2, "https", &authority, t, headers).await?
+        } else {
+            send(TokioIo::new(tcp), false, "http", &authority, t, headers).await?
+        };
+        let status = resp.status();
+        let location = resp
+            .headers()
+            .get(header::LOCATION)
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_owned);
+        let body = read_capped(resp.into_body(), MAX_BODY)
+            .await
+            .map_err(ProbeError::Http)?;
+        Ok((status, location, body))
+    }
+}
+
+#[derive(Clone)]
+struct Target {
+    https: bool,
+    host: String,
+    port: u16,
+    path_and_query: String,
+}
+
+impl Target {
+    fn redirect(&self, location: &str) -> Option<Target> {
+        let uri: Uri = location.parse().ok()?;
+        let mut next = self.clone();
+        if let Some(auth) = uri.authority() {
+            next.https = uri.scheme_str() == Some("https");
+            next.host = auth.host().trim_matches(['[', ']']).to_owned();
+            next.port = auth.port_u16().unwrap_or(if next.https { 443 } else { 80 });
+        }
+        next.path_and_query = match uri.path_and_query() {
+            Some(p) if p.as_str().starts_with('/') => p.as_str().to_owned(),
+            Some(p) => format!("/{}", p.as_str()),
+            None => "/".to_owned(),
+        };
+        Some(next)
+    }
+}
+
+async fn send<I>(
+    io: I,
+    h2: bool,
+    scheme: &str,
+    authority: &str,
+    t: &Target,
+    headers: &HeaderMap,
+) -> Result<Response<hyper::body::Incoming>, ProbeError>
+where
+    I: hyper::rt::Read + hyper::rt::Write + Unpin + Send + 'static,
+{
+    let http = |e: hyper::Error| ProbeError::Http(e.to_string());
+    if h2 {
+        let (mut sender, conn) = hyper::client::conn::http2::handshake(TokioExecutor::new(), io)
+            .await
+            .map_err(http)?;
+        tokio::spawn(conn);
+        let uri = format!("{scheme}://{authority}{}", t.path_and_query);
+        let mut req = Request::get(uri.as_str());
+        for (k, v) in headers {
+            if k != header::HOST {
+                req = req.header(k, v);
+            }
+        }
+        let req = req
+            .body(Full::new(Bytes::new()))
+            .map_err(|e| ProbeError::Http(e.to_string()))?;
+        sender.send_request(req).await.map_err(http)
+    } else {
+        let (mut sender, conn) = hyper::client::conn::http1::handshake(io)
+            .await
+            .map_err(http)?;
+        tokio::spawn(conn);
+        let mut req = Request::get(t.path_and_query.as_str());
+        for (k, v) in headers {
+            req = req.header(k, v);
+        }
+        if !headers.contains_key(header::HOST) {
+            req = req.header(header::HOST, authority);
+        }
+        // No keep-alive: every probe is a fresh connection (Istio's default).
+        req = req.header(header::CONNECTION, "close");
+        let req = req
+            .body(Full::new(Bytes::new()))
+            .map_err(|e| ProbeError::Http(e.to_string()))?;
+        sender.send_request(req).await.map_err(http)
+    }
+}
+
+async fn read_capped(mut body: hyper::body::Incoming, cap: usize) -> Result<Bytes, String> {
+    let mut out = BytesMut::new();
+    while out.len() < cap {
+        match body.frame().await {
+            None => break,
+            Some(Err(e)) => return Err(e.to_string()),
+            Some(Ok(f)) => {
+                if let Ok(d) = f.into_data() {
+                    let room = cap - out.len();
+                    out.extend_from_slice(&d[..d.len().min(room)]);
+                }
+            }
+        }
+    }
+    Ok(out.freeze())
+}
+
+async fn resolve(host: &str, port: u16) -> Result<SocketAddr, ProbeError> {
+    if let Ok(ip) = host.parse::<IpAddr>() {
+        return Ok(SocketAddr::new(ip, port));
+    }
+    tokio::net::lookup_host((host, port))
+        .await
+        .ok()
+        .and_then(|mut a| a.next())
+        .ok_or_else(|| ProbeError::Resolve(host.to_owned()))
+}
+
+/// Connects from 127.0.0.6 / ::6 when that address exists here (it always does on Linux
+/// loopback for IPv4; `::6` usually does not), else from the default source.
+pub async fn connect(addr: SocketAddr) -> std::io::Result<TcpStream> {
+    let (socket, source) = match addr {
+        SocketAddr::V4(_) => (
+            TcpSocket::new_v4()?,
+            IpAddr::V4(Ipv4Addr::new(127, 0, 0, 6)),
+        ),
+        SocketAddr::V6(_) => (
+            TcpSocket::new_v6()?,
+            IpAddr::V6(Ipv6Addr::new(0, 0, 0, 0, 0, 0, 0, 6)),
+        ),
+    };
+    // Istio's Go dialer sets SO_LINGER 1s. In tokio a non-zero linger makes `close` block a
+    // runtime thread for up to that long (deprecated for that reason), so we keep the default:
+    // the probe has no unsent data at close, so both end the same way.
+    let socket = match socket.bind(SocketAddr::new(source, 0)) {
+        Ok(()) => socket,
+        Err(e) => {
+            tracing::trace!(%source, error = %e, "probe source address unavailable");
+            if addr.is_ipv4() {
+                TcpSocket::new_v4()?
+            } else {
+                TcpSocket::new_v6()?
+            }
+        }
+    };
+    socket.connect(addr).await
+}
+
+/// `grpc.health.v1.Health/Check` by hand: one unary call with a 5-byte-framed protobuf body.
+async fn grpc_check(
+    addr: SocketAddr,
+    service: &str,
+    user_agent: Option<HeaderValue>,
+) -> Result<bool, ProbeError> {
+    let tcp = connect(addr)
+        .await
+        .map_err(|source| ProbeError::Connect { addr, source })?;
+    let (mut sender, conn) =
+        hyper::client::conn::http2::handshake(TokioExecutor::new(), TokioIo::new(tcp))
+            .await
+            .map_err(|e| ProbeError::Http(e.to_string()))?;
+    tokio::spawn(conn);
+    // HealthCheckRequest { string service = 1; }
+    let mut msg = Vec::with_capacity(service.len() + 8);
+    if !service.is_empty() {
+        msg.push(0x0a);
+        put_varint(&mut msg, service.len() as u64);
+        msg.extend_from_slice(service.as_bytes());
+    }
+    let mut frame = Vec::with_capacity(msg.len() + 5);
+    frame.push(0);
+    frame.extend_from_slice(&(msg.len() as u32).to_be_bytes());
+    frame.extend_from_slice(&msg);
+    let mut req = Request::post(format!("http://{addr}/grpc.health.v1.Health/Check"))
+        .header(header::CONTENT_TYPE, "application/grpc")
+        .header(header::TE, "trailers");
+    if let Some(ua) = user_agent {
+        req = req.header(header::USER_AGENT, ua);
+    }
+    let req = req
+        .body(Full::new(Bytes::from(frame)))
+        .map_err(|e| ProbeError::Http(e.to_string()))?;
+    let resp = sender
+        .send_request(req)
+        .await
+        .map_err(|e| ProbeError::Http(e.to_string()))?;
+    if resp.status() != StatusCode::OK {
+        return Err(ProbeError::Grpc(format!("HTTP {}", resp.status())));
+    }
+    let head_status = resp.headers().get("grpc-status").cloned();
+    let collected = http_body_util::Limited::new(resp.into_body(), MAX_GRPC_BODY)
+        .collect()
+        .await
+        .map_err(|e| ProbeError::Grpc(e.to_string()))?;
+    let trailer_status = collected
+        .trailers()
+        .and_then(|t| t.get("grpc-status"))
+        .cloned();
+    let code = trailer_status.or(head_status);
+    if code.as_ref().map(|v| v.as_bytes()) != Some(b"0") {
+        return Err(ProbeError::Grpc(format!(
+            "grpc-status {}",
+            code.as_ref()
+                .and_then(|v| v.to_str().ok())
+                .unwrap_or("missing")
+        )));
+    }
+    let body = collected.to_bytes();
+    let payload = body
+        .get(5..)
+        .ok_or_else(|| ProbeError::Grpc("short message".into()))?;
+    // HealthCheckResponse { ServingStatus status = 1; } SERVING = 1.
+    Ok(serving_status(payload) == Some(1))
+}
+
+fn put_varint(out: &mut Vec<u8>, mut v: u64) {
+    while v >= 0x80 {
+        out.push((v as u8) | 0x80);
+        v >>= 7;
+    }
+    out.push(v as u8);
+}
+
+fn serving_status(mut p: &[u8]) -> Option<u64> {
+    let mut status = Some(0); // proto3 default: UNKNOWN
+    while let Some((&tag, rest)) = p.split_first() {
+        p = rest;
+        let (field, wire) = (tag >> 3, tag & 7);
+        match wire {
+            0 => {
+                let mut v: u64 = 0;
+                let mut shift = 0;
+                loop {
+                    let (&b, rest) = p.split_first()?;
+                    p = rest;
+                    v |= u64::from(b & 0x7f) << shift;
+                    shift += 7;
+                    if b & 0x80 == 0 || shift > 63 {
+                        break;
+                    }
+                }
+                if field == 1 {
+                    status = Some(v);
+                }
+            }
+            2 => {
+                let (&len, rest) = p.split_first()?;
+                p = rest.get(usize::from(len)..)?;
+            }
+            _ => return None,
+        }
+    }
+    status
+}
+
+fn plain(code: StatusCode, body: Bytes) -> Response<Body> {
+    let mut r = Response::new(Body::from(body));
+    *r.status_mut() = code;
+    r
+}
+
+/// Kubelet does not verify probe certificates; neither do we.
+fn insecure_tls(http2: bool) -> Result<rustls::ClientConfig, rustls::Error> {
+    let provider = Arc::new(rustls::crypto::aws_lc_rs::default_provider());
+    let mut cfg = rustls::ClientConfig::builder_with_provider(provider.clone())
+        .with_safe_default_protocol_versions()?
+        .dangerous()
+        .with_custom_certificate_verifier(Arc::new(NoVerify(provider)))
+        .with_no_client_auth();
+    cfg.alpn_protocols = if http2 {
+        vec![b"h2".to_vec(), b"http/1.1".to_vec()]
+    } else {
+        vec![b"http/1.1".to_vec()]
+    };
+    Ok(cfg)
+}
+
+#[derive(Debug)]
+struct NoVerify(Arc<rustls::crypto::CryptoProvider>);
+
+impl rustls::client::danger::ServerCertVerifier for NoVerify {
+    fn verify_server_cert(
+        &self,
+        _: &rustls::pki_types::CertificateDer<'_>,
+        _: &[rustls::pki_types::CertificateDer<'_>],
+        _: &ServerName<'_>,
+        _: &[u8],
+        _: rustls::pki_types::UnixTime,
+    ) -> Result<rustls::client::danger::ServerCertVerified, rustls::Error> {
+        Ok(rustls::client::danger::ServerCertVerified::assertion())
+    }
+    fn verify_tls12_signature(
+        &self,
+        _: &[u8],
+        _: &rustls::pki_types::CertificateDer<'_>,
+        _: &rustls::DigitallySignedStruct,
+    ) -> Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
+        Ok(rustls::client::danger::HandshakeSignatureValid::assertion())
+    }
+    fn verify_tls13_signature(
+        &self,
+        _: &[u8],
+        _: &rustls::pki_types::CertificateDer<'_>,
+        _: &rustls::DigitallySignedStruct,
+    ) -> Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
+        Ok(rustls::client::danger::HandshakeSignatureValid::assertion())
+    }
+    fn supported_verify_schemes(&self) -> Vec<rustls::SignatureScheme> {
+        self.0.signature_verification_algorithms.supported_schemes()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn health_response_decoding() {
+        assert_eq!(serving_status(&[0x08, 0x01]), Some(1));
+        assert_eq!(serving_status(&[0x08, 0x02]), Some(2));
+        assert_eq!(serving_status(&[]), Some(0));
+        assert_eq!(serving_status(&[0x08]), None);
+    }
+
+    #[test]
+    fn redirect_targets() {
+        let t = Target {
+            https: false,
+            host: "10.0.0.1".into(),
+            port: 8080,
+            path_and_query: "/a".into(),
+        };
+        let r = t.redirect("/b?x=1").unwrap();
+        assert_eq!(
+            (r.host.as_str(), r.port, r.path_and_query.as_str()),
+            ("10.0.0.1", 8080, "/b?x=1")
+        );
+        let r = t.redirect("https://example.com/c").unwrap();
+        assert_eq!(
+            (r.host.as_str(), r.port, r.https),
+            ("example.com", 443, true)
+        );
+    }
+}

@@ -1,0 +1,474 @@
+//! Merged metrics on the status port (spec §7.3) against a real Envoy and real HTTP metrics
+//! endpoints: the output is parsed back with a strict exposition-format parser (every family
+//! once and contiguous, every series once, `# EOF` last for OpenMetrics), and failing
+//! application targets (down, slow past the scrape timeout, over the 10 MiB cap) leave the
+//! agent's and Envoy's metrics intact with the failures counted.
+
+#![allow(clippy::unwrap_used)] // tests fail loudly by design
+
+use std::collections::{HashMap, HashSet};
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::http::{HeaderMap, HeaderValue, header};
+use bytes::Bytes;
+use http_body_util::{BodyExt, Empty};
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::TokioExecutor;
+use meshagent::config::ProxyType;
+use meshagent::config::probers::ScrapeTarget;
+use meshagent::metrics::Registry;
+use meshagent::status::{self, AppProbes, MergeMetrics, Merger, Readiness, StatusState};
+use meshagent_testkit::{DEADLINE, Envoy, free_port, wait_for};
+use serde_json::json;
+use tokio_util::sync::CancellationToken;
+
+const OM: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
+
+/// A real HTTP server standing in for the application's metrics endpoints.
+async fn start_app() -> u16 {
+    async fn text() -> ([(header::HeaderName, &'static str); 1], &'static str) {
+        (
+            [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
+            // `envoy_server_live` collides with Envoy's family, `istio_agent_scrapes_total`
+            // with the agent's: both must be dropped, not written twice.
+            "# HELP app_requests Requests.\n# TYPE app_requests counter\napp_requests{code=\"200\"} 7\napp_requests{code=\"500\"} 1\n# TYPE envoy_server_live gauge\nenvoy_server_live 0\n# TYPE istio_agent_scrapes_total counter\nistio_agent_scrapes_total 99\n# TYPE app_latency histogram\napp_latency_bucket{le=\"0.1\"} 1\napp_latency_bucket{le=\"+Inf\"} 2\napp_latency_sum 0.3\napp_latency_count 2\n",
+        )
+    }
+    async fn text2() -> &'static str {
+        "# TYPE app_second gauge\napp_second{path=\"/x y\"} 3\napp_second{path=\"/x y\"} 3\n"
+    }
+    async fn om() -> ([(header::HeaderName, &'static str); 1], &'static str) {
+        (
+            [(header::CONTENT_TYPE, OM)],
+            "# TYPE app_om_events counter\n# HELP app_om_events Events.\napp_om_events_total 5\napp_om_events_created 1.7e9\n# TYPE app_om_info info\napp_om_info{version=\"1\"} 1\n# EOF\n",
+        )
+    }
+    async fn slow() -> &'static str {
+        tokio::time::sleep(Duration::from_secs(5)).await;
+        "# TYPE app_slow gauge\napp_slow 1\n"
+    }
+    async fn big() -> axum::body::Body {
+        // 11 MiB of valid lines, streamed.
+        let line = Bytes::from(format!("app_big{{i=\"{}\"}} 1\n", "x".repeat(100)));
+        let chunk: Bytes = Bytes::from(line.repeat(1024));
+        let n = (11 * 1024 * 1024) / chunk.len() + 1;
+        axum::body::Body::from_stream(futures::stream::iter(
+            (0..n).map(move |_| Ok::<_, std::io::Error>(chunk.clone())),
+        ))
+    }
+    async fn error() -> (axum::http::StatusCode, &'static str) {
+        (axum::http::StatusCode::INTERNAL_SERVER_ERROR, "boom")
+    }
+    let app = axum::Router::new()
+        .route("/metrics", axum::routing::get(text))
+        .route("/second", axum::routing::get(text2))
+        .route("/om", axum::routing::get(om))
+        .route("/slow", axum::routing::get(slow))
+        .route("/big", axum::routing::get(big))
+        .route("/error", axum::routing::get(error));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let port = listener.local_addr().unwrap().port();
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    port
+}
+
+async fn start_envoy(dir: &std::path::Path) -> Envoy {
+    let envoy = Envoy::start(
+        json!({"node": {"id": "sidecar~127.0.0.1~app.default~default.svc.cluster.local", "cluster": "app"}}),
+        dir,
+    );
+    wait_for("Envoy admin", DEADLINE, || async {
+        envoy.admin_get("/ready").await.map(|_| ())
+    })
+    .await;
+    envoy
+}
+
+struct Agent {
+    addr: SocketAddr,
+    metrics: MergeMetrics,
+    stop: CancellationToken,
+}
+
+impl Drop for Agent {
+    fn drop(&mut self) {
+        self.stop.cancel();
+    }
+}
+
+async fn start_status(envoy: Option<SocketAddr>, targets: Vec<ScrapeTarget>) -> Agent {
+    let registry = Registry::new();
+    meshagent::metrics::register_process_metrics(&registry);
+    let metrics = MergeMetrics::register(&registry);
+    registry
+        .counter("xds_proxy_requests", "Requests forwarded.")
+        .inc();
+    let state = StatusState {
+        readiness: Readiness::default(),
+        merger: Merger::new(registry.clone(), metrics.clone(), envoy, targets),
+        registry,
+        drain: Arc::default(),
+        shutdown: CancellationToken::new(),
+        envoy_admin: None,
+        proxy_type: ProxyType::Sidecar,
+        probes: AppProbes::new(Default::default(), [127, 0, 0, 1].into(), 15020, true).unwrap(),
+        metrics_localhost_only: false,
+        name_table: None,
+        config_dump: None,
+    };
+    let port = free_port();
+    let listener = status::bind(port, false).await.unwrap();
+    let stop = CancellationToken::new();
+    tokio::spawn(status::serve(listener, state, stop.clone()));
+    Agent {
+        addr: SocketAddr::from(([127, 0, 0, 1], port)),
+        metrics,
+        stop,
+    }
+}
+
+async fn scrape(addr: SocketAddr, headers: &[(&str, &str)]) -> (u16, HeaderMap, String) {
+    let client = Client::builder(TokioExecutor::new()).build_http::<Empty<Bytes>>();
+    let mut req = axum::http::Request::get(format!("http://{addr}/stats/prometheus"));
+    for (k, v) in headers {
+        req = req.header(*k, *v);
+    }
+    let resp = tokio::time::timeout(
+        Duration::from_secs(30),
+        client.request(req.body(Empty::new()).unwrap()),
+    )
+    .await
+    .unwrap()
+    .unwrap();
+    let status = resp.status().as_u16();
+    let headers = resp.headers().clone();
+    let body = resp.into_body().collect().await.unwrap().to_bytes();
+    (status, headers, String::from_utf8_lossy(&body).into_owned())
+}
+
+// === a strict parser for the text exposition formats ===
+
+#[derive(Debug, Default)]
+struct Parsed {
+    /// family name → type
+    types: HashMap<String, String>,
+    /// series (`name{sorted labels}`) → value
+    series: HashMap<String, f64>,
+    eof: bool,
+}
+
+const SUFFIXES: &[&str] = &[
+    "_bucket", "_sum", "_count", "_total", "_created", "_info", "_gcount", "_gsum",
+];
+
+fn family_of(sample: &str, current: &str) -> String {
+    if sample == current
+        || SUFFIXES
+            .iter()
+            .any(|s| sample.strip_prefix(current) == Some(s))
+    {
+        current.to_owned()
+    } else {
+        sample.to_owned()
+    }
+}
+
+fn valid_name(n: &str) -> bool {
+    let mut chars = n.chars();
+    chars
+        .next()
+        .is_some_and(|c| c.is_ascii_alphabetic() || c == '_' || c == ':')
+        && chars.all(|c| c.is_ascii_alphanumeric() || c == '_' || c == ':')
+}
+
+type Labels = Vec<(String, String)>;
+
+fn parse_labels(s: &str) -> Result<(Labels, &str), String> {
+    let mut rest = s;
+    let mut out = Vec::new();
+    loop {
+        rest = rest.trim_start_matches(',');
+        if let Some(r) = rest.strip_prefix('}') {
+            return Ok((out, r));
+        }
+        let (name, r) = rest.split_once("=\"").ok_or(format!("bad label in {s}"))?;
+        if !valid_name(name) {
+            return Err(format!("bad label name {name:?}"));
+        }
+        let mut value = String::new();
+        let mut chars = r.char_indices();
+        let end = loop {
+            match chars.next() {
+                None => return Err(format!("unterminated label value in {s}")),
+                Some((_, '\\')) => match chars.next() {
+                    Some((_, 'n')) => value.push('\n'),
+                    Some((_, c)) => value.push(c),
+                    None => return Err("dangling escape".into()),
+                },
+                Some((i, '"')) => break i,
+                Some((_, c)) => value.push(c),
+            }
+        };
+        out.push((name.to_owned(), value));
+        rest = &r[end + 1..];
+    }
+}
+
+fn parse_exposition(body: &str, openmetrics: bool) -> Result<Parsed, String> {
+    let mut p = Parsed::default();
+    let mut current = String::new();
+    let mut closed: HashSet<String> = HashSet::new();
+    let mut enter = |family: &str, current: &mut String| -> Result<(), String> {
+        if family != current.as_str() {
+            if !current.is_empty() {
+                closed.insert(current.clone());
+            }
+            if closed.contains(family) {
+                return Err(format!("family {family} is not contiguous"));
+            }
+            *current = family.to_owned();
+        }
+        Ok(())
+    };
+    for (i, line) in body.lines().enumerate() {
+        if p.eof {
+            return Err(format!("line {} after # EOF: {line:?}", i + 1));
+        }
+        if line == "# EOF" {
+            if !openmetrics {
+                return Err("# EOF in text format".into());
+            }
+            p.eof = true;
+            continue;
+        }
+        if let Some(meta) = line.strip_prefix("# ") {
+            let mut parts = meta.splitn(3, ' ');
+            let kind = parts.next().unwrap_or("");
+            let name = parts.next().ok_or(format!("bad metadata {line:?}"))?;
+            if !valid_name(name) {
+                return Err(format!("bad metric name {name:?}"));
+            }
+            enter(name, &mut current)?;
+            if kind == "TYPE" {
+                let t = parts.next().ok_or("TYPE without type")?;
+                if p.types.insert(name.to_owned(), t.to_owned()).is_some() {
+                    return Err(format!("second TYPE line for {name}"));
+                }
+            } else if kind != "HELP" && kind != "UNIT" {
+                return Err(format!("unknown metadata {line:?}"));
+            }
+            continue;
+        }
+        if line.is_empty() {
+            if openmetrics {
+                return Err("empty line in OpenMetrics".into());
+            }
+            continue;
+        }
+        let name_end = line
+            .find(['{', ' '])
+            .ok_or(format!("bad sample {line:?}"))?;
+        let name = &line[..name_end];
+        if !valid_name(name) {
+            return Err(format!("bad metric name in {line:?}"));
+        }
+        let (mut labels, rest) = if line[name_end..].starts_with('{') {
+            parse_labels(&line[name_end + 1..])?
+        } else {
+            (Vec::new(), &line[name_end..])
+        };
+        let value = rest
+            .split_whitespace()
+            .next()
+            .ok_or(format!("no value in {line:?}"))?;
+        let v: f64 = match value {
+            "+Inf" => f64::INFINITY,
+            "-Inf" => f64::NEG_INFINITY,
+            "NaN" => f64::NAN,
+            v => v.parse().map_err(|_| format!("bad value in {line:?}"))?,
+        };
+        let family = family_of(name, &current);
+        enter(&family, &mut current)?;
+        labels.sort();
+        let key = format!("{name}{labels:?}");
+        if p.series.insert(key.clone(), v).is_some() {
+            return Err(format!("duplicate series {key}"));
+        }
+    }
+    if openmetrics && !p.eof {
+        return Err("OpenMetrics body without # EOF".into());
+    }
+    Ok(p)
+}
+
+fn has_family(p: &Parsed, name: &str) -> bool {
+    p.series
+        .keys()
+        .any(|k| k.starts_with(name) && k[name.len()..].starts_with('['))
+}
+
+fn value(p: &Parsed, key: &str) -> Option<f64> {
+    p.series.get(key).copied()
+}
+
+#[tokio::test]
+async fn merged_text_and_openmetrics_parse_strictly() {
+    let dir = tempfile::tempdir().unwrap();
+    let envoy = start_envoy(dir.path()).await;
+    let app = start_app().await;
+    let agent = start_status(
+        Some(envoy.admin),
+        vec![
+            ScrapeTarget {
+                port: app,
+                path: "/metrics".into(),
+            },
+            ScrapeTarget {
+                port: app,
+                path: "/second".into(),
+            },
+        ],
+    )
+    .await;
+
+    // Text 0.0.4: agent, Envoy and both app targets, each family once.
+    let (code, headers, body) = wait_for("a merged scrape", DEADLINE, || async {
+        let r = scrape(agent.addr, &[("Accept", "text/plain;version=0.0.4")]).await;
+        r.2.contains("envoy_server_live").then_some(r)
+    })
+    .await;
+    assert_eq!(code, 200);
+    assert_eq!(
+        headers.get(header::CONTENT_TYPE).unwrap(),
+        "text/plain; version=0.0.4; charset=utf-8"
+    );
+    let p = parse_exposition(&body, false).unwrap_or_else(|e| panic!("{e}\n{body}"));
+    assert_eq!(p.types["istio_agent_xds_proxy_requests"], "counter");
+    assert_eq!(value(&p, "istio_agent_xds_proxy_requests[]"), Some(1.0));
+    assert!(has_family(&p, "istio_agent_process_resident_memory_bytes"));
+    // The agent's own family wins over the application's copy.
+    assert_ne!(value(&p, "istio_agent_scrapes_total[]"), Some(99.0));
+    // Envoy's `envoy_server_live` (1 = live) wins over the application's (0).
+    assert_eq!(value(&p, "envoy_server_live[]"), Some(1.0));
+    assert!(p.types.keys().filter(|k| k.starts_with("envoy_")).count() > 20);
+    assert_eq!(
+        value(&p, "app_requests[(\"code\", \"500\")]"),
+        Some(1.0),
+        "{body}"
+    );
+    assert_eq!(value(&p, "app_latency_count[]"), Some(2.0));
+    // The second target is written after the first, and its duplicate series only once.
+    assert_eq!(value(&p, "app_second[(\"path\", \"/x y\")]"), Some(3.0));
+    assert!(body.find("app_requests").unwrap() < body.find("app_second").unwrap());
+    assert!(body.find("istio_agent_").unwrap() < body.find("envoy_").unwrap());
+    assert!(body.find("envoy_").unwrap() < body.find("app_requests").unwrap());
+    assert!(!body.contains("# EOF"));
+
+    // gzip when the scraper accepts it.
+    let (code, headers, _) = scrape(agent.addr, &[("Accept-Encoding", "gzip")]).await;
+    assert_eq!(code, 200);
+    assert_eq!(headers.get(header::CONTENT_ENCODING).unwrap(), "gzip");
+    assert_eq!(agent.metrics.failures("envoy"), 0);
+    assert_eq!(agent.metrics.failures("application"), 0);
+}
+
+#[tokio::test]
+async fn openmetrics_target_keeps_one_eof() {
+    let dir = tempfile::tempdir().unwrap();
+    let envoy = start_envoy(dir.path()).await;
+    let app = start_app().await;
+    let agent = start_status(
+        Some(envoy.admin),
+        vec![ScrapeTarget {
+            port: app,
+            path: "/om".into(),
+        }],
+    )
+    .await;
+    let accept = "application/openmetrics-text;version=1.0.0,text/plain;version=0.0.4;q=0.5";
+    let (code, headers, body) = scrape(agent.addr, &[("Accept", accept)]).await;
+    assert_eq!(code, 200);
+    assert_eq!(headers.get(header::CONTENT_TYPE).unwrap(), OM);
+    let p = parse_exposition(&body, true).unwrap_or_else(|e| panic!("{e}\n{body}"));
+    assert!(p.eof);
+    assert_eq!(body.matches("# EOF").count(), 1);
+    assert!(body.ends_with("# EOF\n"));
+    assert_eq!(value(&p, "app_om_events_total[]"), Some(5.0));
+    assert!(has_family(&p, "envoy_server_live"));
+    assert!(has_family(&p, "istio_agent_scrapes_total"));
+
+    // A text-only scraper still gets text, without the OpenMetrics terminator.
+    let (_, headers, body) = scrape(agent.addr, &[("Accept", "text/plain")]).await;
+    let ct = headers.get(header::CONTENT_TYPE).unwrap();
+    // The app decides the content type; this one always answers OpenMetrics.
+    if ct == HeaderValue::from_static(OM) {
+        parse_exposition(&body, true).unwrap();
+    } else {
+        parse_exposition(&body, false).unwrap();
+    }
+}
+
+#[tokio::test]
+async fn failing_targets_still_serve_agent_and_envoy() {
+    let dir = tempfile::tempdir().unwrap();
+    let envoy = start_envoy(dir.path()).await;
+    let app = start_app().await;
+    let down = free_port();
+    let target = |port, path: &str| ScrapeTarget {
+        port,
+        path: path.into(),
+    };
+    let agent = start_status(
+        Some(envoy.admin),
+        vec![
+            target(app, "/metrics"),
+            target(down, "/metrics"),
+            target(app, "/error"),
+            target(app, "/big"),
+            target(app, "/slow"),
+        ],
+    )
+    .await;
+    let started = tokio::time::Instant::now();
+    let (code, _, body) = scrape(
+        agent.addr,
+        &[("X-Prometheus-Scrape-Timeout-Seconds", "2.5")],
+    )
+    .await;
+    let took = started.elapsed();
+    assert_eq!(code, 200);
+    assert!(
+        took < Duration::from_secs(5),
+        "the scrape timeout bounds the scrape: {took:?}"
+    );
+    let p = parse_exposition(&body, false).unwrap_or_else(|e| panic!("{e}\n{body}"));
+    assert!(has_family(&p, "istio_agent_xds_proxy_requests"));
+    assert!(has_family(&p, "envoy_server_live"));
+    assert!(has_family(&p, "app_requests"));
+    assert!(!has_family(&p, "app_slow"));
+    // The over-cap body is cut at a family boundary; never more than the cap is passed on.
+    assert!(body.len() < 11 * 1024 * 1024, "{}", body.len());
+    // down, 500, over the cap, past the timeout
+    assert_eq!(agent.metrics.failures("application"), 4);
+    assert_eq!(agent.metrics.failures("envoy"), 0);
+    let (_, _, body) = scrape(
+        agent.addr,
+        &[("X-Prometheus-Scrape-Timeout-Seconds", "0.5")],
+    )
+    .await;
+    assert!(
+        body.contains("istio_agent_scrape_failures_total{type=\"application\"} 4"),
+        "{body}"
+    );
+
+    // Envoy gone: agent and application metrics are still served, the failure is counted.
+    drop(envoy);
+    let (code, _, body) = scrape(agent.addr, &[("X-Prometheus-Scrape-Timeout-Seconds", "1")]).await;
+    assert_eq!(code, 200);
+    let p = parse_exposition(&body, false).unwrap_or_else(|e| panic!("{e}\n{body}"));
+    assert!(has_family(&p, "istio_agent_scrapes_total"));
+    assert!(!has_family(&p, "envoy_server_live") || value(&p, "envoy_server_live[]") == Some(0.0));
+    assert!(agent.metrics.failures("envoy") >= 1);
+}
