@@ -11,6 +11,7 @@ pub mod config;
 pub mod control_plane;
 pub mod logging;
 pub mod metrics;
+pub mod xds;
 
 /// The Istio release whose agent behaviour (flags, env, files) we match.
 pub const ISTIO_COMPAT_VERSION: &str = "1.29.0";
