@@ -102,7 +102,12 @@ async fn set_resource(
     let t = OVERRIDABLE
         .iter()
         .find(|t| **t == q.r#type)
-        .ok_or_else(|| (StatusCode::BAD_REQUEST, format!("type must be one of {OVERRIDABLE:?}")))?;
+        .ok_or_else(|| {
+            (
+                StatusCode::BAD_REQUEST,
+                format!("type must be one of {OVERRIDABLE:?}"),
+            )
+        })?;
     let len = body.len();
     s.overrides.send_modify(|o| {
         let mut next = (**o).clone();

@@ -174,8 +174,7 @@ impl XdsOptions {
             max_streams: cfg.xds.max_streams,
             // Istio starts the DNS proxy (and so subscribes to NDS) for sidecars with DNS
             // capture, and for any proxy with ISTIO_META_ENABLE_DNS_SERVER.
-            nds: (cfg.dns.capture && cfg.proxy_type == ProxyType::Sidecar)
-                || cfg.dns.enable_server,
+            nds: (cfg.dns.capture && cfg.proxy_type == ProxyType::Sidecar) || cfg.dns.enable_server,
             pcds: cfg.xds.proxy_config_xds_agent,
             ecds: Arc::new(PassThrough),
         })
@@ -414,5 +413,50 @@ impl tower::Service<http::Request<Body>> for AdsServer {
                 .max_encoding_message_size(MAX_MESSAGE);
             Ok(grpc.streaming(method, req).await)
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+    use std::os::unix::fs::PermissionsExt;
+
+    #[tokio::test]
+    async fn socket_dir_created_stale_socket_replaced_mode_0666() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("etc/istio/proxy/XDS");
+        let first = bind(&path).unwrap();
+        let mode = |p: &Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode(&path), 0o666);
+        assert_eq!(mode(path.parent().unwrap()) & 0o750, 0o750);
+        // A socket left behind by a previous agent (still bound here) is replaced.
+        let _second = bind(&path).unwrap();
+        drop(first);
+        assert!(tokio::net::UnixStream::connect(&path).await.is_ok());
+    }
+
+    #[test]
+    fn options_follow_config() {
+        let dir = tempfile::tempdir().unwrap();
+        let env = crate::config::MapEnv::from_pairs([
+            ("ISTIO_META_DNS_CAPTURE", "true"),
+            ("PROXY_CONFIG_XDS_AGENT", "true"),
+            ("XDS_ROOT_CA", "/roots.pem"),
+        ]);
+        let cfg =
+            crate::config::load(&crate::config::ProxyFlags::default(), &env, dir.path()).unwrap();
+        let o = XdsOptions::from_config(&cfg, dir.path()).unwrap();
+        assert_eq!(o.socket, dir.path().join("./etc/istio/proxy").join("XDS"));
+        assert_eq!(o.target.addr, "istiod.istio-system.svc:15012");
+        assert!(o.nds && o.pcds);
+        let cfg = crate::config::load(
+            &crate::config::ProxyFlags::default(),
+            &crate::config::MapEnv::from_pairs([("XDS_ROOT_CA", "/roots.pem")]),
+            dir.path(),
+        )
+        .unwrap();
+        let o = XdsOptions::from_config(&cfg, dir.path()).unwrap();
+        assert!(!o.nds && !o.pcds);
     }
 }

@@ -5,9 +5,12 @@ mod xds_support;
 
 use std::time::Duration;
 
+use meshagent::xds::Health;
 use meshagent_proto::envoy::pb::envoy::config::cluster::v3::Cluster;
 use meshagent_proto::envoy::pb::envoy::config::core::v3::Metadata;
-use meshagent_proto::envoy::pb::google::protobuf::{Duration as PbDuration, Struct, Value as PbValue, value::Kind};
+use meshagent_proto::envoy::pb::google::protobuf::{
+    Duration as PbDuration, Struct, Value as PbValue, value::Kind,
+};
 use meshagent_proto::type_url;
 use meshagent_testkit::{DEADLINE, Devplane, Envoy, json, wait_for};
 use prost::Message;
@@ -27,18 +30,28 @@ async fn envoy_through_agent(delta: bool) {
     // What the agent sent upstream: Istio's metadata, the token, and Envoy's node verbatim.
     let api = if delta { "delta" } else { "sotw" };
     let client = acked(&dp, api).await;
-    assert_eq!(client["nacks"], json!({}), "Envoy rejected config: {client:#}");
+    assert_eq!(
+        client["nacks"],
+        json!({}),
+        "Envoy rejected config: {client:#}"
+    );
     assert_eq!(client["transport"], "tls");
     assert_eq!(client["headers"]["clusterid"], "Kubernetes", "{client:#}");
     assert_eq!(client["headers"]["team"], "payments", "{client:#}");
     assert_eq!(client["headers"]["x-trace-tag"], "e2e", "{client:#}");
     assert_eq!(client["token_fingerprint"], fingerprint(&agent.token));
-    assert_eq!(client["headers"]["authorization"], fingerprint(&agent.token));
+    assert_eq!(
+        client["headers"]["authorization"],
+        fingerprint(&agent.token)
+    );
     assert_eq!(client["identity"], "spiffe://cluster.local/ns/default/sa/a");
     assert_eq!(client["node_id"], NODE_ID);
     assert_eq!(client["node_metadata"]["NAME"], "a-5f7d");
     // Envoy's own types only: NDS is not intercepted here (DNS proxy off), so nobody asked.
-    assert!(client["subscriptions"].get(type_url::NAME_TABLE).is_none(), "{client:#}");
+    assert!(
+        client["subscriptions"].get(type_url::NAME_TABLE).is_none(),
+        "{client:#}"
+    );
 
     // A mesh change pushed by devplane reaches Envoy.
     dp.write_mesh(&mesh_yaml(true));
@@ -56,6 +69,12 @@ async fn envoy_through_agent(delta: bool) {
     assert!(agent.metric("istio_agent_xds_proxy_responses") >= 4.0);
     assert!(agent.metric("istio_agent_pilot_xds_recv_max") > 0.0);
     assert!(agent.metric("istio_agent_xds_proxy_upstream_recv_max") > 0.0);
+
+    // Shutdown ends the server promptly even with Envoy still connected.
+    agent.shutdown.cancel();
+    tokio::time::timeout(Duration::from_secs(10), agent.handle.wait())
+        .await
+        .expect("xDS proxy stops within 10s of shutdown");
     drop(envoy);
 }
 
@@ -75,7 +94,10 @@ async fn devplane_restart_envoy_reconverges_through_agent() {
     let dir = tempfile::tempdir().unwrap();
     let agent = agent_for(&dp, dir.path(), &[]).await;
     let sds = static_sds(&dp, &agent.token, dir.path()).await;
-    let envoy = Envoy::start(bootstrap(agent.handle.socket(), true, Some(&sds.socket)), dir.path());
+    let envoy = Envoy::start(
+        bootstrap(agent.handle.socket(), true, Some(&sds.socket)),
+        dir.path(),
+    );
     converged(&envoy).await;
     acked(&dp, "delta").await;
     let terminations = || {
@@ -109,7 +131,10 @@ async fn devplane_restart_envoy_reconverges_through_agent() {
     })
     .await;
     assert!(!agent.shutdown.is_cancelled());
-    assert!(std::fs::metadata(agent.handle.socket()).is_ok(), "agent still serving");
+    assert!(
+        std::fs::metadata(agent.handle.socket()).is_ok(),
+        "agent still serving"
+    );
 }
 
 /// A cluster whose metadata carries `size` bytes, so the CDS response exceeds `size`.
@@ -117,7 +142,10 @@ fn big_cluster(name: &str, size: usize) -> Vec<u8> {
     let blob: String = (0..size).map(|i| (b'a' + (i % 26) as u8) as char).collect();
     Cluster {
         name: name.into(),
-        connect_timeout: Some(PbDuration { seconds: 1, nanos: 0 }),
+        connect_timeout: Some(PbDuration {
+            seconds: 1,
+            nanos: 0,
+        }),
         metadata: Some(Metadata {
             filter_metadata: [(
                 "test".to_owned(),
@@ -146,14 +174,27 @@ async fn twenty_mib_response_reaches_envoy_intact() {
     let dir = tempfile::tempdir().unwrap();
     let agent = agent_for(&dp, dir.path(), &[]).await;
     let sds = static_sds(&dp, &agent.token, dir.path()).await;
-    let envoy = Envoy::start(bootstrap(agent.handle.socket(), false, Some(&sds.socket)), dir.path());
+    let envoy = Envoy::start(
+        bootstrap(agent.handle.socket(), false, Some(&sds.socket)),
+        dir.path(),
+    );
     converged(&envoy).await;
     acked(&dp, "sotw").await;
 
-    dp.set_resource(type_url::CLUSTER, "big", &big_cluster("big", SIZE)).await;
-    wait_for("Envoy to have the 20 MiB cluster", Duration::from_secs(60), || async {
-        envoy.clusters().await.iter().any(|n| n == "big").then_some(())
-    })
+    dp.set_resource(type_url::CLUSTER, "big", &big_cluster("big", SIZE))
+        .await;
+    wait_for(
+        "Envoy to have the 20 MiB cluster",
+        Duration::from_secs(60),
+        || async {
+            envoy
+                .clusters()
+                .await
+                .iter()
+                .any(|n| n == "big")
+                .then_some(())
+        },
+    )
     .await;
     // Intact: Envoy's copy of the blob is byte-for-byte what devplane sent.
     let (status, body) = meshagent_testkit::http_get(
@@ -168,7 +209,11 @@ async fn twenty_mib_response_reaches_envoy_intact() {
         .as_str()
         .unwrap_or_else(|| panic!("no blob in {}", &body[..body.len().min(2000)]));
     assert_eq!(blob.len(), SIZE);
-    assert!(blob.bytes().enumerate().all(|(i, b)| b == b'a' + (i % 26) as u8));
+    assert!(
+        blob.bytes()
+            .enumerate()
+            .all(|(i, b)| b == b'a' + (i % 26) as u8)
+    );
     let client = client_for(&dp, "sotw").await;
     assert_eq!(client["nacks"], json!({}), "Envoy refused the big response");
     assert!(agent.metric("istio_agent_xds_proxy_upstream_recv_max") > SIZE as f64);
@@ -181,11 +226,17 @@ async fn nds_is_consumed_by_the_agent_and_malformed_tables_are_nacked() {
     let agent = agent_for(
         &dp,
         dir.path(),
-        &[("ISTIO_META_DNS_CAPTURE", "true"), ("PROXY_CONFIG_XDS_AGENT", "true")],
+        &[
+            ("ISTIO_META_DNS_CAPTURE", "true"),
+            ("PROXY_CONFIG_XDS_AGENT", "true"),
+        ],
     )
     .await;
     let sds = static_sds(&dp, &agent.token, dir.path()).await;
-    let envoy = Envoy::start(bootstrap(agent.handle.socket(), false, Some(&sds.socket)), dir.path());
+    let envoy = Envoy::start(
+        bootstrap(agent.handle.socket(), false, Some(&sds.socket)),
+        dir.path(),
+    );
     converged(&envoy).await;
 
     // The agent subscribed (after Envoy's LDS request), received, decoded and ACKed the table.
@@ -195,28 +246,51 @@ async fn nds_is_consumed_by_the_agent_and_malformed_tables_are_nacked() {
         async move { t }
     })
     .await;
-    assert!(table.table.contains_key("b.default.svc.cluster.local"), "{table:?}");
+    assert!(
+        table.table.contains_key("b.default.svc.cluster.local"),
+        "{table:?}"
+    );
     let client = wait_for("the NDS ACK at devplane", DEADLINE, || async {
         let c = client_for(&dp, "sotw").await;
         c["acked"].get(type_url::NAME_TABLE).is_some().then_some(c)
     })
     .await;
-    assert_eq!(client["subscriptions"][type_url::NAME_TABLE]["wildcard"], true);
+    assert_eq!(
+        client["subscriptions"][type_url::NAME_TABLE]["wildcard"],
+        true
+    );
 
     // Envoy never sees the type: no NDS in its config, nothing about it in its log.
     let dump = envoy.admin_get("/config_dump").await.unwrap();
     assert!(!dump.contains("NameTable"));
-    assert!(!envoy.proc.log_text().contains("NameTable"), "{}", envoy.proc.log_text());
+    assert!(
+        !envoy.proc.log_text().contains("NameTable"),
+        "{}",
+        envoy.proc.log_text()
+    );
 
     // A malformed table is NACKed upstream and the last good table stays.
-    dp.set_resource(type_url::NAME_TABLE, "", &[0x0a, 0x05, 0x01]).await;
+    dp.set_resource(type_url::NAME_TABLE, "", &[0x0a, 0x05, 0x01])
+        .await;
     let nack = wait_for("the NDS NACK at devplane", DEADLINE, || async {
         let c = client_for(&dp, "sotw").await;
         c["nacks"].get(type_url::NAME_TABLE).cloned()
     })
     .await;
-    assert!(nack["message"].as_str().unwrap().contains("NameTable"), "{nack}");
-    assert!(agent.handle.name_table().borrow().as_ref().unwrap().table.contains_key("b.default.svc.cluster.local"));
+    assert!(
+        nack["message"].as_str().unwrap().contains("NameTable"),
+        "{nack}"
+    );
+    assert!(
+        agent
+            .handle
+            .name_table()
+            .borrow()
+            .as_ref()
+            .unwrap()
+            .table
+            .contains_key("b.default.svc.cluster.local")
+    );
     // Envoy's own types were never NACKed.
     let c = client_for(&dp, "sotw").await;
     assert_eq!(c["nacks"].as_object().unwrap().len(), 1, "{c:#}");
@@ -234,4 +308,42 @@ async fn nds_is_consumed_by_the_agent_and_malformed_tables_are_nacked() {
     .await;
     assert_eq!(got, vec![pem.to_owned()]);
     assert!(!envoy.proc.log_text().contains("ProxyConfig"));
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn health_is_replayed_after_lds_and_sent_on_change() {
+    let dp = Devplane::start(&mesh_yaml(false)).await;
+    let dir = tempfile::tempdir().unwrap();
+    let agent = agent_for(&dp, dir.path(), &[]).await;
+    // Set before any stream exists: must not be sent before LDS, and must be replayed after.
+    agent
+        .handle
+        .set_health(Health::Unhealthy("probe failed".into()));
+    let sds = static_sds(&dp, &agent.token, dir.path()).await;
+    let envoy = Envoy::start(
+        bootstrap(agent.handle.socket(), false, Some(&sds.socket)),
+        dir.path(),
+    );
+    converged(&envoy).await;
+    // devplane records an error_detail on a SotW request as a NACK of that type (its Delta
+    // server records only nonce-carrying ones, so this test speaks SotW).
+    let health_nack = |want: &'static str| {
+        let dp = &dp;
+        async move {
+            wait_for("the health report at devplane", DEADLINE, || async {
+                let c = client_for(dp, "sotw").await;
+                (c["nacks"][type_url::HEALTH_INFO]["message"] == want).then_some(c)
+            })
+            .await
+        }
+    };
+    let c = health_nack("probe failed").await;
+    assert_eq!(c["nacks"][type_url::HEALTH_INFO]["count"], 1);
+    agent
+        .handle
+        .set_health(Health::Unhealthy("still failing".into()));
+    health_nack("still failing").await;
+    // Envoy's own types are untouched.
+    let c = acked(&dp, "sotw").await;
+    assert_eq!(c["nacks"].as_object().unwrap().len(), 1, "{c:#}");
 }

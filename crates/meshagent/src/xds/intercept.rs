@@ -246,13 +246,7 @@ impl Interceptor for Ecds {
             Ok(b) => Verdict::Forward(b),
             Err(e) => {
                 tracing::error!(nonce = peek.nonce, error = %e, "ECDS rewrite failed; NACK upstream");
-                Verdict::Consume(Some(request(
-                    api,
-                    peek.type_url,
-                    "",
-                    peek.nonce,
-                    Some(&e),
-                )))
+                Verdict::Consume(Some(request(api, peek.type_url, "", peek.nonce, Some(&e))))
             }
         }
     }
@@ -366,7 +360,11 @@ mod tests {
     fn nds_sotw_publishes_and_acks() {
         let (tx, rx) = watch::channel(None);
         let nds = Nds { table: tx };
-        let v = run(&nds, Api::Sotw, sotw_response(type_url::NAME_TABLE, vec![pack_any(table())]));
+        let v = run(
+            &nds,
+            Api::Sotw,
+            sotw_response(type_url::NAME_TABLE, vec![pack_any(table())]),
+        );
         assert_eq!(sent(v, Api::Sotw), ("v7".into(), "n7".into(), None));
         assert_eq!(rx.borrow().as_deref(), Some(&table()));
     }
@@ -402,7 +400,11 @@ mod tests {
             value: vec![0x0a, 0x05, 0x01], // field 1 claims 5 bytes, has 1
         };
         let (version, nonce, err) = sent(
-            run(&nds, Api::Sotw, sotw_response(type_url::NAME_TABLE, vec![bad])),
+            run(
+                &nds,
+                Api::Sotw,
+                sotw_response(type_url::NAME_TABLE, vec![bad]),
+            ),
             Api::Sotw,
         );
         let err = err.unwrap();
@@ -435,7 +437,11 @@ mod tests {
             type_url: type_url::PROXY_CONFIG.into(),
             value,
         };
-        let v = run(&pcds, Api::Sotw, sotw_response(type_url::PROXY_CONFIG, vec![any]));
+        let v = run(
+            &pcds,
+            Api::Sotw,
+            sotw_response(type_url::PROXY_CONFIG, vec![any]),
+        );
         assert_eq!(sent(v, Api::Sotw).2, None);
         assert_eq!(*rx.borrow(), vec!["PEM1".to_owned(), "PEM2".to_owned()]);
         assert_eq!(pcds.on_first_lds(Api::Delta).len(), 1);
@@ -445,7 +451,10 @@ mod tests {
     fn ecds_default_passes_bytes_through_and_failures_nack() {
         let msg = sotw_response(type_url::EXTENSION_CONFIG, vec![]);
         let e = Ecds(Arc::new(PassThrough));
-        assert_eq!(run(&e, Api::Sotw, msg.clone()), Verdict::Forward(msg.clone()));
+        assert_eq!(
+            run(&e, Api::Sotw, msg.clone()),
+            Verdict::Forward(msg.clone())
+        );
 
         struct Refuse;
         impl EcdsRewrite for Refuse {
@@ -460,7 +469,8 @@ mod tests {
 
     #[test]
     fn health_requests_and_replay() {
-        let healthy = DiscoveryRequest::decode(health_request(Api::Sotw, &Health::Healthy)).unwrap();
+        let healthy =
+            DiscoveryRequest::decode(health_request(Api::Sotw, &Health::Healthy)).unwrap();
         assert_eq!(healthy.type_url, type_url::HEALTH_INFO);
         assert!(healthy.error_detail.is_none());
         let sick = DeltaDiscoveryRequest::decode(health_request(
@@ -473,7 +483,10 @@ mod tests {
 
         let (tx, rx) = watch::channel(None);
         let replay = HealthReplay(rx);
-        assert!(replay.on_first_lds(Api::Sotw).is_empty(), "nothing known: nothing sent");
+        assert!(
+            replay.on_first_lds(Api::Sotw).is_empty(),
+            "nothing known: nothing sent"
+        );
         tx.send_replace(Some(Health::Healthy));
         assert_eq!(replay.on_first_lds(Api::Sotw).len(), 1);
     }

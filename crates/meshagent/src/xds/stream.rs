@@ -13,7 +13,9 @@
 //! the address, which is more useful to an operator than Istio's bare dial error.
 
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
+
+use tokio::time::Instant;
 
 use bytes::Bytes;
 use futures::FutureExt;
@@ -70,11 +72,17 @@ enum End {
 fn termination_type(s: Option<&Status>) -> &'static str {
     let Some(s) = s else { return "cancelled" };
     let msg = s.message();
-    let expected = matches!(s.code(), tonic::Code::Cancelled | tonic::Code::DeadlineExceeded)
-        || (s.code() == tonic::Code::Unavailable
-            && ["client disconnected", "error reading from server: EOF", "transport is closing"]
-                .iter()
-                .any(|m| msg.contains(m)))
+    let expected = matches!(
+        s.code(),
+        tonic::Code::Cancelled | tonic::Code::DeadlineExceeded
+    ) || (s.code() == tonic::Code::Unavailable
+        && [
+            "client disconnected",
+            "error reading from server: EOF",
+            "transport is closing",
+        ]
+        .iter()
+        .any(|m| msg.contains(m)))
         || msg.contains("NO_ERROR");
     if expected { "cancelled" } else { "error" }
 }
@@ -159,8 +167,12 @@ pub async fn run(
             let t = termination_type(s.as_ref());
             m.istiod_connection_terminations.with(&[t]).inc();
             match &s {
-                Some(s) if t == "error" => tracing::warn!(id, upstream = %addr, code = ?s.code(), error = %s.message(), "upstream terminated with unexpected error"),
-                s => tracing::info!(id, upstream = %addr, status = ?s.as_ref().map(|s| s.code()), "upstream terminated"),
+                Some(s) if t == "error" => {
+                    tracing::warn!(id, upstream = %addr, code = ?s.code(), error = %s.message(), "upstream terminated with unexpected error")
+                }
+                s => {
+                    tracing::info!(id, upstream = %addr, status = ?s.as_ref().map(|s| s.code()), "upstream terminated")
+                }
             }
             // End Envoy's stream with istiod's status (Istio's choice); a graceful upstream end
             // closes it with OK. The slot may hold a response Envoy has not read yet; wait for
@@ -176,8 +188,12 @@ pub async fn run(
             let t = termination_type(s.as_ref());
             m.envoy_connection_terminations.with(&[t]).inc();
             match &s {
-                Some(s) if t == "error" => tracing::warn!(id, code = ?s.code(), error = %s.message(), "downstream terminated with unexpected error"),
-                s => tracing::debug!(id, status = ?s.as_ref().map(|s| s.code()), "downstream terminated"),
+                Some(s) if t == "error" => {
+                    tracing::warn!(id, code = ?s.code(), error = %s.message(), "downstream terminated with unexpected error")
+                }
+                s => {
+                    tracing::debug!(id, status = ?s.as_ref().map(|s| s.code()), "downstream terminated")
+                }
             }
             // Dropping the upstream stream resets it: istiod sees the proxy go away at once.
         }
@@ -290,7 +306,11 @@ async fn on_response(
         },
         None if intercept::forwarded_to_envoy(p.type_url) => msg,
         None => {
-            tracing::error!(id, type_url = p.type_url, "dropping response of a type the agent does not forward");
+            tracing::error!(
+                id,
+                type_url = p.type_url,
+                "dropping response of a type the agent does not forward"
+            );
             return None;
         }
     };
@@ -320,7 +340,13 @@ mod tests {
             termination_type(Some(&Status::unavailable("transport is closing"))),
             "cancelled"
         );
-        assert_eq!(termination_type(Some(&Status::unavailable("boom"))), "error");
-        assert_eq!(termination_type(Some(&Status::unauthenticated("no"))), "error");
+        assert_eq!(
+            termination_type(Some(&Status::unavailable("boom"))),
+            "error"
+        );
+        assert_eq!(
+            termination_type(Some(&Status::unauthenticated("no"))),
+            "error"
+        );
     }
 }

@@ -283,7 +283,10 @@ mod tests {
         }
         .encode_to_vec();
         let p = peek(Kind::SotwResponse, &m).unwrap();
-        assert_eq!((p.type_url, p.nonce, p.version, p.resources), ("T", "n2", "v2", 2));
+        assert_eq!(
+            (p.type_url, p.nonce, p.version, p.resources),
+            ("T", "n2", "v2", 2)
+        );
         assert!(!p.has_error);
     }
 
@@ -299,7 +302,10 @@ mod tests {
         }
         .encode_to_vec();
         let p = peek(Kind::DeltaRequest, &m).unwrap();
-        assert_eq!((p.type_url, p.nonce, p.version, p.has_error), ("D", "n3", "", false));
+        assert_eq!(
+            (p.type_url, p.nonce, p.version, p.has_error),
+            ("D", "n3", "", false)
+        );
 
         let m = DeltaDiscoveryResponse {
             system_version_info: "sv".into(),
@@ -311,7 +317,10 @@ mod tests {
         }
         .encode_to_vec();
         let p = peek(Kind::DeltaResponse, &m).unwrap();
-        assert_eq!((p.type_url, p.nonce, p.version, p.resources), ("D", "n4", "sv", 1));
+        assert_eq!(
+            (p.type_url, p.nonce, p.version, p.resources),
+            ("D", "n4", "sv", 1)
+        );
     }
 
     #[test]

@@ -10,13 +10,20 @@ use meshagent::config::{self, MapEnv, ProxyFlags};
 use meshagent::metrics::Registry;
 use meshagent::xds::{self, XdsProxyHandle};
 use meshagent_testkit::static_sds::StaticSds;
-use meshagent_testkit::{DEADLINE, Devplane, Envoy, Value, add_sds_cluster, ca_client, free_port, json, wait_for};
+use meshagent_testkit::{
+    DEADLINE, Devplane, Envoy, Value, add_sds_cluster, ca_client, free_port, json, wait_for,
+};
 use tokio_util::sync::CancellationToken;
 
 /// A two-workload mesh on free ports (tests run in parallel); `extra` adds service `c`.
 pub fn mesh_yaml(extra: bool) -> String {
-    let (a_app, a_in, a_out, b_app, b_in) =
-        (free_port(), free_port(), free_port(), free_port(), free_port());
+    let (a_app, a_in, a_out, b_app, b_in) = (
+        free_port(),
+        free_port(),
+        free_port(),
+        free_port(),
+        free_port(),
+    );
     let mut y = format!(
         r#"
 workloads:
@@ -52,7 +59,12 @@ pub struct Agent {
 impl Agent {
     /// Starts the proxy in `cwd` against `discovery` with the env a pod would have, plus
     /// `extra_env`. The token (if any) is written where Istio mounts it.
-    pub fn start(cwd: &Path, discovery: &str, token: Option<&str>, extra_env: &[(&str, &str)]) -> Agent {
+    pub fn start(
+        cwd: &Path,
+        discovery: &str,
+        token: Option<&str>,
+        extra_env: &[(&str, &str)],
+    ) -> Agent {
         if let Some(t) = token {
             let p = cwd.join("var/run/secrets/tokens/istio-token");
             std::fs::create_dir_all(p.parent().unwrap()).unwrap();
@@ -61,12 +73,19 @@ impl Agent {
         let mut env = vec![
             ("POD_NAME".to_owned(), "a-5f7d".to_owned()),
             ("POD_NAMESPACE".to_owned(), "default".to_owned()),
-            ("PROXY_CONFIG".to_owned(), format!("discoveryAddress: {discovery}\n")),
+            (
+                "PROXY_CONFIG".to_owned(),
+                format!("discoveryAddress: {discovery}\n"),
+            ),
             ("ISTIO_META_CLUSTER_ID".to_owned(), "Kubernetes".to_owned()),
             ("XDS_HEADER_TEAM".to_owned(), "payments".to_owned()),
             ("XDS_HEADER_X-TRACE-TAG".to_owned(), "e2e".to_owned()),
         ];
-        env.extend(extra_env.iter().map(|(k, v)| (k.to_string(), v.to_string())));
+        env.extend(
+            extra_env
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string())),
+        );
         let cfg = config::load(&ProxyFlags::default(), &MapEnv::from_pairs(env), cwd).unwrap();
         let registry = Registry::new();
         let shutdown = CancellationToken::new();
@@ -101,7 +120,8 @@ pub async fn agent_for(dp: &Devplane, cwd: &Path, extra_env: &[(&str, &str)]) ->
 /// A static SDS with a devplane-issued certificate for `default/a`, so TLS clusters and
 /// listeners warm (the agent's own SDS is another module).
 pub async fn static_sds(dp: &Devplane, token: &str, dir: &Path) -> StaticSds {
-    let (chain, key, root) = ca_client::workload_cert(dp.grpc_addr, &dp.root_cert_path(), token).await;
+    let (chain, key, root) =
+        ca_client::workload_cert(dp.grpc_addr, &dp.root_cert_path(), token).await;
     StaticSds::start(dir, &chain, &key, &root)
 }
 
@@ -157,7 +177,9 @@ pub async fn converged(envoy: &Envoy) {
     let want = ["inbound|", "outbound|80||b.default.svc.cluster.local"];
     wait_for("devplane's clusters in Envoy", DEADLINE, || async {
         let c = envoy.clusters().await;
-        want.iter().all(|w| c.iter().any(|n| n.starts_with(w))).then_some(())
+        want.iter()
+            .all(|w| c.iter().any(|n| n.starts_with(w)))
+            .then_some(())
     })
     .await;
     wait_for("two listeners in Envoy", DEADLINE, || async {
@@ -171,8 +193,9 @@ pub async fn acked(dp: &Devplane, api: &str) -> Value {
     wait_for("CDS and LDS ACKs at devplane", DEADLINE, || async {
         let c = client_for(dp, api).await;
         let acked = c["acked"].as_object().cloned().unwrap_or_default();
-        (acked.keys().any(|k| k.ends_with("Cluster")) && acked.keys().any(|k| k.ends_with("Listener")))
-            .then_some(c)
+        (acked.keys().any(|k| k.ends_with("Cluster"))
+            && acked.keys().any(|k| k.ends_with("Listener")))
+        .then_some(c)
     })
     .await
 }
