@@ -95,6 +95,9 @@ pub struct Metrics {
     pub downstream_max: Gauge,
     /// Largest response received from the control plane (no Istio equivalent).
     pub upstream_max: Gauge,
+    /// Bytes of responses received from the control plane. Not exported (Istio has no such
+    /// metric); the benchmark reports CPU per MB from it.
+    pub response_bytes: Counter,
 }
 
 impl Metrics {
@@ -137,6 +140,7 @@ impl Metrics {
                 "xds_proxy_upstream_recv_max",
                 "Largest message received from the control plane, in bytes.",
             ),
+            response_bytes: Counter::default(),
         }
     }
 }

@@ -280,6 +280,7 @@ async fn on_response(
     let m = &shared.metrics;
     m.responses.inc();
     m.upstream_max.set_max(msg.len() as f64);
+    m.response_bytes.add(msg.len() as u64);
     let peeked = msg.clone();
     let p = match wire::peek(api.response_kind(), &peeked) {
         Ok(p) => p,
