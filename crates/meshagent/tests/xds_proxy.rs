@@ -347,3 +347,73 @@ async fn health_is_replayed_after_lds_and_sent_on_change() {
     let c = acked(&dp, "sotw").await;
     assert_eq!(c["nacks"].as_object().unwrap().len(), 1, "{c:#}");
 }
+
+/// Sends a signal to a process by pid (SIGSTOP/SIGCONT to pause Envoy).
+fn signal(pid: u32, sig: &str) {
+    let ok = std::process::Command::new("kill")
+        .args([sig, &pid.to_string()])
+        .status()
+        .unwrap()
+        .success();
+    assert!(ok, "kill {sig} {pid}");
+}
+
+/// F10: a paused Envoy slows the upstream read instead of growing the agent's memory: while
+/// devplane pushes ~80 MiB, the agent takes in only what fits its one-slot buffer and the
+/// stream in flight; everything arrives once Envoy resumes.
+#[tokio::test(flavor = "multi_thread")]
+async fn paused_envoy_backpressures_upstream() {
+    const SIZE: usize = 4 * 1024 * 1024;
+    let dp = Devplane::start(&mesh_yaml(false)).await;
+    let dir = tempfile::tempdir().unwrap();
+    let agent = agent_for(&dp, dir.path(), &[]).await;
+    let sds = static_sds(&dp, &agent.token, dir.path()).await;
+    let envoy = Envoy::start(
+        bootstrap(agent.handle.socket(), false, Some(&sds.socket)),
+        dir.path(),
+    );
+    converged(&envoy).await;
+    acked(&dp, "sotw").await;
+
+    signal(envoy.proc.pid(), "-STOP");
+    let responses = || agent.metric("istio_agent_xds_proxy_responses");
+    let before = responses();
+    let pushes = 6;
+    for i in 0..pushes {
+        // Each SotW CDS push carries every big cluster so far: 4, 8, ... 24 MiB.
+        let name = format!("big{i}");
+        dp.set_resource(type_url::CLUSTER, &name, &big_cluster(&name, SIZE))
+            .await;
+    }
+    let sent = wait_for("devplane to have sent every push", DEADLINE, || async {
+        let c = client_for(&dp, "sotw").await;
+        let n = c["responses"].as_f64().unwrap();
+        (n >= 3.0 + pushes as f64).then_some(n)
+    })
+    .await;
+    tokio::time::sleep(SHORT).await;
+    let taken = responses() - before;
+    eprintln!("paused Envoy: devplane sent {sent} responses, the agent read {taken}");
+    // At most: one in Envoy's slot, one being written by the HTTP/2 stream, one encoded ahead
+    // by tonic; the rest waits in istiod (HTTP/2 flow control), however much it pushes.
+    assert!(
+        taken <= 3.0,
+        "agent read {taken} responses while Envoy was paused (devplane sent {sent})"
+    );
+
+    signal(envoy.proc.pid(), "-CONT");
+    wait_for(
+        "the last big cluster in Envoy",
+        Duration::from_secs(60),
+        || async {
+            envoy
+                .clusters()
+                .await
+                .iter()
+                .any(|n| n == "big5")
+                .then_some(())
+        },
+    )
+    .await;
+    assert_eq!(client_for(&dp, "sotw").await["nacks"], json!({}));
+}

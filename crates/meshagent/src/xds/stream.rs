@@ -3,7 +3,8 @@
 //! Istio's behaviour (spec §5.2), kept: a **new** upstream connection per downstream stream;
 //! Envoy's requests forwarded verbatim; responses through a one-slot buffer to Envoy, so a slow
 //! Envoy slows the upstream read (HTTP/2 flow control then pushes back on istiod) instead of
-//! growing memory; any failure on either side ends the pair; the agent never reconnects on its
+//! growing memory — the slot is reserved before istiod's stream is read, so the task itself
+//! never holds a response it cannot hand over (test `paused_envoy_backpressures_upstream`); any failure on either side ends the pair; the agent never reconnects on its
 //! own — Envoy's backoff drives reconnection, so Envoy always restarts the full handshake and
 //! can never stay attached to a dead upstream.
 //!
@@ -106,6 +107,12 @@ pub async fn run(
     let mut seen_lds = false;
     tracing::debug!(id, ?api, upstream = %addr, "Envoy stream connected");
 
+    // The slot toward Envoy is reserved *before* reading upstream, so the agent never holds a
+    // response it cannot hand over: while Envoy is slow, istiod's stream is simply not read.
+    let mut permit: Option<mpsc::Permit<'_, Result<Bytes, Status>>> = None;
+    // When the last response was handed over, to warn about slow pushes as Istio does.
+    let mut handed_over: Option<Instant> = None;
+
     let end = loop {
         tokio::select! {
             biased;
@@ -117,12 +124,28 @@ pub async fn run(
                 }
                 Err(s) => break End::Connect(s),
             },
-            m = async { upstream.as_mut()?.message().await.transpose() }, if upstream.is_some() => match m {
-                Some(Ok(msg)) => {
-                    if let Some(end) = on_response(&shared, api, id, msg, &up_tx, &down, &stop).await {
-                        break end;
+            p = down.reserve(), if permit.is_none() => match p {
+                Ok(p) => {
+                    if let Some(t) = handed_over.take()
+                        && t.elapsed() > SLOW_PUSH
+                    {
+                        tracing::warn!(id, took = ?t.elapsed(), "slow push to Envoy");
                     }
+                    permit = Some(p);
                 }
+                Err(_) => break End::Downstream(Some(Status::cancelled("Envoy stream closed"))),
+            },
+            m = async { upstream.as_mut()?.message().await.transpose() }, if upstream.is_some() && permit.is_some() => match m {
+                Some(Ok(msg)) => match on_response(&shared, api, id, msg, &up_tx) {
+                    Ok(Some(out)) => {
+                        if let Some(p) = permit.take() {
+                            p.send(Ok(out));
+                            handed_over = Some(Instant::now());
+                        }
+                    }
+                    Ok(None) => {}
+                    Err(end) => break end,
+                },
                 None => break End::Upstream(None),
                 Some(Err(s)) => break End::Upstream(Some(s)),
             },
@@ -178,9 +201,14 @@ pub async fn run(
             // closes it with OK. The slot may hold a response Envoy has not read yet; wait for
             // it (or for Envoy to go away) so the status follows it.
             if let Some(s) = s {
-                tokio::select! {
-                    _ = down.send(Err(s)) => {}
-                    () = stop.cancelled() => {}
+                match permit.take() {
+                    Some(p) => p.send(Err(s)),
+                    None => {
+                        tokio::select! {
+                            _ = down.send(Err(s)) => {}
+                            () = stop.cancelled() => {}
+                        }
+                    }
                 }
             }
         }
@@ -267,16 +295,15 @@ fn on_request(
     }
 }
 
-/// Handles one upstream response; `Some(end)` ends the pair.
-async fn on_response(
+/// Handles one upstream response: `Ok(Some(bytes))` goes to Envoy, `Ok(None)` was consumed
+/// or dropped, `Err(end)` ends the pair.
+fn on_response(
     shared: &Shared,
     api: Api,
     id: u64,
     msg: Bytes,
     up: &mpsc::Sender<Bytes>,
-    down: &mpsc::Sender<Result<Bytes, Status>>,
-    stop: &CancellationToken,
-) -> Option<End> {
+) -> Result<Option<Bytes>, End> {
     let m = &shared.metrics;
     m.responses.inc();
     m.upstream_max.set_max(msg.len() as f64);
@@ -286,47 +313,35 @@ async fn on_response(
         Ok(p) => p,
         Err(e) => {
             // Istio's decode would fail the same way and end the pair.
-            return Some(End::Upstream(Some(Status::internal(format!(
+            return Err(End::Upstream(Some(Status::internal(format!(
                 "malformed response from upstream: {e}"
             )))));
         }
     };
-    let out = match shared
+    match shared
         .interceptors
         .iter()
         .find(|i| i.type_url() == p.type_url)
     {
         Some(i) => match i.on_response(api, msg, &p) {
-            Verdict::Forward(b) => b,
+            Verdict::Forward(b) => Ok(Some(b)),
             Verdict::Consume(reply) => {
                 if let Some(r) = reply {
                     send_up(up, r);
                 }
-                return None;
+                Ok(None)
             }
         },
-        None if intercept::forwarded_to_envoy(p.type_url) => msg,
+        None if intercept::forwarded_to_envoy(p.type_url) => Ok(Some(msg)),
         None => {
             tracing::error!(
                 id,
                 type_url = p.type_url,
                 "dropping response of a type the agent does not forward"
             );
-            return None;
+            Ok(None)
         }
-    };
-    let started = Instant::now();
-    tokio::select! {
-        r = down.send(Ok(out)) => if r.is_err() {
-            return Some(End::Downstream(Some(Status::cancelled("Envoy stream closed"))));
-        },
-        () = stop.cancelled() => return Some(End::Stopped),
     }
-    let took = started.elapsed();
-    if took > SLOW_PUSH {
-        tracing::warn!(id, type_url = p.type_url, ?took, "slow push to Envoy");
-    }
-    None
 }
 
 #[cfg(test)]
