@@ -9,7 +9,7 @@ export ENVOY_BIN
 
 NEXTEST := $(shell cargo nextest --version >/dev/null 2>&1 && echo yes)
 
-.PHONY: all build test lint unit envoy demo clean-tools
+.PHONY: all build test lint unit envoy demo bench clean-tools
 
 all: build
 
@@ -36,6 +36,11 @@ ifeq ($(NEXTEST),yes)
 else
 	cargo test --workspace --no-fail-fast
 endif
+
+# Benchmarks run release builds against real Envoy and devplane; results go in BENCHMARKS.md.
+bench: envoy
+	cargo build --release --bins
+	cargo bench -p meshagent --bench xds
 
 demo: envoy
 	cargo build --workspace --bins
