@@ -42,14 +42,13 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 
-use bytes::Bytes;
 use meshagent_proto::nds::NameTable;
 use tokio::sync::{mpsc, watch};
-use tokio_stream::wrappers::{ReceiverStream, UnixListenerStream};
+use tokio_stream::wrappers::UnixListenerStream;
 use tokio_util::sync::CancellationToken;
 use tonic::body::Body;
 use tonic::server::NamedService;
-use tonic::{Request, Response, Status, Streaming};
+use tonic::{Status, Streaming};
 
 pub use intercept::{Api, EcdsRewrite, Health, PassThrough};
 
@@ -352,46 +351,10 @@ impl NamedService for AdsServer {
     const NAME: &'static str = "envoy.service.discovery.v3.AggregatedDiscoveryService";
 }
 
-/// One ADS method bound to an API flavour.
-struct Method {
-    server: AdsServer,
-    api: Api,
-}
-
-impl tonic::server::StreamingService<Bytes> for Method {
-    type Response = Bytes;
-    type ResponseStream = ReceiverStream<Result<Bytes, Status>>;
-    type Future = std::future::Ready<Result<Response<Self::ResponseStream>, Status>>;
-
-    fn call(&mut self, request: Request<Streaming<Bytes>>) -> Self::Future {
-        let s = &self.server;
-        let stop = s.shutdown.child_token();
-        let id = {
-            let mut cur = s.current.lock().unwrap_or_else(|e| e.into_inner());
-            cur.0 += 1;
-            if let Some(old) = cur.1.replace(stop.clone()) {
-                old.cancel();
-            }
-            cur.0
-        };
-        // The one-slot buffer toward Envoy (spec §5.2).
-        let (tx, rx) = mpsc::channel(1);
-        tokio::spawn(stream::run(
-            s.shared.clone(),
-            self.api,
-            id,
-            request.into_inner(),
-            tx,
-            stop,
-        ));
-        std::future::ready(Ok(Response::new(ReceiverStream::new(rx))))
-    }
-}
-
 impl tower::Service<http::Request<Body>> for AdsServer {
     type Response = http::Response<Body>;
     type Error = Infallible;
-    type Future = futures::future::BoxFuture<'static, Result<Self::Response, Infallible>>;
+    type Future = std::future::Ready<Result<Self::Response, Infallible>>;
 
     fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
         Poll::Ready(Ok(()))
@@ -402,21 +365,48 @@ impl tower::Service<http::Request<Body>> for AdsServer {
             stream::SOTW_PATH => Api::Sotw,
             stream::DELTA_PATH => Api::Delta,
             _ => {
-                return Box::pin(async {
-                    Ok(Status::unimplemented("only ADS is served on this socket").into_http())
-                });
+                return std::future::ready(Ok(Status::unimplemented(
+                    "only ADS is served on this socket",
+                )
+                .into_http()));
             }
         };
-        let method = Method {
-            server: self.clone(),
-            api,
+        std::future::ready(Ok(self.open(api, req)))
+    }
+}
+
+impl AdsServer {
+    /// Starts the owner task of a new stream pair and answers with its response body.
+    fn open(&self, api: Api, req: http::Request<Body>) -> http::Response<Body> {
+        // Envoy does not compress ADS; a compressed request would fail decoding below with a
+        // clear status rather than being silently misread.
+        let downstream =
+            Streaming::new_request(codec::RawCodec, req.into_body(), None, Some(MAX_MESSAGE));
+        let stop = self.shutdown.child_token();
+        let id = {
+            let mut cur = self.current.lock().unwrap_or_else(|e| e.into_inner());
+            cur.0 += 1;
+            if let Some(old) = cur.1.replace(stop.clone()) {
+                old.cancel();
+            }
+            cur.0
         };
-        Box::pin(async move {
-            let mut grpc = tonic::server::Grpc::new(codec::RawCodec)
-                .max_decoding_message_size(MAX_MESSAGE)
-                .max_encoding_message_size(MAX_MESSAGE);
-            Ok(grpc.streaming(method, req).await)
-        })
+        // The one-slot buffer toward Envoy (spec §5.2).
+        let (tx, rx) = mpsc::channel(1);
+        tokio::spawn(stream::run(
+            self.shared.clone(),
+            api,
+            id,
+            downstream,
+            tx,
+            stop,
+        ));
+        let mut resp = http::Response::new(Body::new(codec::ResponseBody::new(rx)));
+        resp.headers_mut().insert(
+            http::header::CONTENT_TYPE,
+            http::HeaderValue::from_static("application/grpc"),
+        );
+        resp
     }
 }
 
