@@ -22,7 +22,8 @@ use tokio::sync::{mpsc, oneshot};
 use tokio::time::Instant;
 use xds_support::*;
 
-const REPS: usize = 3;
+/// Repetitions per size (`XDS_BENCH_REPS` overrides); the two paths alternate.
+const REPS: usize = 5;
 /// Linux USER_HZ: the unit of utime/stime in /proc stat files.
 const CLOCK_TICKS: f64 = 100.0;
 
@@ -144,6 +145,10 @@ fn median(mut v: Vec<f64>) -> f64 {
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() {
     let _ = rustls::crypto::aws_lc_rs::default_provider().install_default();
+    let reps: usize = std::env::var("XDS_BENCH_REPS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(REPS);
     println!(
         "xDS push: Envoy 1.40 initial Delta ADS push of N clusters (+N EDS), direct vs via meshagent; median of {REPS}"
     );
@@ -185,7 +190,7 @@ async fn main() {
         let agent_b = bootstrap(&socket, true, Some(&sds.socket));
 
         let (mut direct, mut via, mut samples) = (vec![], vec![], vec![]);
-        for _ in 0..REPS {
+        for _ in 0..reps {
             direct.push(push(direct_b.clone(), expect).await);
             std::fs::write("/proc/self/clear_refs", "5").unwrap();
             let rss0 = status_kib("VmRSS:");
@@ -200,6 +205,13 @@ async fn main() {
             via.push(s.secs);
             samples.push(s);
         }
+        let fmt = |v: &[f64]| {
+            v.iter()
+                .map(|x| format!("{x:.2}"))
+                .collect::<Vec<_>>()
+                .join(" ")
+        };
+        let (all_d, all_a) = (fmt(&direct), fmt(&via));
         let (d, a) = (median(direct), median(via));
         let mb: f64 = samples.iter().map(|s| s.bytes as f64).sum::<f64>() / 1e6;
         let cpu: f64 = samples.iter().map(|s| s.cpu).sum();
@@ -212,8 +224,10 @@ async fn main() {
             rss
         );
         println!(
-            "        ({:.1} MB forwarded over {REPS} pushes, agent CPU {:.2} s; rss_peak = growth of process VmHWM over VmRSS during the push)",
-            mb, cpu
+            "        ({mb:.1} MB forwarded over {reps} pushes, agent CPU {cpu:.2} s; direct s: {all_d}; agent s: {all_a}; load {})",
+            std::fs::read_to_string("/proc/loadavg")
+                .unwrap_or_default()
+                .trim()
         );
         drop(sds);
     }
