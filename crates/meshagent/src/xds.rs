@@ -19,6 +19,8 @@
 //!
 //! * **Pass-through** ([`codec::RawCodec`]): messages travel as bytes; the proxy peeks at
 //!   type URL, nonce and version on the wire ([`wire`]) and decodes only the types it owns.
+//!   Responses to Envoy are framed by hand ([`codec::ResponseBody`]) so a forwarded message is
+//!   never copied: peak memory of a push is about one message, not two.
 //! * **One owner task per stream pair** ([`stream`]), a new upstream connection per Envoy
 //!   stream (as Istio: istio#27877 was about leaking them, which per-pair ownership prevents),
 //!   and only one live pair: a new Envoy stream stops the previous one.
