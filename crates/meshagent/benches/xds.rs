@@ -150,7 +150,7 @@ async fn main() {
         .and_then(|v| v.parse().ok())
         .unwrap_or(REPS);
     println!(
-        "xDS push: Envoy 1.40 initial Delta ADS push of N clusters (+N EDS), direct vs via meshagent; median of {REPS}"
+        "xDS push: Envoy 1.40 initial Delta ADS push of N clusters (+N EDS), direct vs via meshagent; median of {reps}"
     );
     println!(
         "{:>6} {:>10} {:>10} {:>7} {:>14} {:>12} {:>12}",

@@ -57,6 +57,16 @@ async fn unreachable_upstream_is_logged_per_attempt_and_counted() {
     );
     let envoy = Envoy::start(bootstrap(agent.handle.socket(), false, None), dir.path());
 
+    // Envoy reports a closed ADS stream at debug level (warning only after 30 s of failures).
+    wait_for("Envoy's admin", Duration::from_secs(10), || async {
+        matches!(
+            meshagent_testkit::http("POST", envoy.admin, "/logging?config=debug").await,
+            Ok((200, _))
+        )
+        .then_some(())
+    })
+    .await;
+
     let line = format!("failed to connect to upstream XDS server {addr}");
     let failures = || agent.metric("istio_agent_istiod_connection_failures");
     wait_for("three failed attempts", Duration::from_secs(60), || async {
@@ -83,6 +93,22 @@ async fn unreachable_upstream_is_logged_per_attempt_and_counted() {
         "example: {}",
         text.lines().find(|l| l.contains(&line)).unwrap_or_default()
     );
+    // Envoy's stream ended with the agent's Unavailable status naming the address, so Envoy's
+    // own log says why.
+    wait_for(
+        "Envoy to log the agent's status",
+        Duration::from_secs(10),
+        || async {
+            let log = envoy.proc.log_text();
+            log.lines()
+                .any(|l| {
+                    l.contains("14, agent could not connect to upstream XDS server")
+                        && l.contains(&addr)
+                })
+                .then_some(())
+        },
+    )
+    .await;
     // Retries are spaced by Envoy's backoff, not a tight loop in the agent.
     tokio::time::sleep(SHORT).await;
     assert!(failures() < 20.0, "too many attempts: {}", failures());

@@ -70,13 +70,29 @@ impl ResponseBody {
     fn trailers(&mut self, status: &Status) -> http_body::Frame<Bytes> {
         self.done = true;
         let mut h = http::HeaderMap::new();
-        if status.add_header(&mut h).is_err() {
-            // Only a message that cannot be a header value gets here; keep the code.
-            h.clear();
-            let _ = Status::new(status.code(), "").add_header(&mut h);
+        h.insert("grpc-status", http::HeaderValue::from(status.code() as i32));
+        if !status.message().is_empty()
+            && let Ok(v) = http::HeaderValue::from_str(&grpc_message(status.message()))
+        {
+            h.insert("grpc-message", v);
         }
         http_body::Frame::trailers(h)
     }
+}
+
+/// `grpc-message` encoding per the gRPC HTTP/2 spec: only bytes outside printable ASCII and
+/// `%` itself are percent-encoded. (tonic also encodes spaces, and Envoy logs the message
+/// without decoding it, so its logs would read `agent%20could%20not...`.)
+pub fn grpc_message(msg: &str) -> String {
+    let mut out = String::with_capacity(msg.len());
+    for b in msg.bytes() {
+        if (0x20..=0x7e).contains(&b) && b != b'%' {
+            out.push(char::from(b));
+        } else {
+            out.push_str(&format!("%{b:02X}"));
+        }
+    }
+    out
 }
 
 /// The gRPC length prefix: uncompressed flag + big-endian u32 length.
@@ -155,7 +171,8 @@ mod tests {
         assert_eq!(data.as_ptr(), msg.as_ptr());
         let t = f[2].trailers_ref().unwrap();
         assert_eq!(t["grpc-status"], "14");
-        assert_eq!(t["grpc-message"], "upstream%20gone");
+        assert_eq!(t["grpc-message"], "upstream gone");
+        assert_eq!(grpc_message("50% é\n"), "50%25 %C3%A9%0A");
     }
 
     #[tokio::test]

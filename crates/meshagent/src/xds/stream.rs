@@ -165,6 +165,14 @@ pub async fn run(
         }
     };
 
+    // The final status goes through the reserved slot if the loop holds it (try_send would
+    // find the slot taken by our own reservation).
+    let mut fail = |s: Status| match permit.take() {
+        Some(p) => p.send(Err(s)),
+        None => {
+            let _ = down.try_send(Err(s));
+        }
+    };
     let m = &shared.metrics;
     match end {
         End::Stopped => {
@@ -179,11 +187,11 @@ pub async fn run(
                     "agent could not connect to upstream XDS server {addr}: {}",
                     s.message()
                 ));
-                let _ = down.try_send(Err(s));
+                fail(s);
             } else {
                 m.istiod_connection_terminations.with(&["error"]).inc();
                 tracing::warn!(id, upstream = %addr, code = ?s.code(), error = %s.message(), "upstream XDS server {addr} refused the stream");
-                let _ = down.try_send(Err(s));
+                fail(s);
             }
         }
         End::Upstream(s) => {
@@ -201,6 +209,8 @@ pub async fn run(
             // closes it with OK. The slot may hold a response Envoy has not read yet; wait for
             // it (or for Envoy to go away) so the status follows it.
             if let Some(s) = s {
+                // Without a reservation the slot holds a response Envoy has not read yet; wait
+                // for it (or for Envoy to go away) so the status follows it.
                 match permit.take() {
                     Some(p) => p.send(Err(s)),
                     None => {
