@@ -45,10 +45,11 @@ else
 	cargo test --workspace --no-fail-fast
 endif
 
-# Benchmarks (not tests): release build, real Envoy + devplane; results go to BENCHMARKS.md.
+# Benchmarks (not tests): release builds against real Envoy and devplane; results go to BENCHMARKS.md.
 bench: envoy
 	cargo build --release --bins
 	cargo bench -p meshagent --bench sds
+	cargo bench -p meshagent --bench xds
 	cargo bench -p meshagent --bench merge
 
 demo: envoy

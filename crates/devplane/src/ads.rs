@@ -42,6 +42,8 @@ pub struct AdsService {
 
 struct Inner {
     mesh: watch::Receiver<Arc<Mesh>>,
+    /// Resources set through `POST /debug/resource`, laid over the generated ones.
+    overrides: watch::Receiver<Arc<Resources>>,
     clients: Clients,
     auth: Auth,
     /// Whether this port requires an authenticated caller (istiod's 15012 does, 15010 not).
@@ -52,6 +54,7 @@ struct Inner {
 impl AdsService {
     pub fn new(
         mesh: watch::Receiver<Arc<Mesh>>,
+        overrides: watch::Receiver<Arc<Resources>>,
         clients: Clients,
         auth: Auth,
         require_auth: bool,
@@ -59,6 +62,7 @@ impl AdsService {
         AdsService {
             inner: Arc::new(Inner {
                 mesh,
+                overrides,
                 clients,
                 auth,
                 require_auth,
@@ -155,6 +159,7 @@ struct Stream {
     inner: Arc<Inner>,
     client: ClientHandle,
     mesh: watch::Receiver<Arc<Mesh>>,
+    overrides: watch::Receiver<Arc<Resources>>,
     proxy: Option<ProxyIdentity>,
     resources: Resources,
 }
@@ -168,10 +173,12 @@ enum Event<R> {
 impl Stream {
     fn new(inner: Arc<Inner>, client: ClientHandle) -> Stream {
         let mesh = inner.mesh.clone();
+        let overrides = inner.overrides.clone();
         Stream {
             inner,
             client,
             mesh,
+            overrides,
             proxy: None,
             resources: Resources::new(),
         }
@@ -192,6 +199,7 @@ impl Stream {
         self.client.update(|c| clients::record_node(c, node));
         tracing::info!(client = self.client.id(), node = %node.id, "client connected");
         self.resources = generate::generate(&self.mesh.borrow(), &proxy);
+        self.apply_overrides();
         self.proxy = Some(proxy);
         Ok(())
     }
@@ -199,8 +207,20 @@ impl Stream {
     fn regenerate(&mut self) {
         if let Some(p) = &self.proxy {
             self.resources = generate::generate(&self.mesh.borrow_and_update(), p);
+            self.apply_overrides();
         } else {
             self.mesh.borrow_and_update();
+            self.overrides.borrow_and_update();
+        }
+    }
+
+    fn apply_overrides(&mut self) {
+        let o = self.overrides.borrow_and_update().clone();
+        for (t, by_name) in o.iter() {
+            let m = self.resources.entry(t).or_default();
+            for (name, any) in by_name {
+                m.insert(name.clone(), any.clone());
+            }
         }
     }
 
@@ -223,6 +243,10 @@ impl Stream {
                 Err(s) => Event::Closed(Some(s)),
             },
             changed = self.mesh.changed() => match changed {
+                Ok(()) => Event::MeshChanged,
+                Err(_) => Event::Closed(None),
+            },
+            changed = self.overrides.changed() => match changed {
                 Ok(()) => Event::MeshChanged,
                 Err(_) => Event::Closed(None),
             },

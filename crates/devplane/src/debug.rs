@@ -3,20 +3,27 @@
 //! * `GET /debug/clients`: every xDS client (live and recently disconnected)
 //! * `GET /debug/csr`: the last CSR calls
 //! * `GET /debug/token?namespace=NS&serviceAccount=SA[&ttlSeconds=N]`: a token devplane accepts
+//! * `POST /debug/resource?type=URL&name=NAME` (body: the serialized resource, any bytes):
+//!   serve it to every client as resource NAME of type URL, in place of a generated one, and
+//!   push. For tests of what an agent does with malformed or very large resources.
 //! * `GET /healthz`: 200 once serving
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use axum::Json;
-use axum::extract::{Query, State};
+use axum::body::Bytes;
+use axum::extract::{DefaultBodyLimit, Query, State};
 use axum::http::StatusCode;
-use axum::routing::get;
+use axum::routing::{get, post};
+use meshagent_proto::envoy::pb::google::protobuf::Any;
+use meshagent_proto::type_url;
 use serde::Deserialize;
 use tokio::sync::watch;
 
 use crate::ca::CsrLog;
 use crate::clients::Clients;
+use crate::generate::Resources;
 use crate::mesh::Mesh;
 use crate::token::TokenIssuer;
 
@@ -26,7 +33,23 @@ pub struct DebugState {
     pub csr_log: CsrLog,
     pub mesh: watch::Receiver<Arc<Mesh>>,
     pub tokens: Arc<TokenIssuer>,
+    pub overrides: watch::Sender<Arc<Resources>>,
 }
+
+/// Largest resource accepted by `POST /debug/resource`.
+const MAX_RESOURCE: usize = 256 * 1024 * 1024;
+
+/// Types `POST /debug/resource` accepts (resource maps are keyed by static type URLs).
+const OVERRIDABLE: [&str; 8] = [
+    type_url::CLUSTER,
+    type_url::ENDPOINT,
+    type_url::LISTENER,
+    type_url::ROUTE,
+    type_url::NAME_TABLE,
+    type_url::PROXY_CONFIG,
+    type_url::EXTENSION_CONFIG,
+    type_url::WORKLOAD,
+];
 
 pub fn router(state: DebugState) -> axum::Router {
     axum::Router::new()
@@ -40,6 +63,10 @@ pub fn router(state: DebugState) -> axum::Router {
             get(|State(s): State<DebugState>| async move { Json(s.csr_log.snapshot()) }),
         )
         .route("/debug/token", get(token))
+        .route(
+            "/debug/resource",
+            post(set_resource).layer(DefaultBodyLimit::max(MAX_RESOURCE)),
+        )
         .with_state(state)
 }
 
@@ -59,4 +86,40 @@ async fn token(
     s.tokens
         .issue(&q.namespace, &q.service_account, ttl)
         .map_err(|e| (StatusCode::BAD_REQUEST, e.to_string()))
+}
+
+#[derive(Deserialize)]
+struct ResourceQuery {
+    r#type: String,
+    name: String,
+}
+
+async fn set_resource(
+    State(s): State<DebugState>,
+    Query(q): Query<ResourceQuery>,
+    body: Bytes,
+) -> Result<String, (StatusCode, String)> {
+    let t = OVERRIDABLE
+        .iter()
+        .find(|t| **t == q.r#type)
+        .ok_or_else(|| {
+            (
+                StatusCode::BAD_REQUEST,
+                format!("type must be one of {OVERRIDABLE:?}"),
+            )
+        })?;
+    let len = body.len();
+    s.overrides.send_modify(|o| {
+        let mut next = (**o).clone();
+        next.entry(t).or_default().insert(
+            q.name.clone(),
+            Any {
+                type_url: q.r#type.clone(),
+                value: body.to_vec(),
+            },
+        );
+        *o = Arc::new(next);
+    });
+    tracing::info!(type_url = %q.r#type, name = %q.name, bytes = len, "debug resource set; pushing");
+    Ok(format!("set {} {:?} ({len} bytes)\n", q.r#type, q.name))
 }

@@ -76,6 +76,8 @@ pub async fn serve(opts: ServeOptions) -> Result<(), ServeError> {
     let ca = state.ca()?.with_trust_domain(trust_domain);
     let ca_service = ca::CaService::new(ca, state.token_issuer()?);
     let csr_log = ca_service.csr_log();
+    // Raw resources injected through the debug endpoint (tests: malformed or huge ones).
+    let (overrides_tx, overrides_rx) = watch::channel(Arc::new(generate::Resources::new()));
 
     let tls = tokio_rustls::TlsAcceptor::from(Arc::new(state.server_tls_config()?));
     let grpc = TcpListener::bind(opts.grpc_addr)
@@ -87,7 +89,13 @@ pub async fn serve(opts: ServeOptions) -> Result<(), ServeError> {
     let grpc_addr = grpc.local_addr().unwrap_or(opts.grpc_addr);
     let mut tasks = tokio::task::JoinSet::new();
     {
-        let ads = ads::AdsService::new(mesh_rx.clone(), clients.clone(), auth.clone(), true);
+        let ads = ads::AdsService::new(
+            mesh_rx.clone(),
+            overrides_rx.clone(),
+            clients.clone(),
+            auth.clone(),
+            true,
+        );
         let router = grpc_router(ads, ca_service.clone());
         let incoming = conn::incoming(grpc, Some(tls));
         tasks.spawn(async move {
@@ -104,7 +112,13 @@ pub async fn serve(opts: ServeOptions) -> Result<(), ServeError> {
         let l = TcpListener::bind(addr)
             .await
             .map_err(|source| ServeError::Listen { addr, source })?;
-        let ads = ads::AdsService::new(mesh_rx.clone(), clients.clone(), auth.clone(), false);
+        let ads = ads::AdsService::new(
+            mesh_rx.clone(),
+            overrides_rx.clone(),
+            clients.clone(),
+            auth.clone(),
+            false,
+        );
         let router = grpc_router(ads, ca_service.clone());
         let incoming = conn::incoming(l, None);
         tasks.spawn(async move {
@@ -123,6 +137,7 @@ pub async fn serve(opts: ServeOptions) -> Result<(), ServeError> {
             csr_log,
             mesh: mesh_rx,
             tokens,
+            overrides: overrides_tx,
         });
         tasks.spawn(async move {
             axum::serve(l, app)

@@ -19,6 +19,7 @@ pub mod request;
 pub mod sds;
 pub mod status;
 pub mod wait;
+pub mod xds;
 
 /// The Istio release whose agent behaviour (flags, env, files) we match.
 pub const ISTIO_COMPAT_VERSION: &str = "1.29.0";

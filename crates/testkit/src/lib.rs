@@ -142,12 +142,24 @@ where
 
 /// Minimal HTTP/1.1 client (one request per connection) for admin and debug endpoints.
 pub async fn http(method: &str, addr: SocketAddr, path: &str) -> std::io::Result<(u16, String)> {
+    http_with_body(method, addr, path, &[]).await
+}
+
+/// Like [`http`], sending `body`.
+pub async fn http_with_body(
+    method: &str,
+    addr: SocketAddr,
+    path: &str,
+    body: &[u8],
+) -> std::io::Result<(u16, String)> {
     let fut = async {
         let mut s = tokio::net::TcpStream::connect(addr).await?;
         let req = format!(
-            "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\nContent-Length: 0\r\n\r\n"
+            "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\nContent-Length: {}\r\n\r\n",
+            body.len()
         );
         s.write_all(req.as_bytes()).await?;
+        s.write_all(body).await?;
         let mut buf = Vec::new();
         s.read_to_end(&mut buf).await?;
         parse_response(&buf)
@@ -375,6 +387,16 @@ impl Devplane {
         let (status, body) = http_get(self.debug_addr, path).await.unwrap();
         assert_eq!(status, 200, "{path}: {body}");
         serde_json::from_str(&body).unwrap()
+    }
+
+    /// Serves `value` (a serialized resource, possibly malformed) as resource `name` of
+    /// `type_url` to every client, through devplane's `POST /debug/resource`.
+    pub async fn set_resource(&self, type_url: &str, name: &str, value: &[u8]) {
+        let path = format!("/debug/resource?type={type_url}&name={name}");
+        let (status, body) = http_with_body("POST", self.debug_addr, &path, value)
+            .await
+            .unwrap();
+        assert_eq!(status, 200, "set_resource: {body}");
     }
 
     /// Live xDS clients as devplane sees them.

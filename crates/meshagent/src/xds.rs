@@ -1,0 +1,458 @@
+//! The xDS proxy (spec §5): Envoy's ADS stream, SotW or Delta, from the unix socket
+//! `<configPath>/XDS` to the control plane, with NDS, PCDS, health and ECDS interception.
+//!
+//! # Wiring
+//!
+//! ```ignore
+//! let xds = meshagent::xds::start(&cfg, cwd, &registry, shutdown.clone())?;
+//! let names = xds.name_table();        // watch: the NDS table, for the DNS proxy
+//! let roots = xds.pcds_bundle();       // watch: PCDS caCertificatesPem, for ROOTCA
+//! xds.set_health(Health::Healthy);     // VM health reports (ProxyConfig.readinessProbe)
+//! xds.wait().await;                    // after `shutdown` is cancelled
+//! ```
+//!
+//! [`start`] must be called inside a Tokio runtime. It binds the socket before returning, so
+//! Envoy may be started right after. `cwd` is the agent's working directory: the socket path
+//! and every relative file (roots, token) resolve against it, never against the process cwd.
+//!
+//! # Design
+//!
+//! * **Pass-through** ([`codec::RawCodec`]): messages travel as bytes; the proxy peeks at
+//!   type URL, nonce and version on the wire ([`wire`]) and decodes only the types it owns.
+//!   Responses to Envoy are framed by hand ([`codec::ResponseBody`]) so a forwarded message is
+//!   never copied: peak memory of a push is about one message, not two.
+//! * **One owner task per stream pair** ([`stream`]), a new upstream connection per Envoy
+//!   stream (as Istio: istio#27877 was about leaking them, which per-pair ownership prevents),
+//!   and only one live pair: a new Envoy stream stops the previous one.
+//! * **Interception** through [`intercept::Interceptor`]: NDS (when the DNS proxy is on), PCDS
+//!   (`PROXY_CONFIG_XDS_AGENT`), health replay, and ECDS via [`intercept::EcdsRewrite`]
+//!   ([`intercept::PassThrough`] by default; the Wasm module supplies its own through
+//!   [`XdsOptions::ecds`]).
+//! * **No agent-side limits or timeouts** beyond Envoy's own: message sizes are limited only
+//!   by gRPC framing (4 GiB); memory per pair is one in-flight response plus a bounded request
+//!   queue (istio#52815, istio#28192, PR #31167).
+//! * Not served: gRPC server reflection on the socket (Istio registers it; nothing in the
+//!   data path uses it).
+
+pub mod codec;
+pub mod intercept;
+pub mod stream;
+pub mod wire;
+
+use std::convert::Infallible;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
+
+use meshagent_proto::nds::NameTable;
+use tokio::sync::{mpsc, watch};
+use tokio_stream::wrappers::UnixListenerStream;
+use tokio_util::sync::CancellationToken;
+use tonic::body::Body;
+use tonic::server::NamedService;
+use tonic::{Status, Streaming};
+
+pub use intercept::{Api, EcdsRewrite, Health, PassThrough};
+
+use crate::config::{Config, ProxyType};
+use crate::control_plane::{self, CallMetadata, DialError, Keepalive, Target, TokenSource};
+use crate::metrics::{Counter, CounterVec, Gauge, Registry};
+
+/// The socket's file name inside `configPath`.
+pub const SOCKET_NAME: &str = "XDS";
+
+/// Largest message the downstream server accepts: the gRPC length prefix's own limit, so the
+/// agent never refuses what Envoy would accept (`ISTIO_GPRC_MAXRECVMSGSIZE` is not applied:
+/// its 4 MiB default is the failure in istio#52815).
+const MAX_MESSAGE: usize = u32::MAX as usize;
+
+#[derive(Debug, thiserror::Error)]
+pub enum XdsError {
+    #[error("xDS upstream: {0}")]
+    Upstream(#[from] DialError),
+    #[error("cannot create the xDS socket directory {path}: {source}")]
+    Dir {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("cannot listen on the xDS socket {path}: {source}")]
+    Listen {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// The proxy's metrics, Istio's names (spec §5.5, §11).
+#[derive(Clone)]
+pub struct Metrics {
+    pub requests: Counter,
+    pub responses: Counter,
+    pub istiod_connection_failures: Counter,
+    pub istiod_connection_terminations: CounterVec,
+    pub envoy_connection_terminations: CounterVec,
+    /// `pilot_xds_recv_max`: Istio's gauge of the largest message received on the socket.
+    pub downstream_max: Gauge,
+    /// Largest response received from the control plane (no Istio equivalent).
+    pub upstream_max: Gauge,
+    /// Bytes of responses received from the control plane. Not exported (Istio has no such
+    /// metric); the benchmark reports CPU per MB from it.
+    pub response_bytes: Counter,
+}
+
+impl Metrics {
+    pub fn new(r: &Registry) -> Metrics {
+        let istiod_terminations = r.counter_vec(
+            "istiod_connection_terminations",
+            "Upstream xDS streams that ended, by type (cancelled or error).",
+            &["type"],
+        );
+        let envoy_terminations = r.counter_vec(
+            "envoy_connection_terminations",
+            "Downstream (Envoy) xDS streams that ended, by type (cancelled or error).",
+            &["type"],
+        );
+        // Pre-create the children so both series exist from the start, as in Istio.
+        for t in ["cancelled", "error"] {
+            istiod_terminations.with(&[t]);
+            envoy_terminations.with(&[t]);
+        }
+        Metrics {
+            requests: r.counter(
+                "xds_proxy_requests",
+                "Requests forwarded to the control plane (from Envoy or the agent).",
+            ),
+            responses: r.counter(
+                "xds_proxy_responses",
+                "Responses received from the control plane.",
+            ),
+            istiod_connection_failures: r.counter(
+                "istiod_connection_failures",
+                "Failed attempts to connect to the control plane.",
+            ),
+            istiod_connection_terminations: istiod_terminations,
+            envoy_connection_terminations: envoy_terminations,
+            downstream_max: r.gauge(
+                "pilot_xds_recv_max",
+                "Largest message received from Envoy on the xDS socket, in bytes.",
+            ),
+            upstream_max: r.gauge(
+                "xds_proxy_upstream_recv_max",
+                "Largest message received from the control plane, in bytes.",
+            ),
+            response_bytes: Counter::default(),
+        }
+    }
+}
+
+/// What the proxy does, derived from [`Config`] by [`XdsOptions::from_config`]; tests and
+/// later features adjust it before [`start_with`].
+#[derive(Clone)]
+pub struct XdsOptions {
+    /// Where the socket goes: `<cwd>/<configPath>/XDS`.
+    pub socket: PathBuf,
+    pub target: Target,
+    pub keepalive: Keepalive,
+    pub metadata: CallMetadata,
+    pub max_streams: u32,
+    /// Intercept NDS (the DNS proxy is on).
+    pub nds: bool,
+    /// Intercept PCDS (`PROXY_CONFIG_XDS_AGENT`).
+    pub pcds: bool,
+    /// The ECDS rewrite hook.
+    pub ecds: Arc<dyn EcdsRewrite>,
+}
+
+impl XdsOptions {
+    pub fn from_config(cfg: &Config, cwd: &Path) -> Result<XdsOptions, XdsError> {
+        let target = control_plane::xds_target(cfg, cwd)?;
+        let token = TokenSource::new(cfg.identity.jwt_path.as_ref().map(|p| cwd.join(p)));
+        Ok(XdsOptions {
+            socket: cwd.join(&cfg.proxy_config.config_path).join(SOCKET_NAME),
+            target,
+            keepalive: Keepalive {
+                interval: cfg.xds.keepalive_interval,
+                timeout: cfg.xds.keepalive_timeout,
+            },
+            metadata: CallMetadata::new(&cfg.identity.cluster_id, &cfg.xds.headers, token),
+            max_streams: cfg.xds.max_streams,
+            // Istio starts the DNS proxy (and so subscribes to NDS) for sidecars with DNS
+            // capture, and for any proxy with ISTIO_META_ENABLE_DNS_SERVER.
+            nds: (cfg.dns.capture && cfg.proxy_type == ProxyType::Sidecar) || cfg.dns.enable_server,
+            pcds: cfg.xds.proxy_config_xds_agent,
+            ecds: Arc::new(PassThrough),
+        })
+    }
+}
+
+/// The running proxy.
+pub struct XdsProxyHandle {
+    socket: PathBuf,
+    name_table: watch::Receiver<Option<Arc<NameTable>>>,
+    pcds_bundle: watch::Receiver<Vec<String>>,
+    health: watch::Sender<Option<Health>>,
+    metrics: Metrics,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl XdsProxyHandle {
+    /// The unix socket Envoy's `xds-grpc` cluster points at.
+    pub fn socket(&self) -> &Path {
+        &self.socket
+    }
+
+    /// The latest NDS name table (`None` until the first one arrives).
+    pub fn name_table(&self) -> watch::Receiver<Option<Arc<NameTable>>> {
+        self.name_table.clone()
+    }
+
+    /// PCDS `caCertificatesPem` entries (empty until PCDS delivers some).
+    pub fn pcds_bundle(&self) -> watch::Receiver<Vec<String>> {
+        self.pcds_bundle.clone()
+    }
+
+    /// Reports workload health to the control plane: sent at once if a stream is past its
+    /// first LDS request, and replayed on every new stream. Repeating a state sends nothing.
+    pub fn set_health(&self, h: Health) {
+        self.health.send_if_modified(|cur| {
+            if cur.as_ref() == Some(&h) {
+                return false;
+            }
+            *cur = Some(h);
+            true
+        });
+    }
+
+    pub fn metrics(&self) -> &Metrics {
+        &self.metrics
+    }
+
+    /// Waits until the server has stopped (after the shutdown token is cancelled).
+    pub async fn wait(self) {
+        let _ = self.task.await;
+    }
+}
+
+/// Starts the proxy from the agent's configuration.
+pub fn start(
+    cfg: &Config,
+    cwd: &Path,
+    registry: &Registry,
+    shutdown: CancellationToken,
+) -> Result<XdsProxyHandle, XdsError> {
+    start_with(XdsOptions::from_config(cfg, cwd)?, cwd, registry, shutdown)
+}
+
+/// Starts the proxy with explicit options.
+pub fn start_with(
+    opts: XdsOptions,
+    cwd: &Path,
+    registry: &Registry,
+    shutdown: CancellationToken,
+) -> Result<XdsProxyHandle, XdsError> {
+    let listener = bind(&opts.socket)?;
+    let metrics = Metrics::new(registry);
+    let (table_tx, name_table) = watch::channel(None);
+    let (bundle_tx, pcds_bundle) = watch::channel(Vec::new());
+    let (health, health_rx) = watch::channel(None);
+
+    let mut interceptors: Vec<Arc<dyn intercept::Interceptor>> = Vec::new();
+    if opts.nds {
+        interceptors.push(Arc::new(intercept::Nds { table: table_tx }));
+    }
+    if opts.pcds {
+        interceptors.push(Arc::new(intercept::Pcds { bundle: bundle_tx }));
+    }
+    interceptors.push(Arc::new(intercept::HealthReplay(health_rx.clone())));
+    interceptors.push(Arc::new(intercept::Ecds(opts.ecds.clone())));
+
+    let shared = Arc::new(stream::Shared {
+        target: opts.target.clone(),
+        cwd: cwd.to_path_buf(),
+        keepalive: opts.keepalive,
+        metadata: opts.metadata.clone(),
+        interceptors,
+        health: health_rx,
+        metrics: metrics.clone(),
+    });
+    let service = AdsServer {
+        shared,
+        shutdown: shutdown.clone(),
+        current: Arc::default(),
+    };
+    let server = tonic::transport::Server::builder()
+        .http2_keepalive_interval(Some(opts.keepalive.interval))
+        .http2_keepalive_timeout(Some(opts.keepalive.timeout))
+        .max_concurrent_streams(Some(opts.max_streams))
+        .add_service(service);
+    let socket = opts.socket.clone();
+    tracing::info!(socket = %socket.display(), upstream = %opts.target.addr, tls = opts.target.tls.is_some(), nds = opts.nds, pcds = opts.pcds, "xDS proxy listening");
+    let task = tokio::spawn(async move {
+        let incoming = UnixListenerStream::new(listener);
+        if let Err(e) = server
+            .serve_with_incoming_shutdown(incoming, shutdown.cancelled_owned())
+            .await
+        {
+            tracing::error!(error = %e, "xDS proxy server failed");
+        }
+    });
+    Ok(XdsProxyHandle {
+        socket: opts.socket,
+        name_table,
+        pcds_bundle,
+        health,
+        metrics,
+        task,
+    })
+}
+
+/// Creates the directory (0750), removes a stale socket, binds, and opens the socket to every
+/// local user (0666) as Istio does: Envoy may run as another uid; file permissions of the
+/// directory are the only access control (spec §5.1).
+fn bind(path: &Path) -> Result<tokio::net::UnixListener, XdsError> {
+    use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
+    if let Some(dir) = path.parent() {
+        std::fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o750)
+            .create(dir)
+            .map_err(|source| XdsError::Dir {
+                path: dir.to_path_buf(),
+                source,
+            })?;
+    }
+    let listen_err = |source| XdsError::Listen {
+        path: path.to_path_buf(),
+        source,
+    };
+    match std::fs::remove_file(path) {
+        Ok(()) => tracing::debug!(socket = %path.display(), "removed stale xDS socket"),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(listen_err(e)),
+    }
+    let l = tokio::net::UnixListener::bind(path).map_err(listen_err)?;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o666)).map_err(listen_err)?;
+    Ok(l)
+}
+
+// === the ADS service over raw bytes ===
+
+/// `envoy.service.discovery.v3.AggregatedDiscoveryService` with [`codec::RawCodec`]; written by
+/// hand because generated servers are tied to the prost codec.
+#[derive(Clone)]
+struct AdsServer {
+    shared: Arc<stream::Shared>,
+    shutdown: CancellationToken,
+    /// The live pair's stop token: a new Envoy stream replaces it (Istio keeps one "current"
+    /// connection).
+    current: Arc<Mutex<(u64, Option<CancellationToken>)>>,
+}
+
+impl NamedService for AdsServer {
+    const NAME: &'static str = "envoy.service.discovery.v3.AggregatedDiscoveryService";
+}
+
+impl tower::Service<http::Request<Body>> for AdsServer {
+    type Response = http::Response<Body>;
+    type Error = Infallible;
+    type Future = std::future::Ready<Result<Self::Response, Infallible>>;
+
+    fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, req: http::Request<Body>) -> Self::Future {
+        let api = match req.uri().path() {
+            stream::SOTW_PATH => Api::Sotw,
+            stream::DELTA_PATH => Api::Delta,
+            _ => {
+                return std::future::ready(Ok(Status::unimplemented(
+                    "only ADS is served on this socket",
+                )
+                .into_http()));
+            }
+        };
+        std::future::ready(Ok(self.open(api, req)))
+    }
+}
+
+impl AdsServer {
+    /// Starts the owner task of a new stream pair and answers with its response body.
+    fn open(&self, api: Api, req: http::Request<Body>) -> http::Response<Body> {
+        // Envoy does not compress ADS; a compressed request would fail decoding below with a
+        // clear status rather than being silently misread.
+        let downstream =
+            Streaming::new_request(codec::RawCodec, req.into_body(), None, Some(MAX_MESSAGE));
+        let stop = self.shutdown.child_token();
+        let id = {
+            let mut cur = self.current.lock().unwrap_or_else(|e| e.into_inner());
+            cur.0 += 1;
+            if let Some(old) = cur.1.replace(stop.clone()) {
+                old.cancel();
+            }
+            cur.0
+        };
+        // The one-slot buffer toward Envoy (spec §5.2).
+        let (tx, rx) = mpsc::channel(1);
+        tokio::spawn(stream::run(
+            self.shared.clone(),
+            api,
+            id,
+            downstream,
+            tx,
+            stop,
+        ));
+        let mut resp = http::Response::new(Body::new(codec::ResponseBody::new(rx)));
+        resp.headers_mut().insert(
+            http::header::CONTENT_TYPE,
+            http::HeaderValue::from_static("application/grpc"),
+        );
+        resp
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+    use std::os::unix::fs::PermissionsExt;
+
+    #[tokio::test]
+    async fn socket_dir_created_stale_socket_replaced_mode_0666() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("etc/istio/proxy/XDS");
+        let first = bind(&path).unwrap();
+        let mode = |p: &Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode(&path), 0o666);
+        assert_eq!(mode(path.parent().unwrap()) & 0o750, 0o750);
+        // A socket left behind by a previous agent (still bound here) is replaced.
+        let _second = bind(&path).unwrap();
+        drop(first);
+        assert!(tokio::net::UnixStream::connect(&path).await.is_ok());
+    }
+
+    #[test]
+    fn options_follow_config() {
+        let dir = tempfile::tempdir().unwrap();
+        let env = crate::config::MapEnv::from_pairs([
+            ("ISTIO_META_DNS_CAPTURE", "true"),
+            ("PROXY_CONFIG_XDS_AGENT", "true"),
+            ("XDS_ROOT_CA", "/roots.pem"),
+        ]);
+        let cfg =
+            crate::config::load(&crate::config::ProxyFlags::default(), &env, dir.path()).unwrap();
+        let o = XdsOptions::from_config(&cfg, dir.path()).unwrap();
+        assert_eq!(o.socket, dir.path().join("./etc/istio/proxy").join("XDS"));
+        assert_eq!(o.target.addr, "istiod.istio-system.svc:15012");
+        assert!(o.nds && o.pcds);
+        let cfg = crate::config::load(
+            &crate::config::ProxyFlags::default(),
+            &crate::config::MapEnv::from_pairs([("XDS_ROOT_CA", "/roots.pem")]),
+            dir.path(),
+        )
+        .unwrap();
+        let o = XdsOptions::from_config(&cfg, dir.path()).unwrap();
+        assert!(!o.nds && !o.pcds);
+    }
+}

@@ -1,0 +1,378 @@
+//! One Envoy stream and its upstream stream, owned by a single task.
+//!
+//! Istio's behaviour (spec §5.2), kept: a **new** upstream connection per downstream stream;
+//! Envoy's requests forwarded verbatim; responses through a one-slot buffer to Envoy, so a slow
+//! Envoy slows the upstream read (HTTP/2 flow control then pushes back on istiod) instead of
+//! growing memory — the slot is reserved before istiod's stream is read, so the task itself
+//! never holds a response it cannot hand over (test `paused_envoy_backpressures_upstream`); any failure on either side ends the pair; the agent never reconnects on its
+//! own — Envoy's backoff drives reconnection, so Envoy always restarts the full handshake and
+//! can never stay attached to a dead upstream.
+//!
+//! **Termination status**: as Istio, the downstream stream ends with the upstream's gRPC status
+//! (OK for a graceful upstream end), so Envoy's logs and `control_plane.connected_state` show
+//! istiod's own error (e.g. `Unauthenticated`). A failed dial ends it with `Unavailable` naming
+//! the address, which is more useful to an operator than Istio's bare dial error.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::time::Instant;
+
+use bytes::Bytes;
+use futures::FutureExt;
+use http::uri::PathAndQuery;
+use tokio::sync::{mpsc, watch};
+use tokio_stream::wrappers::ReceiverStream;
+use tokio_util::sync::CancellationToken;
+use tonic::{Status, Streaming};
+
+use super::codec::RawCodec;
+use super::intercept::{self, Api, Health, Interceptor, Verdict};
+use super::{Metrics, wire};
+use crate::control_plane::{self, CallMetadata, Keepalive, Target};
+
+/// Requests queued toward istiod. Envoy's reads pause when fewer than [`AGENT_HEADROOM`] slots
+/// are free, so agent-originated requests (ACKs, subscriptions, health) always fit and the queue
+/// stays bounded.
+const UPSTREAM_QUEUE: usize = 64;
+const AGENT_HEADROOM: usize = 8;
+
+/// Istio warns when a push to Envoy takes longer than this (it never times it out: PR #31167).
+const SLOW_PUSH: Duration = Duration::from_secs(10);
+
+pub const SOTW_PATH: &str =
+    "/envoy.service.discovery.v3.AggregatedDiscoveryService/StreamAggregatedResources";
+pub const DELTA_PATH: &str =
+    "/envoy.service.discovery.v3.AggregatedDiscoveryService/DeltaAggregatedResources";
+
+/// Everything a stream pair needs, shared by all pairs.
+pub struct Shared {
+    pub target: Target,
+    pub cwd: std::path::PathBuf,
+    pub keepalive: Keepalive,
+    pub metadata: CallMetadata,
+    pub interceptors: Vec<Arc<dyn Interceptor>>,
+    pub health: watch::Receiver<Option<Health>>,
+    pub metrics: Metrics,
+}
+
+/// How a stream pair ended, for logs and metrics.
+enum End {
+    /// The agent stopped it (shutdown, or a newer Envoy stream replaced it).
+    Stopped,
+    /// Envoy ended or broke its stream.
+    Downstream(Option<Status>),
+    /// istiod ended or broke its stream, or could not be reached.
+    Upstream(Option<Status>),
+    /// Upstream could not be dialled / the stream could not be created.
+    Connect(Status),
+}
+
+/// Istio's `IsExpectedGRPCError`: graceful ends and cancellations are `cancelled`, anything
+/// else `error`.
+fn termination_type(s: Option<&Status>) -> &'static str {
+    let Some(s) = s else { return "cancelled" };
+    let msg = s.message();
+    let expected = matches!(
+        s.code(),
+        tonic::Code::Cancelled | tonic::Code::DeadlineExceeded
+    ) || (s.code() == tonic::Code::Unavailable
+        && [
+            "client disconnected",
+            "error reading from server: EOF",
+            "transport is closing",
+        ]
+        .iter()
+        .any(|m| msg.contains(m)))
+        || msg.contains("NO_ERROR");
+    if expected { "cancelled" } else { "error" }
+}
+
+/// Runs one pair until either side ends; the downstream response channel `down` carries at
+/// most one message (the one-slot buffer).
+pub async fn run(
+    shared: Arc<Shared>,
+    api: Api,
+    id: u64,
+    mut downstream: Streaming<Bytes>,
+    down: mpsc::Sender<Result<Bytes, Status>>,
+    stop: CancellationToken,
+) {
+    let addr = shared.target.addr.clone();
+    let (up_tx, up_rx) = mpsc::channel::<Bytes>(UPSTREAM_QUEUE);
+    let mut connect = connect(&shared, api, up_rx).boxed();
+    let mut upstream: Option<Streaming<Bytes>> = None;
+    let mut health = shared.health.clone();
+    health.borrow_and_update();
+    let mut seen_lds = false;
+    tracing::debug!(id, ?api, upstream = %addr, "Envoy stream connected");
+
+    // The slot toward Envoy is reserved *before* reading upstream, so the agent never holds a
+    // response it cannot hand over: while Envoy is slow, istiod's stream is simply not read.
+    let mut permit: Option<mpsc::Permit<'_, Result<Bytes, Status>>> = None;
+    // When the last response was handed over, to warn about slow pushes as Istio does.
+    let mut handed_over: Option<Instant> = None;
+
+    let end = loop {
+        tokio::select! {
+            biased;
+            () = stop.cancelled() => break End::Stopped,
+            r = &mut connect, if upstream.is_none() => match r {
+                Ok(s) => {
+                    tracing::info!(id, upstream = %addr, "connected to upstream XDS server");
+                    upstream = Some(s);
+                }
+                Err(s) => break End::Connect(s),
+            },
+            p = down.reserve(), if permit.is_none() => match p {
+                Ok(p) => {
+                    if let Some(t) = handed_over.take()
+                        && t.elapsed() > SLOW_PUSH
+                    {
+                        tracing::warn!(id, took = ?t.elapsed(), "slow push to Envoy");
+                    }
+                    permit = Some(p);
+                }
+                Err(_) => break End::Downstream(Some(Status::cancelled("Envoy stream closed"))),
+            },
+            m = async { upstream.as_mut()?.message().await.transpose() }, if upstream.is_some() && permit.is_some() => match m {
+                Some(Ok(msg)) => match on_response(&shared, api, id, msg, &up_tx) {
+                    Ok(Some(out)) => {
+                        if let Some(p) = permit.take() {
+                            p.send(Ok(out));
+                            handed_over = Some(Instant::now());
+                        }
+                    }
+                    Ok(None) => {}
+                    Err(end) => break end,
+                },
+                None => break End::Upstream(None),
+                Some(Err(s)) => break End::Upstream(Some(s)),
+            },
+            m = downstream.message(), if up_tx.capacity() > AGENT_HEADROOM => match m {
+                Ok(Some(msg)) => on_request(&shared, api, msg, &up_tx, &mut seen_lds),
+                Ok(None) => break End::Downstream(None),
+                Err(s) => break End::Downstream(Some(s)),
+            },
+            Ok(()) = health.changed() => {
+                // Never before LDS: istiod must know the proxy first (spec §5.3); the replay
+                // after the first LDS request covers changes made before it.
+                let h = health.borrow_and_update().clone();
+                if seen_lds && let Some(h) = h {
+                    send_up(&up_tx, intercept::health_request(api, &h));
+                }
+            }
+        }
+    };
+
+    // The final status goes through the reserved slot if the loop holds it (try_send would
+    // find the slot taken by our own reservation).
+    let mut fail = |s: Status| match permit.take() {
+        Some(p) => p.send(Err(s)),
+        None => {
+            let _ = down.try_send(Err(s));
+        }
+    };
+    let m = &shared.metrics;
+    match end {
+        End::Stopped => {
+            tracing::debug!(id, "stream pair stopped by the agent");
+            // Dropping `down` ends Envoy's stream with OK; Envoy reconnects if it still wants to.
+        }
+        End::Connect(s) => {
+            if s.code() == tonic::Code::Unavailable {
+                m.istiod_connection_failures.inc();
+                tracing::warn!(id, upstream = %addr, error = %s.message(), "failed to connect to upstream XDS server {addr}");
+                let s = Status::unavailable(format!(
+                    "agent could not connect to upstream XDS server {addr}: {}",
+                    s.message()
+                ));
+                fail(s);
+            } else {
+                m.istiod_connection_terminations.with(&["error"]).inc();
+                tracing::warn!(id, upstream = %addr, code = ?s.code(), error = %s.message(), "upstream XDS server {addr} refused the stream");
+                fail(s);
+            }
+        }
+        End::Upstream(s) => {
+            let t = termination_type(s.as_ref());
+            m.istiod_connection_terminations.with(&[t]).inc();
+            match &s {
+                Some(s) if t == "error" => {
+                    tracing::warn!(id, upstream = %addr, code = ?s.code(), error = %s.message(), "upstream terminated with unexpected error")
+                }
+                s => {
+                    tracing::info!(id, upstream = %addr, status = ?s.as_ref().map(|s| s.code()), "upstream terminated")
+                }
+            }
+            // End Envoy's stream with istiod's status (Istio's choice); a graceful upstream end
+            // closes it with OK. The slot may hold a response Envoy has not read yet; wait for
+            // it (or for Envoy to go away) so the status follows it.
+            if let Some(s) = s {
+                // Without a reservation the slot holds a response Envoy has not read yet; wait
+                // for it (or for Envoy to go away) so the status follows it.
+                match permit.take() {
+                    Some(p) => p.send(Err(s)),
+                    None => {
+                        tokio::select! {
+                            _ = down.send(Err(s)) => {}
+                            () = stop.cancelled() => {}
+                        }
+                    }
+                }
+            }
+        }
+        End::Downstream(s) => {
+            let t = termination_type(s.as_ref());
+            m.envoy_connection_terminations.with(&[t]).inc();
+            match &s {
+                Some(s) if t == "error" => {
+                    tracing::warn!(id, code = ?s.code(), error = %s.message(), "downstream terminated with unexpected error")
+                }
+                s => {
+                    tracing::debug!(id, status = ?s.as_ref().map(|s| s.code()), "downstream terminated")
+                }
+            }
+            // Dropping the upstream stream resets it: istiod sees the proxy go away at once.
+        }
+    }
+}
+
+/// Dials a new connection (Istio: one per downstream stream) and opens the upstream stream.
+/// Runs concurrently with forwarding Envoy's first requests: a server may send its response
+/// headers only with its first response.
+async fn connect(
+    shared: &Shared,
+    api: Api,
+    up_rx: mpsc::Receiver<Bytes>,
+) -> Result<Streaming<Bytes>, Status> {
+    let channel = control_plane::channel(&shared.target, &shared.cwd, shared.keepalive)
+        .map_err(|e| Status::unavailable(e.to_string()))?;
+    let mut grpc = tonic::client::Grpc::new(channel)
+        // No agent-side limit: Envoy's own limit is the one that matters (istio#52815).
+        .max_decoding_message_size(usize::MAX)
+        .max_encoding_message_size(usize::MAX);
+    let mut req = tonic::Request::new(ReceiverStream::new(up_rx));
+    shared.metadata.apply(req.metadata_mut());
+    grpc.ready()
+        .await
+        .map_err(|e| Status::unavailable(e.to_string()))?;
+    let path = PathAndQuery::from_static(match api {
+        Api::Sotw => SOTW_PATH,
+        Api::Delta => DELTA_PATH,
+    });
+    Ok(grpc.streaming(req, path, RawCodec).await?.into_inner())
+}
+
+fn send_up(up: &mpsc::Sender<Bytes>, msg: Bytes) {
+    match up.try_send(msg) {
+        Ok(()) => {}
+        // Closed: the upstream stream is gone and its end is being reported by the loop.
+        Err(mpsc::error::TrySendError::Closed(_)) => {}
+        Err(mpsc::error::TrySendError::Full(_)) => {
+            tracing::error!("upstream request queue full; dropping an agent-originated request")
+        }
+    }
+}
+
+fn on_request(
+    shared: &Shared,
+    api: Api,
+    msg: Bytes,
+    up: &mpsc::Sender<Bytes>,
+    seen_lds: &mut bool,
+) {
+    let m = &shared.metrics;
+    m.requests.inc();
+    m.downstream_max.set_max(msg.len() as f64);
+    let first_lds = !*seen_lds
+        && match wire::peek(api.request_kind(), &msg) {
+            Ok(p) => p.type_url == meshagent_proto::type_url::LISTENER,
+            Err(e) => {
+                // Forwarded anyway: the proxy does not judge Envoy's requests; istiod will.
+                tracing::debug!(error = %e, "cannot peek at an Envoy request");
+                false
+            }
+        };
+    send_up(up, msg);
+    if first_lds {
+        *seen_lds = true;
+        for i in &shared.interceptors {
+            for r in i.on_first_lds(api) {
+                send_up(up, r);
+            }
+        }
+    }
+}
+
+/// Handles one upstream response: `Ok(Some(bytes))` goes to Envoy, `Ok(None)` was consumed
+/// or dropped, `Err(end)` ends the pair.
+fn on_response(
+    shared: &Shared,
+    api: Api,
+    id: u64,
+    msg: Bytes,
+    up: &mpsc::Sender<Bytes>,
+) -> Result<Option<Bytes>, End> {
+    let m = &shared.metrics;
+    m.responses.inc();
+    m.upstream_max.set_max(msg.len() as f64);
+    m.response_bytes.add(msg.len() as u64);
+    let peeked = msg.clone();
+    let p = match wire::peek(api.response_kind(), &peeked) {
+        Ok(p) => p,
+        Err(e) => {
+            // Istio's decode would fail the same way and end the pair.
+            return Err(End::Upstream(Some(Status::internal(format!(
+                "malformed response from upstream: {e}"
+            )))));
+        }
+    };
+    match shared
+        .interceptors
+        .iter()
+        .find(|i| i.type_url() == p.type_url)
+    {
+        Some(i) => match i.on_response(api, msg, &p) {
+            Verdict::Forward(b) => Ok(Some(b)),
+            Verdict::Consume(reply) => {
+                if let Some(r) = reply {
+                    send_up(up, r);
+                }
+                Ok(None)
+            }
+        },
+        None if intercept::forwarded_to_envoy(p.type_url) => Ok(Some(msg)),
+        None => {
+            tracing::error!(
+                id,
+                type_url = p.type_url,
+                "dropping response of a type the agent does not forward"
+            );
+            Ok(None)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn termination_types() {
+        assert_eq!(termination_type(None), "cancelled");
+        assert_eq!(termination_type(Some(&Status::cancelled("x"))), "cancelled");
+        assert_eq!(
+            termination_type(Some(&Status::unavailable("transport is closing"))),
+            "cancelled"
+        );
+        assert_eq!(
+            termination_type(Some(&Status::unavailable("boom"))),
+            "error"
+        );
+        assert_eq!(
+            termination_type(Some(&Status::unauthenticated("no"))),
+            "error"
+        );
+    }
+}

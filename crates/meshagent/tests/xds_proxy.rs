@@ -1,0 +1,419 @@
+//! The agent's xDS proxy between a real Envoy and devplane (stand-in istiod over TLS).
+#![allow(clippy::unwrap_used)] // tests fail loudly by design
+
+mod xds_support;
+
+use std::time::Duration;
+
+use meshagent::xds::Health;
+use meshagent_proto::envoy::pb::envoy::config::cluster::v3::Cluster;
+use meshagent_proto::envoy::pb::envoy::config::core::v3::Metadata;
+use meshagent_proto::envoy::pb::google::protobuf::{
+    Duration as PbDuration, Struct, Value as PbValue, value::Kind,
+};
+use meshagent_proto::type_url;
+use meshagent_testkit::{DEADLINE, Devplane, Envoy, json, wait_for};
+use prost::Message;
+use xds_support::*;
+
+async fn envoy_through_agent(delta: bool) {
+    let dp = Devplane::start(&mesh_yaml(false)).await;
+    let dir = tempfile::tempdir().unwrap();
+    let agent = agent_for(&dp, dir.path(), &[]).await;
+    let sds = static_sds(&dp, &agent.token, dir.path()).await;
+    let envoy = Envoy::start(
+        bootstrap(agent.handle.socket(), delta, Some(&sds.socket)),
+        dir.path(),
+    );
+    converged(&envoy).await;
+
+    // What the agent sent upstream: Istio's metadata, the token, and Envoy's node verbatim.
+    let api = if delta { "delta" } else { "sotw" };
+    let client = acked(&dp, api).await;
+    assert_eq!(
+        client["nacks"],
+        json!({}),
+        "Envoy rejected config: {client:#}"
+    );
+    assert_eq!(client["transport"], "tls");
+    assert_eq!(client["headers"]["clusterid"], "Kubernetes", "{client:#}");
+    assert_eq!(client["headers"]["team"], "payments", "{client:#}");
+    assert_eq!(client["headers"]["x-trace-tag"], "e2e", "{client:#}");
+    assert_eq!(client["token_fingerprint"], fingerprint(&agent.token));
+    assert_eq!(
+        client["headers"]["authorization"],
+        fingerprint(&agent.token)
+    );
+    assert_eq!(client["identity"], "spiffe://cluster.local/ns/default/sa/a");
+    assert_eq!(client["node_id"], NODE_ID);
+    assert_eq!(client["node_metadata"]["NAME"], "a-5f7d");
+    // Envoy's own types only: NDS is not intercepted here (DNS proxy off), so nobody asked.
+    assert!(
+        client["subscriptions"].get(type_url::NAME_TABLE).is_none(),
+        "{client:#}"
+    );
+
+    // A mesh change pushed by devplane reaches Envoy.
+    dp.write_mesh(&mesh_yaml(true));
+    wait_for("the pushed cluster for service c", DEADLINE, || async {
+        envoy
+            .clusters()
+            .await
+            .iter()
+            .any(|n| n == "outbound|8080||c.default.svc.cluster.local")
+            .then_some(())
+    })
+    .await;
+    assert_eq!(client_for(&dp, api).await["nacks"], json!({}));
+    assert!(agent.metric("istio_agent_xds_proxy_requests") >= 4.0);
+    assert!(agent.metric("istio_agent_xds_proxy_responses") >= 4.0);
+    assert!(agent.metric("istio_agent_pilot_xds_recv_max") > 0.0);
+    assert!(agent.metric("istio_agent_xds_proxy_upstream_recv_max") > 0.0);
+
+    // Shutdown ends the server promptly even with Envoy still connected.
+    agent.shutdown.cancel();
+    tokio::time::timeout(Duration::from_secs(10), agent.handle.wait())
+        .await
+        .expect("xDS proxy stops within 10s of shutdown");
+    drop(envoy);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn sotw_envoy_gets_devplane_config_through_agent() {
+    envoy_through_agent(false).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn delta_envoy_gets_devplane_config_through_agent() {
+    envoy_through_agent(true).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn devplane_restart_envoy_reconverges_through_agent() {
+    let mut dp = Devplane::start(&mesh_yaml(false)).await;
+    let dir = tempfile::tempdir().unwrap();
+    let agent = agent_for(&dp, dir.path(), &[]).await;
+    let sds = static_sds(&dp, &agent.token, dir.path()).await;
+    let envoy = Envoy::start(
+        bootstrap(agent.handle.socket(), true, Some(&sds.socket)),
+        dir.path(),
+    );
+    converged(&envoy).await;
+    acked(&dp, "delta").await;
+    let terminations = || {
+        agent.metric("istio_agent_istiod_connection_terminations{type=\"cancelled\"}")
+            + agent.metric("istio_agent_istiod_connection_terminations{type=\"error\"}")
+    };
+    assert_eq!(terminations(), 0.0);
+    let connected_before = envoy.stat("control_plane.connected_state").await;
+    assert_eq!(connected_before, Some(1));
+
+    dp.restart().await;
+    // A fresh devplane knows nothing: the client it lists must come from a reconnect.
+    let client = acked(&dp, "delta").await;
+    assert_eq!(client["nacks"], json!({}));
+    assert_eq!(client["node_id"], NODE_ID);
+    assert!(terminations() >= 1.0, "{}", agent.registry.encode());
+    // Envoy saw its stream end (not stuck on a dead upstream) and is connected again.
+    wait_for("Envoy to reconnect", DEADLINE, || async {
+        (envoy.stat("control_plane.connected_state").await == Some(1)).then_some(())
+    })
+    .await;
+    // Config still flows after the reconnect.
+    dp.write_mesh(&mesh_yaml(true));
+    wait_for("a push after the restart", DEADLINE, || async {
+        envoy
+            .clusters()
+            .await
+            .iter()
+            .any(|n| n == "outbound|8080||c.default.svc.cluster.local")
+            .then_some(())
+    })
+    .await;
+    assert!(!agent.shutdown.is_cancelled());
+    assert!(
+        std::fs::metadata(agent.handle.socket()).is_ok(),
+        "agent still serving"
+    );
+}
+
+/// A cluster whose metadata carries `size` bytes, so the CDS response exceeds `size`.
+fn big_cluster(name: &str, size: usize) -> Vec<u8> {
+    let blob: String = (0..size).map(|i| (b'a' + (i % 26) as u8) as char).collect();
+    Cluster {
+        name: name.into(),
+        connect_timeout: Some(PbDuration {
+            seconds: 1,
+            nanos: 0,
+        }),
+        metadata: Some(Metadata {
+            filter_metadata: [(
+                "test".to_owned(),
+                Struct {
+                    fields: [(
+                        "blob".to_owned(),
+                        PbValue {
+                            kind: Some(Kind::StringValue(blob)),
+                        },
+                    )]
+                    .into(),
+                },
+            )]
+            .into(),
+            ..Default::default()
+        }),
+        ..Default::default()
+    }
+    .encode_to_vec()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn twenty_mib_response_reaches_envoy_intact() {
+    const SIZE: usize = 20 * 1024 * 1024;
+    let dp = Devplane::start(&mesh_yaml(false)).await;
+    let dir = tempfile::tempdir().unwrap();
+    let agent = agent_for(&dp, dir.path(), &[]).await;
+    let sds = static_sds(&dp, &agent.token, dir.path()).await;
+    let envoy = Envoy::start(
+        bootstrap(agent.handle.socket(), false, Some(&sds.socket)),
+        dir.path(),
+    );
+    converged(&envoy).await;
+    acked(&dp, "sotw").await;
+
+    dp.set_resource(type_url::CLUSTER, "big", &big_cluster("big", SIZE))
+        .await;
+    wait_for(
+        "Envoy to have the 20 MiB cluster",
+        Duration::from_secs(60),
+        || async {
+            envoy
+                .clusters()
+                .await
+                .iter()
+                .any(|n| n == "big")
+                .then_some(())
+        },
+    )
+    .await;
+    // Intact: Envoy's copy of the blob is byte-for-byte what devplane sent.
+    let (status, body) = meshagent_testkit::http_get(
+        envoy.admin,
+        "/config_dump?resource=dynamic_active_clusters&name_regex=^big$",
+    )
+    .await
+    .unwrap();
+    assert_eq!(status, 200);
+    let dump: serde_json::Value = serde_json::from_str(&body).unwrap();
+    let blob = dump["configs"][0]["cluster"]["metadata"]["filter_metadata"]["test"]["blob"]
+        .as_str()
+        .unwrap_or_else(|| panic!("no blob in {}", &body[..body.len().min(2000)]));
+    assert_eq!(blob.len(), SIZE);
+    assert!(
+        blob.bytes()
+            .enumerate()
+            .all(|(i, b)| b == b'a' + (i % 26) as u8)
+    );
+    let client = client_for(&dp, "sotw").await;
+    assert_eq!(client["nacks"], json!({}), "Envoy refused the big response");
+    assert!(agent.metric("istio_agent_xds_proxy_upstream_recv_max") > SIZE as f64);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn nds_is_consumed_by_the_agent_and_malformed_tables_are_nacked() {
+    let dp = Devplane::start(&mesh_yaml(false)).await;
+    let dir = tempfile::tempdir().unwrap();
+    let agent = agent_for(
+        &dp,
+        dir.path(),
+        &[
+            ("ISTIO_META_DNS_CAPTURE", "true"),
+            ("PROXY_CONFIG_XDS_AGENT", "true"),
+        ],
+    )
+    .await;
+    let sds = static_sds(&dp, &agent.token, dir.path()).await;
+    let envoy = Envoy::start(
+        bootstrap(agent.handle.socket(), false, Some(&sds.socket)),
+        dir.path(),
+    );
+    converged(&envoy).await;
+
+    // The agent subscribed (after Envoy's LDS request), received, decoded and ACKed the table.
+    let mut names = agent.handle.name_table();
+    let table = wait_for("the NDS table in the agent", DEADLINE, || {
+        let t = names.borrow_and_update().clone();
+        async move { t }
+    })
+    .await;
+    assert!(
+        table.table.contains_key("b.default.svc.cluster.local"),
+        "{table:?}"
+    );
+    let client = wait_for("the NDS ACK at devplane", DEADLINE, || async {
+        let c = client_for(&dp, "sotw").await;
+        c["acked"].get(type_url::NAME_TABLE).is_some().then_some(c)
+    })
+    .await;
+    assert_eq!(
+        client["subscriptions"][type_url::NAME_TABLE]["wildcard"],
+        true
+    );
+
+    // Envoy never sees the type: no NDS in its config, nothing about it in its log.
+    let dump = envoy.admin_get("/config_dump").await.unwrap();
+    assert!(!dump.contains("NameTable"));
+    assert!(
+        !envoy.proc.log_text().contains("NameTable"),
+        "{}",
+        envoy.proc.log_text()
+    );
+
+    // A malformed table is NACKed upstream and the last good table stays.
+    dp.set_resource(type_url::NAME_TABLE, "", &[0x0a, 0x05, 0x01])
+        .await;
+    let nack = wait_for("the NDS NACK at devplane", DEADLINE, || async {
+        let c = client_for(&dp, "sotw").await;
+        c["nacks"].get(type_url::NAME_TABLE).cloned()
+    })
+    .await;
+    assert!(
+        nack["message"].as_str().unwrap().contains("NameTable"),
+        "{nack}"
+    );
+    assert!(
+        agent
+            .handle
+            .name_table()
+            .borrow()
+            .as_ref()
+            .unwrap()
+            .table
+            .contains_key("b.default.svc.cluster.local")
+    );
+    // Envoy's own types were never NACKed.
+    let c = client_for(&dp, "sotw").await;
+    assert_eq!(c["nacks"].as_object().unwrap().len(), 1, "{c:#}");
+
+    // PCDS: caCertificatesPem (ProxyConfig field 34) reaches the published bundle.
+    let pem = "-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----\n";
+    let mut pc = vec![0x92, 0x02, pem.len() as u8];
+    pc.extend(pem.as_bytes());
+    dp.set_resource(type_url::PROXY_CONFIG, "", &pc).await;
+    let mut bundle = agent.handle.pcds_bundle();
+    let got = wait_for("the PCDS bundle", DEADLINE, || {
+        let b = bundle.borrow_and_update().clone();
+        async move { (!b.is_empty()).then_some(b) }
+    })
+    .await;
+    assert_eq!(got, vec![pem.to_owned()]);
+    assert!(!envoy.proc.log_text().contains("ProxyConfig"));
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn health_is_replayed_after_lds_and_sent_on_change() {
+    let dp = Devplane::start(&mesh_yaml(false)).await;
+    let dir = tempfile::tempdir().unwrap();
+    let agent = agent_for(&dp, dir.path(), &[]).await;
+    // Set before any stream exists: must not be sent before LDS, and must be replayed after.
+    agent
+        .handle
+        .set_health(Health::Unhealthy("probe failed".into()));
+    let sds = static_sds(&dp, &agent.token, dir.path()).await;
+    let envoy = Envoy::start(
+        bootstrap(agent.handle.socket(), false, Some(&sds.socket)),
+        dir.path(),
+    );
+    converged(&envoy).await;
+    // devplane records an error_detail on a SotW request as a NACK of that type (its Delta
+    // server records only nonce-carrying ones, so this test speaks SotW).
+    let health_nack = |want: &'static str| {
+        let dp = &dp;
+        async move {
+            wait_for("the health report at devplane", DEADLINE, || async {
+                let c = client_for(dp, "sotw").await;
+                (c["nacks"][type_url::HEALTH_INFO]["message"] == want).then_some(c)
+            })
+            .await
+        }
+    };
+    let c = health_nack("probe failed").await;
+    assert_eq!(c["nacks"][type_url::HEALTH_INFO]["count"], 1);
+    agent
+        .handle
+        .set_health(Health::Unhealthy("still failing".into()));
+    health_nack("still failing").await;
+    // Envoy's own types are untouched.
+    let c = acked(&dp, "sotw").await;
+    assert_eq!(c["nacks"].as_object().unwrap().len(), 1, "{c:#}");
+}
+
+/// Sends a signal to a process by pid (SIGSTOP/SIGCONT to pause Envoy).
+fn signal(pid: u32, sig: &str) {
+    let ok = std::process::Command::new("kill")
+        .args([sig, &pid.to_string()])
+        .status()
+        .unwrap()
+        .success();
+    assert!(ok, "kill {sig} {pid}");
+}
+
+/// F10: a paused Envoy slows the upstream read instead of growing the agent's memory: while
+/// devplane pushes ~80 MiB, the agent takes in only what fits its one-slot buffer and the
+/// stream in flight; everything arrives once Envoy resumes.
+#[tokio::test(flavor = "multi_thread")]
+async fn paused_envoy_backpressures_upstream() {
+    const SIZE: usize = 4 * 1024 * 1024;
+    let dp = Devplane::start(&mesh_yaml(false)).await;
+    let dir = tempfile::tempdir().unwrap();
+    let agent = agent_for(&dp, dir.path(), &[]).await;
+    let sds = static_sds(&dp, &agent.token, dir.path()).await;
+    let envoy = Envoy::start(
+        bootstrap(agent.handle.socket(), false, Some(&sds.socket)),
+        dir.path(),
+    );
+    converged(&envoy).await;
+    acked(&dp, "sotw").await;
+
+    signal(envoy.proc.pid(), "-STOP");
+    let responses = || agent.metric("istio_agent_xds_proxy_responses");
+    let before = responses();
+    let pushes = 6;
+    for i in 0..pushes {
+        // Each SotW CDS push carries every big cluster so far: 4, 8, ... 24 MiB.
+        let name = format!("big{i}");
+        dp.set_resource(type_url::CLUSTER, &name, &big_cluster(&name, SIZE))
+            .await;
+    }
+    let sent = wait_for("devplane to have sent every push", DEADLINE, || async {
+        let c = client_for(&dp, "sotw").await;
+        let n = c["responses"].as_f64().unwrap();
+        (n >= 3.0 + pushes as f64).then_some(n)
+    })
+    .await;
+    tokio::time::sleep(SHORT).await;
+    let taken = responses() - before;
+    eprintln!("paused Envoy: devplane sent {sent} responses, the agent read {taken}");
+    // At most: one in Envoy's slot, one being written by the HTTP/2 stream, one encoded ahead
+    // by tonic; the rest waits in istiod (HTTP/2 flow control), however much it pushes.
+    assert!(
+        taken <= 3.0,
+        "agent read {taken} responses while Envoy was paused (devplane sent {sent})"
+    );
+
+    signal(envoy.proc.pid(), "-CONT");
+    wait_for(
+        "the last big cluster in Envoy",
+        Duration::from_secs(60),
+        || async {
+            envoy
+                .clusters()
+                .await
+                .iter()
+                .any(|n| n == "big5")
+                .then_some(())
+        },
+    )
+    .await;
+    assert_eq!(client_for(&dp, "sotw").await["nacks"], json!({}));
+}

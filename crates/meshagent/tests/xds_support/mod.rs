@@ -1,0 +1,210 @@
+//! Shared setup for the xDS proxy end-to-end tests: devplane (stand-in istiod), the agent's
+//! xDS proxy in-process in a temp dir, and a real Envoy whose `xds-grpc` cluster is the
+//! agent's socket.
+#![allow(clippy::unwrap_used, dead_code)] // tests fail loudly by design
+
+use std::path::Path;
+use std::time::Duration;
+
+use meshagent::config::{self, MapEnv, ProxyFlags};
+use meshagent::metrics::Registry;
+use meshagent::xds::{self, XdsProxyHandle};
+use meshagent_testkit::static_sds::StaticSds;
+use meshagent_testkit::{
+    DEADLINE, Devplane, Envoy, Value, add_sds_cluster, ca_client, free_port, json, wait_for,
+};
+use tokio_util::sync::CancellationToken;
+
+/// A two-workload mesh on free ports (tests run in parallel); `extra` adds service `c`.
+pub fn mesh_yaml(extra: bool) -> String {
+    let (a_app, a_in, a_out, b_app, b_in) = (
+        free_port(),
+        free_port(),
+        free_port(),
+        free_port(),
+        free_port(),
+    );
+    let mut y = format!(
+        r#"
+workloads:
+  - name: a
+    serviceAccount: a
+    ports: [{{name: http, port: {a_app}, inboundPort: {a_in}}}]
+    outbound: [{{service: b.default, port: 80, bind: "127.0.0.1:{a_out}"}}]
+  - name: b
+    serviceAccount: b
+    ports: [{{name: http, port: {b_app}, inboundPort: {b_in}}}]
+services:
+  - name: b
+    selector: [b]
+    ports: [{{port: 80, targetPort: {b_app}}}]
+"#
+    );
+    if extra {
+        y.push_str(&format!(
+            "  - name: c\n    selector: [a]\n    ports: [{{port: 8080, targetPort: {a_app}}}]\n"
+        ));
+    }
+    y
+}
+
+/// The agent's xDS proxy running in-process, with its own cwd.
+pub struct Agent {
+    pub handle: XdsProxyHandle,
+    pub registry: Registry,
+    pub shutdown: CancellationToken,
+    pub token: String,
+}
+
+impl Agent {
+    /// Starts the proxy in `cwd` against `discovery` with the env a pod would have, plus
+    /// `extra_env`. The token (if any) is written where Istio mounts it.
+    pub fn start(
+        cwd: &Path,
+        discovery: &str,
+        token: Option<&str>,
+        extra_env: &[(&str, &str)],
+    ) -> Agent {
+        if let Some(t) = token {
+            let p = cwd.join("var/run/secrets/tokens/istio-token");
+            std::fs::create_dir_all(p.parent().unwrap()).unwrap();
+            std::fs::write(p, t).unwrap();
+        }
+        let mut env = vec![
+            ("POD_NAME".to_owned(), "a-5f7d".to_owned()),
+            ("POD_NAMESPACE".to_owned(), "default".to_owned()),
+            (
+                "PROXY_CONFIG".to_owned(),
+                format!("discoveryAddress: {discovery}\n"),
+            ),
+            ("ISTIO_META_CLUSTER_ID".to_owned(), "Kubernetes".to_owned()),
+            ("XDS_HEADER_TEAM".to_owned(), "payments".to_owned()),
+            ("XDS_HEADER_X-TRACE-TAG".to_owned(), "e2e".to_owned()),
+        ];
+        env.extend(
+            extra_env
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string())),
+        );
+        let cfg = config::load(&ProxyFlags::default(), &MapEnv::from_pairs(env), cwd).unwrap();
+        let registry = Registry::new();
+        let shutdown = CancellationToken::new();
+        let handle = xds::start(&cfg, cwd, &registry, shutdown.clone()).unwrap();
+        Agent {
+            handle,
+            registry,
+            shutdown,
+            token: token.unwrap_or_default().to_owned(),
+        }
+    }
+
+    /// A metric's value from the registry's Prometheus text (0 if absent).
+    pub fn metric(&self, series: &str) -> f64 {
+        self.registry
+            .encode()
+            .lines()
+            .find_map(|l| l.strip_prefix(series)?.strip_prefix(' ')?.parse().ok())
+            .unwrap_or(0.0)
+    }
+}
+
+/// Starts the agent against devplane's TLS port, with a devplane token for `default/a`.
+pub async fn agent_for(dp: &Devplane, cwd: &Path, extra_env: &[(&str, &str)]) -> Agent {
+    let token = dp.token("default", "a", 3600).await;
+    let root = dp.root_cert_path();
+    let mut env = vec![("XDS_ROOT_CA", root.to_str().unwrap())];
+    env.extend_from_slice(extra_env);
+    Agent::start(cwd, &dp.grpc_addr.to_string(), Some(&token), &env)
+}
+
+/// A static SDS with a devplane-issued certificate for `default/a`, so TLS clusters and
+/// listeners warm (the agent's own SDS is another module).
+pub async fn static_sds(dp: &Devplane, token: &str, dir: &Path) -> StaticSds {
+    let (chain, key, root) =
+        ca_client::workload_cert(dp.grpc_addr, &dp.root_cert_path(), token).await;
+    StaticSds::start(dir, &chain, &key, &root)
+}
+
+pub const NODE_ID: &str = "sidecar~127.0.0.1~a-5f7d.default~default.svc.cluster.local";
+
+/// Istio's bootstrap shape for ADS: `xds-grpc` is the agent's unix socket, plaintext h2.
+pub fn bootstrap(xds_socket: &Path, delta: bool, sds: Option<&Path>) -> Value {
+    let mut b = json!({
+        "node": {"id": NODE_ID, "cluster": "a.default",
+                 "metadata": {"NAMESPACE": "default", "NAME": "a-5f7d", "CLUSTER_ID": "Kubernetes"}},
+        "dynamic_resources": {
+            "ads_config": {
+                "api_type": if delta { "DELTA_GRPC" } else { "GRPC" },
+                "transport_api_version": "V3",
+                "set_node_on_first_message_only": true,
+                "grpc_services": [{"envoy_grpc": {"cluster_name": "xds-grpc"}}]
+            },
+            "cds_config": {"ads": {}, "resource_api_version": "V3", "initial_fetch_timeout": "0s"},
+            "lds_config": {"ads": {}, "resource_api_version": "V3", "initial_fetch_timeout": "0s"}
+        },
+        "static_resources": {"clusters": [{
+            "name": "xds-grpc",
+            "type": "STATIC",
+            "connect_timeout": "1s",
+            "load_assignment": {"cluster_name": "xds-grpc", "endpoints": [{"lb_endpoints": [{"endpoint": {
+                "address": {"pipe": {"path": xds_socket.to_string_lossy()}}
+            }}]}]},
+            "typed_extension_protocol_options": {"envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+                "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
+                "explicit_http_config": {"http2_protocol_options": {}}
+            }}
+        }]}
+    });
+    if let Some(s) = sds {
+        add_sds_cluster(&mut b, s);
+    }
+    b
+}
+
+/// devplane's view of the agent's upstream stream (the one carrying Envoy's node).
+pub async fn client_for(dp: &Devplane, api: &str) -> Value {
+    wait_for("the proxied ADS stream at devplane", DEADLINE, || async {
+        dp.clients()
+            .await
+            .into_iter()
+            .find(|c| c["api"] == api && c["node_id"].as_str().is_some())
+    })
+    .await
+}
+
+/// Waits until Envoy has devplane's clusters and both listeners of workload `a`.
+pub async fn converged(envoy: &Envoy) {
+    let want = ["inbound|", "outbound|80||b.default.svc.cluster.local"];
+    wait_for("devplane's clusters in Envoy", DEADLINE, || async {
+        let c = envoy.clusters().await;
+        want.iter()
+            .all(|w| c.iter().any(|n| n.starts_with(w)))
+            .then_some(())
+    })
+    .await;
+    wait_for("two listeners in Envoy", DEADLINE, || async {
+        (envoy.listeners().await.len() == 2).then_some(())
+    })
+    .await;
+}
+
+/// Waits for CDS and LDS ACKs at devplane and returns the client.
+pub async fn acked(dp: &Devplane, api: &str) -> Value {
+    wait_for("CDS and LDS ACKs at devplane", DEADLINE, || async {
+        let c = client_for(dp, api).await;
+        let acked = c["acked"].as_object().cloned().unwrap_or_default();
+        (acked.keys().any(|k| k.ends_with("Cluster"))
+            && acked.keys().any(|k| k.ends_with("Listener")))
+        .then_some(c)
+    })
+    .await
+}
+
+/// devplane's token fingerprint (`sha256:` + 16 hex digits).
+pub fn fingerprint(token: &str) -> String {
+    let d = aws_lc_rs::digest::digest(&aws_lc_rs::digest::SHA256, token.as_bytes());
+    let hex: String = d.as_ref()[..8].iter().map(|b| format!("{b:02x}")).collect();
+    format!("sha256:{hex}")
+}
+
+pub const SHORT: Duration = Duration::from_secs(2);
