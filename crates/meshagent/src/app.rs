@@ -31,6 +31,8 @@ pub enum AppError {
     Signals(#[source] std::io::Error),
     #[error(transparent)]
     Identity(#[from] crate::identity::IdentityError),
+    #[error(transparent)]
+    Xds(#[from] crate::xds::XdsError),
     #[error("cannot set up TLS for application probes: {0}")]
     ProbeTls(#[source] rustls::Error),
 }
@@ -144,6 +146,31 @@ impl Agent {
             let reason = identity_status.borrow().not_ready.clone();
             Box::pin(async move { reason.map_or(Ok(()), Err) })
         }));
+        let xds = crate::xds::start(cfg, &self.cwd, &self.registry, services.clone())?;
+        // The NDS table feeds the DNS readiness probe and /debug/ndsz; PCDS trust anchors go
+        // into ROOTCA. Both forwarders end when the xDS proxy drops its senders.
+        let mut names = xds.name_table();
+        let table_tx = self.name_table.clone();
+        tokio::spawn(async move {
+            while names.changed().await.is_ok() {
+                let t = names.borrow_and_update().clone();
+                table_tx.send_replace(t);
+            }
+        });
+        let mut bundle = xds.pcds_bundle();
+        let anchors = identity.anchors_sender();
+        tokio::spawn(async move {
+            while bundle.changed().await.is_ok() {
+                let pems = bundle.borrow_and_update().clone();
+                anchors.send_if_modified(|cur| {
+                    let changed = *cur != pems;
+                    if changed {
+                        cur.clone_from(&pems);
+                    }
+                    changed
+                });
+            }
+        });
 
         let code = if envoy_enabled {
             let (config_file, generated) =
@@ -187,6 +214,7 @@ impl Agent {
             0
         };
         services.cancel();
+        xds.wait().await;
         identity.stopped().await;
         status_stop.cancel();
         if let Some(t) = status_task {

@@ -144,6 +144,12 @@ impl IdentityHandle {
         self.status.clone()
     }
 
+    /// The sender behind [`IdentityHandle::set_trust_anchors`], for a task that forwards
+    /// PCDS bundles.
+    pub fn anchors_sender(&self) -> watch::Sender<Vec<String>> {
+        self.anchors.clone()
+    }
+
     /// PCDS trust anchors (`caCertificatesPem`), merged into `ROOTCA`; an unchanged set is a
     /// no-op. Ignored in file-mounted modes.
     pub fn set_trust_anchors(&self, pems: Vec<String>) {
