@@ -141,11 +141,16 @@ impl Agent {
         let services = CancellationToken::new();
         let identity =
             crate::identity::start(cfg, &self.cwd, &self.registry, services.clone()).await?;
-        let identity_status = identity.status();
-        self.readiness.add(Arc::new(move || {
-            let reason = identity_status.borrow().not_ready.clone();
-            Box::pin(async move { reason.map_or(Ok(()), Err) })
-        }));
+        // Certificates gate readiness where something depends on them: Envoy's SDS, or the
+        // files proxyless gRPC reads (OUTPUT_CERTS). Istio does not check them at all, so an
+        // expired certificate stays "ready" there; here it does not.
+        if envoy_enabled || cfg.identity.output_certs.is_some() {
+            let identity_status = identity.status();
+            self.readiness.add(Arc::new(move || {
+                let reason = identity_status.borrow().not_ready.clone();
+                Box::pin(async move { reason.map_or(Ok(()), Err) })
+            }));
+        }
         let xds = crate::xds::start(cfg, &self.cwd, &self.registry, services.clone())?;
         // The NDS table feeds the DNS readiness probe and /debug/ndsz; PCDS trust anchors go
         // into ROOTCA. Both forwarders end when the xDS proxy drops its senders.

@@ -166,7 +166,9 @@ impl Envoy {
             s = self.child.wait() => { s.map_err(EnvoyError::Wait)?; return Ok(()); }
         }
         let mut errors = 0;
+        let mut polls = 0u64;
         loop {
+            polls += 1;
             match active_connections(d).await {
                 Ok(Some(0)) | Ok(None) => {
                     tracing::info!("no active downstream connections; stopping Envoy");
@@ -174,7 +176,10 @@ impl Envoy {
                 }
                 Ok(Some(n)) => {
                     errors = 0;
-                    tracing::debug!(active = n, "downstream connections still active");
+                    // Every 10 s, so a drain stuck on idle keep-alive connections is visible.
+                    if polls % 10 == 1 {
+                        tracing::info!(active = n, "downstream connections still active");
+                    }
                 }
                 Err(e) => {
                     errors += 1;

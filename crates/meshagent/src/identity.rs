@@ -74,13 +74,6 @@ pub enum IdentityError {
     Dial(#[from] crate::control_plane::DialError),
     #[error(transparent)]
     Sds(#[from] crate::sds::SdsError),
-    #[error(
-        "POD_NAMESPACE and SERVICE_ACCOUNT are needed for the workload identity (got {namespace:?}, {service_account:?})"
-    )]
-    NoIdentity {
-        namespace: String,
-        service_account: String,
-    },
 }
 
 /// Where the identity subsystem stands, for readiness and debugging.
@@ -322,10 +315,12 @@ pub async fn start_with(
             return Err(IdentityError::CaProvider(id.ca_provider.clone()));
         }
         if cfg.pod.namespace.is_empty() || cfg.pod.service_account.is_empty() {
-            return Err(IdentityError::NoIdentity {
-                namespace: cfg.pod.namespace.clone(),
-                service_account: cfg.pod.service_account.clone(),
-            });
+            // Istio carries on: the CA takes the identity from the token, not the CSR SAN.
+            tracing::warn!(
+                namespace = %cfg.pod.namespace,
+                service_account = %cfg.pod.service_account,
+                "POD_NAMESPACE or SERVICE_ACCOUNT is empty; the CSR's SPIFFE SAN will be incomplete (the CA uses the token's identity)"
+            );
         }
         Some((
             keys::KeySpec::from_config(id)?,

@@ -139,7 +139,11 @@ async fn exit_on_zero_active_connections() {
     let dp = Devplane::start(&mesh).await;
     app("a", a_app, Duration::ZERO).await;
     app("b", b_app, Duration::from_secs(3)).await;
-    let mut a = Sidecar::start(&dp, "a", "default", "a", &[]).await;
+    // One Envoy worker on A, so both requests share one upstream connection to B. With two,
+    // the first request's connection stays idle in the other worker's pool, and an idle HTTP/1
+    // keep-alive connection is never closed by Envoy's drain: EXIT_ON_ZERO_ACTIVE_CONNECTIONS
+    // would then wait out terminationDrainDuration, as it does in Istio (istio#48409).
+    let mut a = Sidecar::start_with(&dp, "a", "default", "a", &[], json!({"concurrency": 1})).await;
     let mut b = Sidecar::start_with(
         &dp,
         "b",
