@@ -51,6 +51,7 @@ bench: envoy
 	cargo bench -p meshagent --bench sds
 	cargo bench -p meshagent --bench xds
 	cargo bench -p meshagent --bench merge
+	cargo bench -p meshagent --bench startup
 
 demo: envoy
 	cargo build --workspace --bins
