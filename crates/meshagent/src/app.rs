@@ -163,17 +163,11 @@ impl Agent {
             }
         });
         let mut bundle = xds.pcds_bundle();
-        let anchors = identity.anchors_sender();
+        let anchors = identity.trust_anchors();
         tokio::spawn(async move {
             while bundle.changed().await.is_ok() {
                 let pems = bundle.borrow_and_update().clone();
-                anchors.send_if_modified(|cur| {
-                    let changed = *cur != pems;
-                    if changed {
-                        cur.clone_from(&pems);
-                    }
-                    changed
-                });
+                anchors.set(pems);
             }
         });
 

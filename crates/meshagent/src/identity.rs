@@ -49,6 +49,24 @@ use crate::control_plane::{CallMetadata, TokenSource};
 use crate::metrics::Registry;
 use store::{Aliases, SecretStore};
 
+/// Sets the PCDS trust anchors merged into `ROOTCA` (see [`IdentityHandle::set_trust_anchors`]).
+#[derive(Clone)]
+pub struct TrustAnchors(watch::Sender<Vec<String>>);
+
+impl TrustAnchors {
+    /// An unchanged set is a no-op (no `ROOTCA` push).
+    pub fn set(&self, pems: Vec<String>) {
+        self.0.send_if_modified(|cur| {
+            if *cur == pems {
+                false
+            } else {
+                *cur = pems;
+                true
+            }
+        });
+    }
+}
+
 /// The external SDS socket directory (spec §3.1).
 pub const WORKLOAD_SPIFFE_UDS_DIR: &str = "var/run/secrets/workload-spiffe-uds";
 /// Mounted workload credentials that switch to file-mounted mode when all three exist.
@@ -137,23 +155,15 @@ impl IdentityHandle {
         self.status.clone()
     }
 
-    /// The sender behind [`IdentityHandle::set_trust_anchors`], for a task that forwards
-    /// PCDS bundles.
-    pub fn anchors_sender(&self) -> watch::Sender<Vec<String>> {
-        self.anchors.clone()
+    /// A cloneable setter for PCDS trust anchors, for a task that forwards PCDS bundles.
+    pub fn trust_anchors(&self) -> TrustAnchors {
+        TrustAnchors(self.anchors.clone())
     }
 
     /// PCDS trust anchors (`caCertificatesPem`), merged into `ROOTCA`; an unchanged set is a
     /// no-op. Ignored in file-mounted modes.
     pub fn set_trust_anchors(&self, pems: Vec<String>) {
-        self.anchors.send_if_modified(|cur| {
-            if *cur == pems {
-                false
-            } else {
-                *cur = pems;
-                true
-            }
-        });
+        self.trust_anchors().set(pems);
     }
 
     /// The socket our SDS server listens on (absolute).
