@@ -93,6 +93,8 @@ fn spawn_agent(
 }
 
 struct Sample {
+    /// Messages each way through the agent during the push.
+    msgs: (u64, u64),
     secs: f64,
     cpu: f64,
     bytes: u64,
@@ -190,13 +192,21 @@ async fn main() {
         let agent_b = bootstrap(&socket, true, Some(&sds.socket));
 
         let (mut direct, mut via, mut samples) = (vec![], vec![], vec![]);
-        for _ in 0..reps {
-            direct.push(push(direct_b.clone(), expect).await);
+        for rep in 0..reps {
+            // Alternate which path goes first, so neither always follows the other's teardown.
+            if rep % 2 == 0 {
+                direct.push(push(direct_b.clone(), expect).await);
+            }
             std::fs::write("/proc/self/clear_refs", "5").unwrap();
             let rss0 = status_kib("VmRSS:");
             let (cpu0, bytes0) = (agent_cpu(&cmd).await, metrics.response_bytes.get());
+            let msgs0 = (metrics.requests.get(), metrics.responses.get());
             let secs = push(agent_b.clone(), expect).await;
             let s = Sample {
+                msgs: (
+                    metrics.requests.get() - msgs0.0,
+                    metrics.responses.get() - msgs0.1,
+                ),
                 secs,
                 cpu: agent_cpu(&cmd).await - cpu0,
                 bytes: metrics.response_bytes.get() - bytes0,
@@ -204,6 +214,9 @@ async fn main() {
             };
             via.push(s.secs);
             samples.push(s);
+            if rep % 2 == 1 {
+                direct.push(push(direct_b.clone(), expect).await);
+            }
         }
         let fmt = |v: &[f64]| {
             v.iter()
@@ -215,6 +228,8 @@ async fn main() {
         let (d, a) = (median(direct), median(via));
         let mb: f64 = samples.iter().map(|s| s.bytes as f64).sum::<f64>() / 1e6;
         let cpu: f64 = samples.iter().map(|s| s.cpu).sum();
+        let (reqs, resps) = samples.last().map(|s| s.msgs).unwrap_or_default();
+        println!("        per push: {reqs} requests from Envoy, {resps} responses from devplane");
         let rss = samples.iter().map(|s| s.rss_growth_kib).fold(0.0, f64::max) / 1024.0;
         println!(
             "{n:>6} {d:>10.3} {a:>10.3} {:>7.3} {:>14.1} {:>12.2} {:>12.2}",
