@@ -8,49 +8,14 @@ use std::path::Path;
 
 use meshagent_testkit::static_sds::StaticSds;
 use meshagent_testkit::{
-    DEADLINE, Devplane, Envoy, Value, add_sds_cluster, ca_client, direct_bootstrap, free_port,
-    json, wait_for,
+    DEADLINE, Devplane, Envoy, TwoWorkloads, Value, add_sds_cluster, direct_bootstrap, json,
+    wait_for,
 };
-
-/// A two-workload mesh on free ports, so tests can run in parallel.
-fn mesh_yaml(extra_service: bool) -> String {
-    let (a_app, a_in, a_out, b_app, b_in) = (
-        free_port(),
-        free_port(),
-        free_port(),
-        free_port(),
-        free_port(),
-    );
-    let mut y = format!(
-        r#"
-workloads:
-  - name: a
-    serviceAccount: a
-    ports: [{{name: http, port: {a_app}, inboundPort: {a_in}}}]
-    outbound: [{{service: b.default, port: 80, bind: "127.0.0.1:{a_out}"}}]
-  - name: b
-    serviceAccount: b
-    ports: [{{name: http, port: {b_app}, inboundPort: {b_in}}}]
-services:
-  - name: b
-    selector: [b]
-    ports: [{{port: 80, targetPort: {b_app}}}]
-"#
-    );
-    if extra_service {
-        y.push_str(&format!(
-            "  - name: c\n    selector: [a]\n    ports: [{{port: 8080, targetPort: {a_app}}}]\n"
-        ));
-    }
-    y
-}
 
 /// Workload certificates for Envoy from devplane's CA (for `default/a`), served by a static
 /// SDS: the agent's SDS is not part of these tests.
 async fn static_sds(dp: &Devplane, token: &str, dir: &Path) -> StaticSds {
-    let (chain, key, root) =
-        ca_client::workload_cert(dp.grpc_addr, &dp.root_cert_path(), token).await;
-    StaticSds::start(dir, &chain, &key, &root)
+    StaticSds::from_devplane(dp, token, dir).await
 }
 
 fn bootstrap(dp: &Devplane, token: &str, delta: bool, sds: &Path) -> Value {
@@ -78,7 +43,7 @@ async fn client_for(dp: &Devplane, api: &str) -> Value {
 }
 
 async fn envoy_gets_config(delta: bool) {
-    let dp = Devplane::start(&mesh_yaml(false)).await;
+    let dp = Devplane::start(&TwoWorkloads::new().yaml(false)).await;
     let token = dp.token("default", "a", 3600).await;
     let dir = tempfile::tempdir().unwrap();
     let sds = static_sds(&dp, &token, dir.path()).await;
@@ -126,7 +91,7 @@ async fn envoy_gets_config(delta: bool) {
     );
 
     // A mesh edit is pushed and reaches Envoy.
-    dp.write_mesh(&mesh_yaml(true));
+    dp.write_mesh(&TwoWorkloads::new().yaml(true));
     wait_for("the pushed cluster for service c", DEADLINE, || async {
         envoy
             .clusters()
@@ -153,7 +118,7 @@ async fn envoy_delta_ads_over_tls() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn envoy_without_token_is_refused() {
-    let dp = Devplane::start(&mesh_yaml(false)).await;
+    let dp = Devplane::start(&TwoWorkloads::new().yaml(false)).await;
     let dir = tempfile::tempdir().unwrap();
     let mut b = bootstrap(&dp, "not-a-jwt", false, &dir.path().join("no-sds"));
     b["dynamic_resources"]["ads_config"]["grpc_services"][0]

@@ -759,22 +759,49 @@ pub async fn identity_app(name: &'static str, listener: tokio::net::TcpListener,
     }
 }
 
-/// A two-workload mesh (a calls b) on free ports: (yaml, a's outbound address to b, app ports).
-pub fn two_workload_mesh() -> (String, SocketAddr, u16, u16) {
-    let (a_app, a_in, a_out, b_app, b_in) = (
-        free_port(),
-        free_port(),
-        free_port(),
-        free_port(),
-        free_port(),
-    );
-    let yaml = format!(
-        r#"
+/// A two-workload mesh (a calls b) on free ports, so tests can run in parallel.
+pub struct TwoWorkloads {
+    /// Where A's sidecar accepts A's calls to service b.
+    pub a_to_b: SocketAddr,
+    pub a_app: u16,
+    pub b_app: u16,
+    a_in: u16,
+    b_in: u16,
+}
+
+impl Default for TwoWorkloads {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl TwoWorkloads {
+    pub fn new() -> TwoWorkloads {
+        TwoWorkloads {
+            a_to_b: free_addr(),
+            a_app: free_port(),
+            b_app: free_port(),
+            a_in: free_port(),
+            b_in: free_port(),
+        }
+    }
+
+    /// The mesh file; `service_c` adds service `c` (backed by a) to simulate a mesh edit.
+    pub fn yaml(&self, service_c: bool) -> String {
+        let TwoWorkloads {
+            a_to_b,
+            a_app,
+            b_app,
+            a_in,
+            b_in,
+        } = self;
+        let mut y = format!(
+            r#"
 workloads:
   - name: a
     serviceAccount: a
     ports: [{{name: http, port: {a_app}, inboundPort: {a_in}}}]
-    outbound: [{{service: b.default, port: 80, bind: "127.0.0.1:{a_out}"}}]
+    outbound: [{{service: b.default, port: 80, bind: "{a_to_b}"}}]
   - name: b
     serviceAccount: b
     ports: [{{name: http, port: {b_app}, inboundPort: {b_in}}}]
@@ -786,11 +813,18 @@ services:
     selector: [b]
     ports: [{{port: 80, targetPort: {b_app}}}]
 "#
-    );
-    (
-        yaml,
-        SocketAddr::from(([127, 0, 0, 1], a_out)),
-        a_app,
-        b_app,
-    )
+        );
+        if service_c {
+            y.push_str(&format!(
+                "  - name: c\n    selector: [a]\n    ports: [{{port: 8080, targetPort: {a_app}}}]\n"
+            ));
+        }
+        y
+    }
+}
+
+/// [`TwoWorkloads`] as (yaml, a's outbound address to b, a's app port, b's app port).
+pub fn two_workload_mesh() -> (String, SocketAddr, u16, u16) {
+    let m = TwoWorkloads::new();
+    (m.yaml(false), m.a_to_b, m.a_app, m.b_app)
 }

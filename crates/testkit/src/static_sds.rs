@@ -41,6 +41,14 @@ fn inline(bytes: &str) -> Option<DataSource> {
 }
 
 impl StaticSds {
+    /// Serves a workload certificate freshly issued by devplane's CA for `token`'s identity
+    /// (what direct-Envoy tests use in place of the agent's SDS).
+    pub async fn from_devplane(dp: &crate::Devplane, token: &str, dir: &Path) -> StaticSds {
+        let (chain, key, root) =
+            crate::ca_client::workload_cert(dp.grpc_addr, &dp.root_cert_path(), token).await;
+        StaticSds::start(dir, &chain, &key, &root)
+    }
+
     /// Serves `default` (chain + key) and `ROOTCA` (root) on `<dir>/sds.sock`.
     pub fn start(dir: &Path, chain_pem: &str, key_pem: &str, root_pem: &str) -> StaticSds {
         let mut secrets = HashMap::new();

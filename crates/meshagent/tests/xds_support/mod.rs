@@ -11,41 +11,13 @@ use meshagent::metrics::Registry;
 use meshagent::xds::{self, XdsProxyHandle};
 use meshagent_testkit::static_sds::StaticSds;
 use meshagent_testkit::{
-    DEADLINE, Devplane, Envoy, Value, add_sds_cluster, ca_client, free_port, json, wait_for,
+    DEADLINE, Devplane, Envoy, TwoWorkloads, Value, add_sds_cluster, json, wait_for,
 };
 use tokio_util::sync::CancellationToken;
 
-/// A two-workload mesh on free ports (tests run in parallel); `extra` adds service `c`.
+/// A two-workload mesh on free ports; `extra` adds service `c`.
 pub fn mesh_yaml(extra: bool) -> String {
-    let (a_app, a_in, a_out, b_app, b_in) = (
-        free_port(),
-        free_port(),
-        free_port(),
-        free_port(),
-        free_port(),
-    );
-    let mut y = format!(
-        r#"
-workloads:
-  - name: a
-    serviceAccount: a
-    ports: [{{name: http, port: {a_app}, inboundPort: {a_in}}}]
-    outbound: [{{service: b.default, port: 80, bind: "127.0.0.1:{a_out}"}}]
-  - name: b
-    serviceAccount: b
-    ports: [{{name: http, port: {b_app}, inboundPort: {b_in}}}]
-services:
-  - name: b
-    selector: [b]
-    ports: [{{port: 80, targetPort: {b_app}}}]
-"#
-    );
-    if extra {
-        y.push_str(&format!(
-            "  - name: c\n    selector: [a]\n    ports: [{{port: 8080, targetPort: {a_app}}}]\n"
-        ));
-    }
-    y
+    TwoWorkloads::new().yaml(extra)
 }
 
 /// The agent's xDS proxy running in-process, with its own cwd.
@@ -120,9 +92,7 @@ pub async fn agent_for(dp: &Devplane, cwd: &Path, extra_env: &[(&str, &str)]) ->
 /// A static SDS with a devplane-issued certificate for `default/a`, so TLS clusters and
 /// listeners warm (the agent's own SDS is another module).
 pub async fn static_sds(dp: &Devplane, token: &str, dir: &Path) -> StaticSds {
-    let (chain, key, root) =
-        ca_client::workload_cert(dp.grpc_addr, &dp.root_cert_path(), token).await;
-    StaticSds::start(dir, &chain, &key, &root)
+    StaticSds::from_devplane(dp, token, dir).await
 }
 
 pub const NODE_ID: &str = "sidecar~127.0.0.1~a-5f7d.default~default.svc.cluster.local";
