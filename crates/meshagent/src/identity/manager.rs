@@ -4,8 +4,8 @@
 //! jittered rotation point → repeat. On failure the last valid certificate stays published and
 //! the CSR is retried with per-identity backoff (0.5 s doubling to 150 s, jittered, reset on
 //! success); readiness fails only once that certificate has expired (or none was ever issued).
-//! The next key is generated on a blocking thread as soon as the previous one is taken, so a
-//! rotation never waits for RSA key generation.
+//! The next key is generated on a blocking thread as soon as a certificate has been issued, so
+//! a rotation never waits for RSA key generation (and startup does not pay for two keys).
 //!
 //! Time comes from [`Clock`] and `tokio::time`, so the schedule and backoff run on paused time
 //! in tests.
@@ -205,8 +205,6 @@ impl SecretManager {
                     _ = cancel.cancelled() => return,
                     r = handle => r,
                 };
-                // The following key is generated now, while this one is in use.
-                next = Some(spawn_key(self.key_spec));
                 match generated {
                     Ok(Ok(k)) => key = Some(k),
                     Ok(Err(e)) => {
@@ -284,6 +282,12 @@ impl SecretManager {
                         s.cert_expiry = Some(expire);
                     });
                     current = Some(Issued { expire, root });
+                    // The following key is generated now, long before the rotation that needs
+                    // it — but only after this certificate is out, so at startup RSA key
+                    // generation does not compete with the CSR and Envoy's start for the CPU.
+                    if next.is_none() {
+                        next = Some(spawn_key(self.key_spec));
+                    }
                     Instant::now() + delay
                 }
                 Err(e) => {
