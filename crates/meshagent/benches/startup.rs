@@ -1,7 +1,7 @@
 //! Sidecar startup: `meshagent proxy sidecar` start → `/healthz/ready` 200 (first CSR, SDS,
 //! xDS through the agent, Envoy LIVE with devplane's config), against a bare Envoy started
-//! with an equivalent static config (the same generated bootstrap without dynamic resources)
-//! → `/ready` LIVE, in the same run. Also the CA round trip on its own (TLS + CreateCertificate)
+//! with an equivalent static config (the same bootstrap plus the same clusters, endpoints,
+//! listeners, routes and certificate, all static) → `/ready` LIVE, in the same run. Also the CA round trip on its own (TLS + CreateCertificate)
 //! and the agent's RSS (VmRSS, VmHWM) once ready.
 //!
 //! Run: `cargo build --release --bins && cargo bench -p meshagent --bench startup`.
@@ -11,7 +11,7 @@ use std::process::Command;
 use std::time::Duration;
 
 use meshagent_testkit::{
-    Devplane, Envoy, Sidecar, ca_client, envoy_bin, http_get, two_workload_mesh,
+    Devplane, Envoy, Sidecar, Value, ca_client, envoy_bin, http_get, json, two_workload_mesh,
 };
 
 const RUNS: usize = 7;
@@ -44,6 +44,105 @@ async fn poll_until(addr: std::net::SocketAddr, path: &str, want: impl Fn(u16, &
         );
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
+}
+
+/// The sidecar's running config made static: the agent's generated bootstrap without ADS, plus
+/// every cluster, endpoint, listener and route Envoy received (from `/config_dump`), with SDS
+/// references turned into static secrets holding the same certificate (from `OUTPUT_CERTS`).
+async fn equivalent_static(s: &Sidecar) -> Value {
+    let cwd = s.cwd.path();
+    let mut b: Value =
+        serde_json::from_slice(&std::fs::read(cwd.join("etc/istio/proxy/envoy-rev.json")).unwrap())
+            .unwrap();
+    let (_, dump) = http_get(s.admin, "/config_dump?include_eds").await.unwrap();
+    let dump: Value = serde_json::from_str(&dump).unwrap();
+    let mut clusters = vec![];
+    let mut endpoints = serde_json::Map::new();
+    let mut listeners = vec![];
+    let mut routes = serde_json::Map::new();
+    for cfg in dump["configs"].as_array().unwrap() {
+        let t = cfg["@type"].as_str().unwrap_or("");
+        if t.ends_with("ClustersConfigDump") {
+            for c in cfg["dynamic_active_clusters"]
+                .as_array()
+                .into_iter()
+                .flatten()
+            {
+                clusters.push(c["cluster"].clone());
+            }
+        } else if t.ends_with("EndpointsConfigDump") {
+            for e in cfg["dynamic_endpoint_configs"]
+                .as_array()
+                .into_iter()
+                .flatten()
+            {
+                let cla = e["endpoint_config"].clone();
+                endpoints.insert(cla["cluster_name"].as_str().unwrap().to_owned(), cla);
+            }
+        } else if t.ends_with("ListenersConfigDump") {
+            for l in cfg["dynamic_listeners"].as_array().into_iter().flatten() {
+                listeners.push(l["active_state"]["listener"].clone());
+            }
+        } else if t.ends_with("RoutesConfigDump") {
+            for r in cfg["dynamic_route_configs"]
+                .as_array()
+                .into_iter()
+                .flatten()
+            {
+                let rc = r["route_config"].clone();
+                routes.insert(rc["name"].as_str().unwrap().to_owned(), rc);
+            }
+        }
+    }
+    for c in &mut clusters {
+        if let Some(eds) = c.as_object_mut().unwrap().remove("eds_cluster_config") {
+            let name = eds["service_name"]
+                .as_str()
+                .unwrap_or(c["name"].as_str().unwrap())
+                .to_owned();
+            c["type"] = json!("STATIC");
+            c["load_assignment"] = endpoints[&name].clone();
+        }
+    }
+    fn make_static(v: &mut Value, routes: &serde_json::Map<String, Value>) {
+        match v {
+            Value::Object(m) => {
+                if m.contains_key("sds_config") && m.contains_key("name") {
+                    m.remove("sds_config");
+                }
+                if let Some(rds) = m.remove("rds") {
+                    let name = rds["route_config_name"].as_str().unwrap();
+                    m.insert("route_config".into(), routes[name].clone());
+                }
+                m.values_mut().for_each(|x| make_static(x, routes));
+            }
+            Value::Array(a) => a.iter_mut().for_each(|x| make_static(x, routes)),
+            _ => {}
+        }
+    }
+    for x in clusters.iter_mut().chain(listeners.iter_mut()) {
+        make_static(x, &routes);
+    }
+    let out = cwd.join("out");
+    let read = |f: &str| std::fs::read_to_string(out.join(f)).unwrap();
+    let secrets = json!([
+        {"name": "default", "tls_certificate": {
+            "certificate_chain": {"inline_string": read("cert-chain.pem")},
+            "private_key": {"inline_string": read("key.pem")}}},
+        {"name": "ROOTCA", "validation_context": {"trusted_ca": {"inline_string": read("root-cert.pem")}}}
+    ]);
+    b.as_object_mut().unwrap().remove("dynamic_resources");
+    let st = &mut b["static_resources"];
+    let statics = st["clusters"].as_array_mut().unwrap();
+    statics.retain(|c| c["name"] != "xds-grpc" && c["name"] != "sds-grpc");
+    statics.extend(clusters);
+    let ls = st["listeners"].as_array_mut().unwrap();
+    for l in ls.iter_mut() {
+        l["address"]["socket_address"]["port_value"] = json!(meshagent_testkit::free_port());
+    }
+    ls.extend(listeners);
+    st["secrets"] = secrets;
+    b
 }
 
 #[tokio::main]
@@ -92,7 +191,14 @@ async fn main() {
     let mut static_bootstrap = None;
     for _ in 0..RUNS {
         let t = tokio::time::Instant::now();
-        let mut s = Sidecar::start(&dp, "a", "default", "a", &[]).await;
+        let mut s = Sidecar::start(
+            &dp,
+            "a",
+            "default",
+            "a",
+            &[("OUTPUT_CERTS", "./out".into())],
+        )
+        .await;
         poll_until(s.status, "/healthz/ready", |c, _| c == 200).await;
         agent.push(t.elapsed().as_secs_f64() * 1e3);
         rss.push(status_kib(s.proc.pid(), "VmRSS:") as f64);
@@ -100,18 +206,7 @@ async fn main() {
         anon.push(status_kib(s.proc.pid(), "RssAnon:") as f64);
         file.push(status_kib(s.proc.pid(), "RssFile:") as f64);
         if static_bootstrap.is_none() {
-            let p = s.cwd.path().join("etc/istio/proxy/envoy-rev.json");
-            let mut b: serde_json::Value =
-                serde_json::from_slice(&std::fs::read(p).unwrap()).unwrap();
-            // The same bootstrap, static only: no ADS, no SDS/xDS clusters.
-            b.as_object_mut().unwrap().remove("dynamic_resources");
-            let clusters = b["static_resources"]["clusters"].as_array_mut().unwrap();
-            clusters.retain(|c| c["name"] != "xds-grpc" && c["name"] != "sds-grpc");
-            for l in b["static_resources"]["listeners"].as_array_mut().unwrap() {
-                l["address"]["socket_address"]["port_value"] =
-                    serde_json::json!(meshagent_testkit::free_port());
-            }
-            static_bootstrap = Some(b);
+            static_bootstrap = Some(equivalent_static(&s).await);
         }
         let _ = Command::new("kill")
             .args(["-TERM", &s.proc.pid().to_string()])
