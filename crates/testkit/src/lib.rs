@@ -228,6 +228,9 @@ impl Proc {
         cmd.stdin(Stdio::null())
             .stdout(Stdio::from(out))
             .stderr(Stdio::from(err));
+        // Its own process group, so killing it also kills what it started (the agent's Envoy):
+        // a SIGKILLed agent cannot stop its children itself.
+        std::os::unix::process::CommandExt::process_group(&mut cmd, 0);
         let child = cmd
             .spawn()
             .unwrap_or_else(|e| panic!("spawn {name} ({:?}): {e}", cmd.get_program()));
@@ -249,8 +252,15 @@ impl Proc {
             .and_then(|c| c.try_wait().ok().flatten())
     }
 
+    /// SIGKILL to the whole process group (the process and everything it started).
     pub fn kill(&mut self) {
         if let Some(mut c) = self.child.take() {
+            if let Ok(pgid) = i32::try_from(c.id()) {
+                let _ = nix::sys::signal::killpg(
+                    nix::unistd::Pid::from_raw(pgid),
+                    nix::sys::signal::Signal::SIGKILL,
+                );
+            }
             let _ = c.kill();
             let _ = c.wait();
         }
