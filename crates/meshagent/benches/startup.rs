@@ -145,6 +145,25 @@ async fn equivalent_static(s: &Sidecar) -> Value {
     b
 }
 
+/// Starts a sidecar and returns it with the time to `/healthz/ready` 200 (ms).
+async fn ready_sidecar(dp: &Devplane, env: &[(&str, String)]) -> (Sidecar, f64) {
+    let t = tokio::time::Instant::now();
+    let s = Sidecar::start(dp, "a", "default", "a", env).await;
+    poll_until(s.status, "/healthz/ready", |c, _| c == 200).await;
+    (s, t.elapsed().as_secs_f64() * 1e3)
+}
+
+/// SIGTERM and wait for the agent (and so its Envoy) to be gone.
+async fn stop(mut s: Sidecar) {
+    let _ = Command::new("kill")
+        .args(["-TERM", &s.proc.pid().to_string()])
+        .status();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    while s.proc.try_wait().is_none() && tokio::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
 #[tokio::main]
 async fn main() {
     let (mesh, _, _, _) = two_workload_mesh();
@@ -163,24 +182,9 @@ async fn main() {
     // ECC_SIGNATURE_ALGORITHM=ECDSA shows how much of the default path is RSA key generation.
     let mut agent_ecdsa = vec![];
     for _ in 0..RUNS {
-        let t = tokio::time::Instant::now();
-        let mut s = Sidecar::start(
-            &dp,
-            "a",
-            "default",
-            "a",
-            &[("ECC_SIGNATURE_ALGORITHM", "ECDSA".into())],
-        )
-        .await;
-        poll_until(s.status, "/healthz/ready", |c, _| c == 200).await;
-        agent_ecdsa.push(t.elapsed().as_secs_f64() * 1e3);
-        let _ = Command::new("kill")
-            .args(["-TERM", &s.proc.pid().to_string()])
-            .status();
-        let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
-        while s.proc.try_wait().is_none() && tokio::time::Instant::now() < deadline {
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+        let (s, ms) = ready_sidecar(&dp, &[("ECC_SIGNATURE_ALGORITHM", "ECDSA".into())]).await;
+        agent_ecdsa.push(ms);
+        stop(s).await;
     }
 
     let mut agent = vec![];
@@ -190,31 +194,17 @@ async fn main() {
     let mut file = vec![];
     let mut static_bootstrap = None;
     for _ in 0..RUNS {
-        let t = tokio::time::Instant::now();
-        let mut s = Sidecar::start(
-            &dp,
-            "a",
-            "default",
-            "a",
-            &[("OUTPUT_CERTS", "./out".into())],
-        )
-        .await;
-        poll_until(s.status, "/healthz/ready", |c, _| c == 200).await;
-        agent.push(t.elapsed().as_secs_f64() * 1e3);
-        rss.push(status_kib(s.proc.pid(), "VmRSS:") as f64);
-        hwm.push(status_kib(s.proc.pid(), "VmHWM:") as f64);
-        anon.push(status_kib(s.proc.pid(), "RssAnon:") as f64);
-        file.push(status_kib(s.proc.pid(), "RssFile:") as f64);
+        let (s, ms) = ready_sidecar(&dp, &[("OUTPUT_CERTS", "./out".into())]).await;
+        agent.push(ms);
+        let pid = s.proc.pid();
+        rss.push(status_kib(pid, "VmRSS:") as f64);
+        hwm.push(status_kib(pid, "VmHWM:") as f64);
+        anon.push(status_kib(pid, "RssAnon:") as f64);
+        file.push(status_kib(pid, "RssFile:") as f64);
         if static_bootstrap.is_none() {
             static_bootstrap = Some(equivalent_static(&s).await);
         }
-        let _ = Command::new("kill")
-            .args(["-TERM", &s.proc.pid().to_string()])
-            .status();
-        let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
-        while s.proc.try_wait().is_none() && tokio::time::Instant::now() < deadline {
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
+        stop(s).await;
     }
 
     let mut bare = vec![];
