@@ -94,6 +94,18 @@ async fn equivalent_static(s: &Sidecar) -> Value {
             }
         }
     }
+    // config_dump wraps each resource as an Any: drop the type tag to use it as config.
+    let untag = |v: &mut Value| {
+        v.as_object_mut().map(|m| m.remove("@type"));
+    };
+    clusters
+        .iter_mut()
+        .chain(listeners.iter_mut())
+        .for_each(untag);
+    endpoints
+        .values_mut()
+        .chain(routes.values_mut())
+        .for_each(untag);
     for c in &mut clusters {
         if let Some(eds) = c.as_object_mut().unwrap().remove("eds_cluster_config") {
             let name = eds["service_name"]
@@ -101,7 +113,14 @@ async fn equivalent_static(s: &Sidecar) -> Value {
                 .unwrap_or(c["name"].as_str().unwrap())
                 .to_owned();
             c["type"] = json!("STATIC");
-            c["load_assignment"] = endpoints[&name].clone();
+            let mut cla = endpoints[&name].clone();
+            // The dump renders an unset locality weight as 0, which static config rejects.
+            for l in cla["endpoints"].as_array_mut().into_iter().flatten() {
+                if l["load_balancing_weight"].as_u64().unwrap_or(0) == 0 {
+                    l.as_object_mut().map(|m| m.remove("load_balancing_weight"));
+                }
+            }
+            c["load_assignment"] = cla;
         }
     }
     fn make_static(v: &mut Value, routes: &serde_json::Map<String, Value>) {
