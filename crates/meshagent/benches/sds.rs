@@ -170,7 +170,7 @@ fn main() {
             let agent = stats(samples.iter().map(|s| s.total_ms - s.ca_ms).collect());
             let kg = keygen_ms(kind);
             let f = |t: (f64, f64, f64)| format!("{:.1}/{:.1}/{:.1}", t.0, t.1, t.2);
-            println!("{name:<7} {:>24} {:>24} {:>24} {:>10.1}", f(total), f(ca), f(agent), kg);
+            println!("{name:<7} {:>24} {:>24} {:>24} {:>10.2}", f(total), f(ca), f(agent), kg);
         }
         println!("(times are from Envoy's update_time stat, 1 ms resolution; CA RTT includes the TLS handshake of the fresh channel; agent = total - CA RTT, including key generation which rotation does not wait for)");
     });

@@ -161,7 +161,9 @@ impl IdentityHandle {
     }
 
     /// PCDS trust anchors (`caCertificatesPem`), merged into `ROOTCA`; an unchanged set is a
-    /// no-op. Ignored in file-mounted modes.
+    /// no-op. Ignored in file-mounted modes. Unlike Istio we do not also drop the workload
+    /// certificate and re-issue it: the leaf does not change with the bundle, and a CSR per
+    /// bundle change would only load the CA.
     pub fn set_trust_anchors(&self, pems: Vec<String>) {
         self.trust_anchors().set(pems);
     }

@@ -271,10 +271,16 @@ async fn envoy_gets_default_and_rootca_ecdsa() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn short_ttl_rotates_on_schedule_without_reconnecting() {
     let dp = devplane().await;
-    let env = [("ECC_SIGNATURE_ALGORITHM", "ECDSA"), ("SECRET_TTL", "4s")];
+    let env = [
+        ("ECC_SIGNATURE_ALGORITHM", "ECDSA"),
+        ("SECRET_TTL", "4s"),
+        ("OUTPUT_CERTS", "out"),
+    ];
     let agent = start_agent(Some(&dp), &env, Options::default()).await;
     let envoy = start_envoy(&agent, "default", "ROOTCA");
     let mut h = wait_for_cert(&envoy, None, Duration::from_secs(30)).await;
+    let exported = || std::fs::read_to_string(agent.path().join("out/cert-chain.pem")).unwrap();
+    let first_export = exported();
     let mut changed_at = Instant::now();
     for _ in 0..3 {
         let next = wait_for_cert(&envoy, Some(&h.serial), Duration::from_secs(10)).await;
@@ -295,6 +301,8 @@ async fn short_ttl_rotates_on_schedule_without_reconnecting() {
         "SDS reconnected"
     );
     assert!(csr_records(&dp).await.len() >= 4);
+    // OUTPUT_CERTS follows rotations (istio#53118: written once, never updated).
+    assert_ne!(exported(), first_export);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
