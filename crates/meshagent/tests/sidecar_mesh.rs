@@ -81,24 +81,21 @@ async fn two_sidecars_talk_mtls() {
     assert_eq!(ca["identity"], "spiffe://cluster.local/ns/default/sa/a");
 }
 
-/// SIGTERM to B's agent while a slow request is in flight: the request completes, and the
-/// agent exits within terminationDrainDuration plus a small margin.
-#[tokio::test(flavor = "multi_thread")]
-async fn sigterm_drains_in_flight_request() {
+/// A → B with B's app answering after `b_delay`: B's agent gets SIGTERM while a request is in
+/// flight. Returns whether that request succeeded (status, body), B's exit status, and the time
+/// from SIGTERM to B's exit.
+async fn sigterm_b_during_request(
+    b_delay: Duration,
+    a_config: serde_json::Value,
+    b_env: &[(&str, String)],
+    b_config: serde_json::Value,
+) -> ((u16, String), std::process::ExitStatus, Duration) {
     let (mesh, a_to_b, a_app, b_app) = two_workload_mesh();
     let dp = Devplane::start(&mesh).await;
     app("a", a_app, Duration::ZERO).await;
-    app("b", b_app, Duration::from_secs(2)).await;
-    let mut a = Sidecar::start(&dp, "a", "default", "a", &[]).await;
-    let mut b = Sidecar::start_with(
-        &dp,
-        "b",
-        "default",
-        "b",
-        &[],
-        json!({"terminationDrainDuration": "4s"}),
-    )
-    .await;
+    app("b", b_app, b_delay).await;
+    let mut a = Sidecar::start_with(&dp, "a", "default", "a", &[], a_config).await;
+    let mut b = Sidecar::start_with(&dp, "b", "default", "b", b_env, b_config).await;
     a.wait_ready(READY).await;
     b.wait_ready(READY).await;
     wait_for("first request", DEADLINE, || async {
@@ -116,14 +113,27 @@ async fn sigterm_drains_in_flight_request() {
             .unwrap()
             .success()
     );
-    let (code, body) = request.await.unwrap().unwrap();
-    assert_eq!(code, 200, "{body}");
-    let st = wait_for("B's agent to exit", Duration::from_secs(15), || {
+    let response = request.await.unwrap().unwrap();
+    let st = wait_for("B's agent to exit", Duration::from_secs(30), || {
         let s = b.proc.try_wait();
         async move { s }
     })
     .await;
-    let took = t0.elapsed();
+    (response, st, t0.elapsed())
+}
+
+/// SIGTERM to B's agent while a slow request is in flight: the request completes, and the
+/// agent exits within terminationDrainDuration plus a small margin.
+#[tokio::test(flavor = "multi_thread")]
+async fn sigterm_drains_in_flight_request() {
+    let ((code, body), st, took) = sigterm_b_during_request(
+        Duration::from_secs(2),
+        json!({}),
+        &[],
+        json!({"terminationDrainDuration": "4s"}),
+    )
+    .await;
+    assert_eq!(code, 200, "{body}");
     assert!(st.success(), "{st:?}");
     assert!(
         took >= Duration::from_millis(3800) && took < Duration::from_secs(7),
@@ -135,20 +145,13 @@ async fn sigterm_drains_in_flight_request() {
 /// closes after the minimum drain — long before terminationDrainDuration.
 #[tokio::test(flavor = "multi_thread")]
 async fn exit_on_zero_active_connections() {
-    let (mesh, a_to_b, a_app, b_app) = two_workload_mesh();
-    let dp = Devplane::start(&mesh).await;
-    app("a", a_app, Duration::ZERO).await;
-    app("b", b_app, Duration::from_secs(3)).await;
     // One Envoy worker on A, so both requests share one upstream connection to B. With two,
     // the first request's connection stays idle in the other worker's pool, and an idle HTTP/1
     // keep-alive connection is never closed by Envoy's drain: EXIT_ON_ZERO_ACTIVE_CONNECTIONS
     // would then wait out terminationDrainDuration, as it does in Istio (istio#48409).
-    let mut a = Sidecar::start_with(&dp, "a", "default", "a", &[], json!({"concurrency": 1})).await;
-    let mut b = Sidecar::start_with(
-        &dp,
-        "b",
-        "default",
-        "b",
+    let ((code, body), st, took) = sigterm_b_during_request(
+        Duration::from_secs(3),
+        json!({"concurrency": 1}),
         &[
             ("EXIT_ON_ZERO_ACTIVE_CONNECTIONS", "true".into()),
             ("MINIMUM_DRAIN_DURATION", "1s".into()),
@@ -156,30 +159,7 @@ async fn exit_on_zero_active_connections() {
         json!({"terminationDrainDuration": "60s"}),
     )
     .await;
-    a.wait_ready(READY).await;
-    b.wait_ready(READY).await;
-    wait_for("first request", DEADLINE, || async {
-        http_get(a_to_b, "/").await.ok().filter(|(c, _)| *c == 200)
-    })
-    .await;
-    let request = tokio::spawn(async move { http_get(a_to_b, "/").await });
-    tokio::time::sleep(Duration::from_millis(500)).await;
-    let t0 = tokio::time::Instant::now();
-    assert!(
-        Command::new("kill")
-            .args(["-TERM", &b.proc.pid().to_string()])
-            .status()
-            .unwrap()
-            .success()
-    );
-    let (code, _) = request.await.unwrap().unwrap();
-    assert_eq!(code, 200);
-    let st = wait_for("B's agent to exit", Duration::from_secs(30), || {
-        let s = b.proc.try_wait();
-        async move { s }
-    })
-    .await;
-    let took = t0.elapsed();
+    assert_eq!(code, 200, "{body}");
     assert!(st.success(), "{st:?}");
     // The request needed ~2.5 s more; exit follows within the 1 s polling period plus margin,
     // far below the 60 s terminationDrainDuration.
