@@ -15,7 +15,6 @@ use meshagent_proto::ca::istio_certificate_service_server::{
     IstioCertificateService, IstioCertificateServiceServer,
 };
 use meshagent_proto::ca::{IstioCertificateRequest, IstioCertificateResponse};
-use meshagent_proto::google::protobuf as pb;
 use rcgen::{
     BasicConstraints, CertificateParams, DistinguishedName, DnType, ExtendedKeyUsagePurpose, IsCa,
     Issuer, KeyPair, KeyUsagePurpose, PublicKeyData as _, SanType, SerialNumber,
@@ -28,6 +27,7 @@ use tonic::{Request, Response, Status};
 use x509_parser::certification_request::X509CertificationRequest;
 use x509_parser::prelude::FromDer;
 
+use crate::clients::struct_to_json;
 use crate::token::{Identity, TokenError, TokenIssuer, hex, hex_prefix};
 
 /// Trust domain of a default Istio install.
@@ -613,30 +613,6 @@ fn redact_authorization(value: &str) -> String {
     }
 }
 
-fn struct_to_json(s: &pb::Struct) -> serde_json::Value {
-    serde_json::Value::Object(
-        s.fields
-            .iter()
-            .map(|(k, v)| (k.clone(), value_to_json(v)))
-            .collect(),
-    )
-}
-
-fn value_to_json(v: &pb::Value) -> serde_json::Value {
-    use pb::value::Kind;
-    match &v.kind {
-        None | Some(Kind::NullValue(_)) => serde_json::Value::Null,
-        Some(Kind::NumberValue(n)) => serde_json::Number::from_f64(*n)
-            .map_or(serde_json::Value::Null, serde_json::Value::Number),
-        Some(Kind::StringValue(s)) => serde_json::Value::String(s.clone()),
-        Some(Kind::BoolValue(b)) => serde_json::Value::Bool(*b),
-        Some(Kind::StructValue(s)) => struct_to_json(s),
-        Some(Kind::ListValue(l)) => {
-            serde_json::Value::Array(l.values.iter().map(value_to_json).collect())
-        }
-    }
-}
-
 fn serialize_rfc3339<S: serde::Serializer>(t: &SystemTime, s: S) -> Result<S::Ok, S::Error> {
     s.serialize_str(&rfc3339(*t))
 }
@@ -669,6 +645,7 @@ pub(crate) fn rfc3339(t: SystemTime) -> String {
 mod tests {
     use super::*;
     use aws_lc_rs::signature::{ECDSA_P256_SHA256_FIXED_SIGNING, EcdsaKeyPair};
+    use meshagent_proto::google::protobuf as pb;
     use x509_parser::extensions::{GeneralName, ParsedExtension};
 
     const YEAR: Duration = Duration::from_secs(365 * 24 * 3600);
