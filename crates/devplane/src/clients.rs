@@ -88,6 +88,27 @@ impl Clients {
         }
     }
 
+    /// Live clients' progress only (no subscriptions or metadata): cheap enough to poll
+    /// while a client applies a push of thousands of resources.
+    pub fn acks(&self) -> serde_json::Value {
+        let inner = self.lock();
+        let live: Vec<_> = inner
+            .live
+            .values()
+            .map(|c| {
+                serde_json::json!({
+                    "id": c.id,
+                    "node_id": c.node_id,
+                    "acked": c.acked,
+                    "nacks": c.nacks,
+                    "requests": c.requests,
+                    "responses": c.responses,
+                })
+            })
+            .collect();
+        serde_json::json!({ "clients": live })
+    }
+
     pub fn snapshot(&self) -> serde_json::Value {
         let inner = self.lock();
         serde_json::json!({

@@ -1,6 +1,7 @@
 //! Debug HTTP endpoint (bind it to loopback): JSON views of what clients sent, for tests.
 //!
 //! * `GET /debug/clients`: every xDS client (live and recently disconnected)
+//! * `GET /debug/acks`: live clients' ACKed versions and NACKs only (cheap to poll)
 //! * `GET /debug/csr`: the last CSR calls
 //! * `GET /debug/token?namespace=NS&serviceAccount=SA[&ttlSeconds=N]`: a token devplane accepts
 //! * `POST /debug/resource?type=URL&name=NAME` (body: the serialized resource, any bytes):
@@ -57,6 +58,10 @@ pub fn router(state: DebugState) -> axum::Router {
         .route(
             "/debug/clients",
             get(|State(s): State<DebugState>| async move { Json(s.clients.snapshot()) }),
+        )
+        .route(
+            "/debug/acks",
+            get(|State(s): State<DebugState>| async move { Json(s.clients.acks()) }),
         )
         .route(
             "/debug/csr",

@@ -16,8 +16,11 @@ use std::path::Path;
 use std::time::Duration;
 
 use meshagent::xds::Metrics;
+use meshagent_proto::type_url;
 use meshagent_testkit::static_sds::StaticSds;
-use meshagent_testkit::{Devplane, Envoy, direct_bootstrap, free_port, json};
+use meshagent_testkit::{
+    DEADLINE, Devplane, Envoy, Value, direct_bootstrap, free_port, json, wait_for,
+};
 use tokio::sync::{mpsc, oneshot};
 use tokio::time::Instant;
 use xds_support::*;
@@ -107,34 +110,53 @@ async fn agent_cpu(cmd: &mpsc::UnboundedSender<Cmd>) -> f64 {
     rx.await.unwrap()
 }
 
-/// One push: start Envoy, wait until all clusters are active and none warming.
-async fn push(bootstrap: serde_json::Value, expect: u64) -> f64 {
+/// Types Envoy must have ACKed for the push to count as received and applied.
+const PUSHED: [&str; 3] = [type_url::CLUSTER, type_url::ENDPOINT, type_url::LISTENER];
+
+/// devplane's live ADS client carrying Envoy's node (direct, or the agent's upstream).
+async fn envoy_client(dp: &Devplane) -> Option<Value> {
+    dp.acks()
+        .await
+        .into_iter()
+        .find(|c| c["node_id"] == NODE_ID)
+}
+
+/// One push: start Envoy; the clock stops when devplane has Envoy's ACK of every pushed
+/// type (CDS, EDS, LDS), read from devplane's cheap `/debug/acks`, so that Envoy's main
+/// thread, busy applying thousands of clusters, is not also serving admin requests. After
+/// the clock, Envoy's own stats must show every cluster active and none warming.
+async fn push(dp: &Devplane, bootstrap: Value, expect: u64) -> f64 {
+    // The previous Envoy's stream (direct, or via the agent) must be gone first.
+    wait_for("previous ADS client to disconnect", DEADLINE, || async {
+        envoy_client(dp).await.is_none().then_some(())
+    })
+    .await;
     let dir = tempfile::tempdir().unwrap();
     let t0 = Instant::now();
     let envoy = Envoy::start(bootstrap, dir.path());
     loop {
-        let active = envoy
-            .stat("cluster_manager.active_clusters")
-            .await
-            .unwrap_or(0);
-        let warming = envoy
-            .stat("cluster_manager.warming_clusters")
-            .await
-            .unwrap_or(1);
-        let ok = envoy
-            .stat("cluster_manager.cds.update_success")
-            .await
-            .unwrap_or(0);
-        if active >= expect && warming == 0 && ok >= 1 {
-            break;
+        if let Some(c) = envoy_client(dp).await {
+            assert!(
+                c["nacks"].as_object().is_none_or(|m| m.is_empty()),
+                "Envoy NACKed the push: {c}"
+            );
+            if PUSHED.iter().all(|t| c["acked"].get(*t).is_some()) {
+                break;
+            }
         }
         assert!(
             t0.elapsed() < Duration::from_secs(300),
             "push of {expect} clusters timed out"
         );
-        tokio::time::sleep(Duration::from_millis(10)).await;
+        tokio::time::sleep(Duration::from_millis(5)).await;
     }
     let secs = t0.elapsed().as_secs_f64();
+    wait_for("every cluster active, none warming", DEADLINE, || async {
+        let active = envoy.stat("cluster_manager.active_clusters").await?;
+        let warming = envoy.stat("cluster_manager.warming_clusters").await?;
+        (active >= expect && warming == 0).then_some(())
+    })
+    .await;
     drop(envoy);
     secs
 }
@@ -188,6 +210,8 @@ async fn main() {
             &token,
             true,
         );
+        // Same node as the agent path's bootstrap: only the way to devplane differs.
+        direct_b["node"]["cluster"] = json!("a.default");
         meshagent_testkit::add_sds_cluster(&mut direct_b, &sds.socket);
         let agent_b = bootstrap(&socket, true, Some(&sds.socket));
 
@@ -195,13 +219,13 @@ async fn main() {
         for rep in 0..reps {
             // Alternate which path goes first, so neither always follows the other's teardown.
             if rep % 2 == 0 {
-                direct.push(push(direct_b.clone(), expect).await);
+                direct.push(push(&dp, direct_b.clone(), expect).await);
             }
             std::fs::write("/proc/self/clear_refs", "5").unwrap();
             let rss0 = status_kib("VmRSS:");
             let (cpu0, bytes0) = (agent_cpu(&cmd).await, metrics.response_bytes.get());
             let msgs0 = (metrics.requests.get(), metrics.responses.get());
-            let secs = push(agent_b.clone(), expect).await;
+            let secs = push(&dp, agent_b.clone(), expect).await;
             let s = Sample {
                 msgs: (
                     metrics.requests.get() - msgs0.0,
@@ -215,7 +239,7 @@ async fn main() {
             via.push(s.secs);
             samples.push(s);
             if rep % 2 == 1 {
-                direct.push(push(direct_b.clone(), expect).await);
+                direct.push(push(&dp, direct_b.clone(), expect).await);
             }
         }
         let fmt = |v: &[f64]| {

@@ -416,6 +416,14 @@ impl Devplane {
             .cloned()
             .unwrap_or_default()
     }
+
+    /// Live clients' ACKed versions per type (`/debug/acks`: no subscriptions, cheap).
+    pub async fn acks(&self) -> Vec<Value> {
+        self.debug_json("/debug/acks").await["clients"]
+            .as_array()
+            .cloned()
+            .unwrap_or_default()
+    }
 }
 
 // === Envoy ===

@@ -160,14 +160,26 @@ pub async fn converged(envoy: &Envoy) {
 
 /// Waits for CDS and LDS ACKs at devplane and returns the client.
 pub async fn acked(dp: &Devplane, api: &str) -> Value {
-    wait_for("CDS and LDS ACKs at devplane", DEADLINE, || async {
+    let c = wait_for("CDS and LDS ACKs at devplane", DEADLINE, || async {
         let c = client_for(dp, api).await;
         let acked = c["acked"].as_object().cloned().unwrap_or_default();
         (acked.keys().any(|k| k.ends_with("Cluster"))
             && acked.keys().any(|k| k.ends_with("Listener")))
         .then_some(c)
     })
-    .await
+    .await;
+    // The compact view benchmarks poll must agree with the full one.
+    let brief = dp.acks().await;
+    let same = brief
+        .iter()
+        .find(|b| b["id"] == c["id"])
+        .expect("client in /debug/acks");
+    for (t, v) in c["acked"].as_object().unwrap() {
+        if t.ends_with("Cluster") || t.ends_with("Listener") {
+            assert_eq!(&same["acked"][t], v, "/debug/acks {t}");
+        }
+    }
+    c
 }
 
 /// devplane's token fingerprint (`sha256:` + 16 hex digits).
