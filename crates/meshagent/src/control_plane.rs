@@ -230,7 +230,51 @@ impl Default for Keepalive {
 /// A lazily-connecting channel to `target`. Files are resolved against `cwd` (the agent's
 /// working directory; `.` in production, a temp dir in tests).
 pub fn channel(target: &Target, cwd: &Path, keepalive: Keepalive) -> Result<Channel, DialError> {
-    let endpoint = Endpoint::from_shared(format!("http://{}", target.addr))
+    Ok(endpoint(target, keepalive)?.connect_with_connector_lazy(connector(target, cwd)))
+}
+
+/// Like [`channel`], but dials now: resolves once TCP, TLS and HTTP/2 are up, so the first
+/// call pays none of it.
+pub async fn connect(
+    target: &Target,
+    cwd: &Path,
+    keepalive: Keepalive,
+) -> Result<Channel, ConnectError> {
+    endpoint(target, keepalive)?
+        .connect_with_connector(connector(target, cwd))
+        .await
+        .map_err(|e| ConnectError::Dial {
+            addr: target.addr.clone(),
+            reason: error_chain(&e),
+        })
+}
+
+/// Why [`connect`] failed.
+#[derive(Debug, thiserror::Error)]
+pub enum ConnectError {
+    #[error(transparent)]
+    Config(#[from] DialError),
+    #[error("cannot connect to {addr}: {reason}")]
+    Dial { addr: String, reason: String },
+}
+
+/// `e` and its causes on one line (tonic's transport error alone says only "transport error").
+fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut out = e.to_string();
+    let mut cause = e.source();
+    while let Some(c) = cause {
+        let m = c.to_string();
+        if !out.contains(&m) {
+            out.push_str(": ");
+            out.push_str(&m);
+        }
+        cause = c.source();
+    }
+    out
+}
+
+fn endpoint(target: &Target, keepalive: Keepalive) -> Result<Endpoint, DialError> {
+    Ok(Endpoint::from_shared(format!("http://{}", target.addr))
         .map_err(|e| DialError::Address {
             addr: target.addr.clone(),
             reason: e.to_string(),
@@ -239,10 +283,27 @@ pub fn channel(target: &Target, cwd: &Path, keepalive: Keepalive) -> Result<Chan
         .http2_keep_alive_interval(keepalive.interval)
         .keep_alive_timeout(keepalive.timeout)
         .keep_alive_while_idle(true)
-        .tcp_nodelay(true);
+        .tcp_nodelay(true))
+}
+
+type Io = TokioIo<Either<TcpStream, tokio_rustls::client::TlsStream<TcpStream>>>;
+
+/// Dials `target` (TCP, then TLS with the root and client certificate files as they are at
+/// this moment, so rotated files apply to the next connection).
+fn connector(
+    target: &Target,
+    cwd: &Path,
+) -> impl tower::Service<
+    http::Uri,
+    Response = Io,
+    Error = std::io::Error,
+    Future = impl std::future::Future<Output = std::io::Result<Io>> + Send,
+> + Clone
++ Send
++ 'static {
     let addr = target.addr.clone();
     let tls = target.tls.clone().map(|t| Arc::new((t, cwd.to_path_buf())));
-    let connector = tower::service_fn(move |_uri: http::Uri| {
+    tower::service_fn(move |_uri: http::Uri| {
         let addr = addr.clone();
         let tls = tls.clone();
         async move {
@@ -261,8 +322,7 @@ pub fn channel(target: &Target, cwd: &Path, keepalive: Keepalive) -> Result<Chan
                 .await?;
             Ok(TokioIo::new(Either::Right(stream)))
         }
-    });
-    Ok(endpoint.connect_with_connector_lazy(connector))
+    })
 }
 
 /// Builds the rustls client config for one connection from the current files.

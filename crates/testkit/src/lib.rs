@@ -37,6 +37,13 @@ pub fn workspace_root() -> PathBuf {
 /// A binary of this workspace, next to the running test (`target/<profile>/<name>`).
 /// `make test` builds all binaries first; plain `cargo test` needs `cargo build --bins`.
 pub fn workspace_bin(name: &str) -> PathBuf {
+    // `make bench` measures the agent as shipped (`make agent`), not the build cargo makes
+    // for tests, whose features are unified with the dev-dependencies'.
+    if name == "meshagent"
+        && let Some(p) = std::env::var_os("MESHAGENT_BIN")
+    {
+        return PathBuf::from(p);
+    }
     let exe = std::env::current_exe().expect("current_exe");
     // target/<profile>/deps/<test> → target/<profile>/<name>
     let dir = exe
@@ -218,6 +225,8 @@ pub struct Proc {
     pub name: String,
     child: Option<Child>,
     pub log: PathBuf,
+    /// Just before the process was spawned (start-up benchmarks measure from here).
+    pub started: tokio::time::Instant,
 }
 
 impl Proc {
@@ -231,6 +240,7 @@ impl Proc {
         // Its own process group, so killing it also kills what it started (the agent's Envoy):
         // a SIGKILLed agent cannot stop its children itself.
         std::os::unix::process::CommandExt::process_group(&mut cmd, 0);
+        let started = tokio::time::Instant::now();
         let child = cmd
             .spawn()
             .unwrap_or_else(|e| panic!("spawn {name} ({:?}): {e}", cmd.get_program()));
@@ -238,6 +248,7 @@ impl Proc {
             name: name.to_owned(),
             child: Some(child),
             log,
+            started,
         }
     }
 
@@ -436,7 +447,12 @@ pub struct Envoy {
 
 impl Envoy {
     /// Starts a real Envoy with `bootstrap` (its admin address is filled in) in `dir`.
-    pub fn start(mut bootstrap: Value, dir: &Path) -> Envoy {
+    pub fn start(bootstrap: Value, dir: &Path) -> Envoy {
+        Envoy::start_with_args(bootstrap, dir, &["-l", "info"])
+    }
+
+    /// Like [`Envoy::start`], with `args` (besides `-c`, hot restart and base id) given.
+    pub fn start_with_args(mut bootstrap: Value, dir: &Path, args: &[&str]) -> Envoy {
         let admin = free_addr();
         bootstrap["admin"] = json!({
             "address": {"socket_address": {"address": "127.0.0.1", "port_value": admin.port()}}
@@ -446,7 +462,8 @@ impl Envoy {
         let mut cmd = Command::new(envoy_bin());
         cmd.arg("-c")
             .arg(&config)
-            .args(["--disable-hot-restart", "-l", "info", "--base-id-path"])
+            .args(args)
+            .args(["--disable-hot-restart", "--base-id-path"])
             .arg(dir.join("base-id"))
             .current_dir(dir);
         Envoy {

@@ -24,7 +24,12 @@ pub struct EnvoyProbe {
     started: tokio::time::Instant,
     startup_duration: Gauge,
     drain: Arc<DrainState>,
+    /// When the stats were last queried while Envoy was not ready, and the reason they gave.
+    last_scan: Mutex<Option<(tokio::time::Instant, String)>>,
 }
+
+/// While Envoy is starting, how often its stats may be queried (see [`EnvoyProbe::check`]).
+const STATS_INTERVAL: Duration = Duration::from_millis(100);
 
 impl EnvoyProbe {
     pub fn new(
@@ -43,20 +48,63 @@ impl EnvoyProbe {
                 "The time from the process starting to being marked ready.",
             ),
             drain,
+            last_scan: Mutex::new(None),
         })
     }
 
     pub async fn check(&self) -> Result<(), String> {
-        if !self.config_received.load(Ordering::Relaxed) {
-            let path = "/stats?usedonly&filter=^(cluster_manager\\.cds|listener_manager\\.lds)\\.(update_success|update_rejected)$";
+        let settled =
+            self.config_received.load(Ordering::Relaxed) && self.live.load(Ordering::Relaxed);
+        if settled {
+            return self.scan().await;
+        }
+        // Envoy answers /ready without touching its stats, while the stats query scans every
+        // stat on Envoy's main thread — the thread that is busy starting up. So until /ready
+        // says LIVE the stats are queried at most every STATS_INTERVAL, and the reason they
+        // gave is repeated in between: a probe polled every few milliseconds does not slow the
+        // start-up it is waiting for.
+        let live_now = matches!(
+            admin::request("GET", self.admin, "/ready", Duration::from_secs(1)).await,
+            Ok((200, ref body)) if body.trim() == "LIVE"
+        );
+        if !live_now {
+            let last = self.last_scan.lock().unwrap_or_else(|e| e.into_inner());
+            if let Some((at, reason)) = &*last
+                && at.elapsed() < STATS_INTERVAL
+            {
+                return Err(reason.clone());
+            }
+        }
+        let result = self.scan().await;
+        if let Err(reason) = &result {
+            *self.last_scan.lock().unwrap_or_else(|e| e.into_inner()) =
+                Some((tokio::time::Instant::now(), reason.clone()));
+        }
+        result
+    }
+
+    /// Istio's checks, in its order, from one stats query.
+    async fn scan(&self) -> Result<(), String> {
+        // One admin request for both checks (Istio makes two): each is handled on Envoy's main
+        // thread, which at start-up is busy applying the configuration being waited for.
+        let body = if self.config_received.load(Ordering::Relaxed)
+            && self.live.load(Ordering::Relaxed)
+        {
+            None
+        } else {
+            let path = "/stats?usedonly&filter=^((cluster_manager\\.cds|listener_manager\\.lds)\\.(update_success|update_rejected)|server\\.state|listener_manager\\.workers_started)$";
             let (_, body) = admin::request("GET", self.admin, path, Duration::from_secs(1))
                 .await
                 .map_err(|e| format!("failed to get readiness stats: {e}"))?;
-            let cds = admin::stat_value(&body, "cluster_manager.cds.update_success");
-            let lds = admin::stat_value(&body, "listener_manager.lds.update_success");
-            let rejected = admin::stat_value(&body, "cluster_manager.cds.update_rejected")
+            Some(body)
+        };
+        if !self.config_received.load(Ordering::Relaxed) {
+            let body = body.as_deref().unwrap_or_default();
+            let cds = admin::stat_value(body, "cluster_manager.cds.update_success");
+            let lds = admin::stat_value(body, "listener_manager.lds.update_success");
+            let rejected = admin::stat_value(body, "cluster_manager.cds.update_rejected")
                 .unwrap_or(0)
-                + admin::stat_value(&body, "listener_manager.lds.update_rejected").unwrap_or(0);
+                + admin::stat_value(body, "listener_manager.lds.update_rejected").unwrap_or(0);
             match (cds, lds) {
                 (Some(c), Some(l)) if c > 0 && l > 0 => {
                     self.config_received.store(true, Ordering::Relaxed);
@@ -68,10 +116,9 @@ impl EnvoyProbe {
                     return Err(format!(
                         "config received from XDS server, but was rejected: cds updates: {} successful, {} rejected; lds updates: {} successful, {} rejected",
                         cds.unwrap_or(0),
-                        admin::stat_value(&body, "cluster_manager.cds.update_rejected")
-                            .unwrap_or(0),
+                        admin::stat_value(body, "cluster_manager.cds.update_rejected").unwrap_or(0),
                         lds.unwrap_or(0),
-                        admin::stat_value(&body, "listener_manager.lds.update_rejected")
+                        admin::stat_value(body, "listener_manager.lds.update_rejected")
                             .unwrap_or(0),
                     ));
                 }
@@ -88,13 +135,9 @@ impl EnvoyProbe {
             return Err("server is terminated".into());
         }
         if !self.live.load(Ordering::Relaxed) {
-            let path =
-                "/stats?usedonly&filter=^(server\\.state|listener_manager\\.workers_started)";
-            let (_, body) = admin::request("GET", self.admin, path, Duration::from_secs(3))
-                .await
-                .map_err(|e| format!("failed to get server info: {e}"))?;
-            let state = admin::stat_value(&body, "server.state");
-            let workers = admin::stat_value(&body, "listener_manager.workers_started");
+            let body = body.as_deref().unwrap_or_default();
+            let state = admin::stat_value(body, "server.state");
+            let workers = admin::stat_value(body, "listener_manager.workers_started");
             match (state, workers) {
                 (Some(0), Some(1)) => {
                     self.live.store(true, Ordering::Relaxed);
@@ -255,6 +298,81 @@ mod tests {
         assert!(e.contains("certificate_file"), "{e}");
         std::fs::write(&cert, "x").unwrap();
         assert!(check_grpc_bootstrap(&path, false).await.is_ok());
+    }
+
+    /// A stand-in for Envoy's admin: `/ready` and the readiness stats, counting stats queries.
+    async fn fake_admin(
+        live: Arc<AtomicBool>,
+        scans: Arc<std::sync::atomic::AtomicUsize>,
+    ) -> SocketAddr {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = l.local_addr().unwrap();
+        tokio::spawn(async move {
+            while let Ok((mut c, _)) = l.accept().await {
+                let (live, scans) = (live.clone(), scans.clone());
+                tokio::spawn(async move {
+                    let mut buf = vec![0; 4096];
+                    let n = c.read(&mut buf).await.unwrap_or(0);
+                    let req = String::from_utf8_lossy(&buf[..n]).into_owned();
+                    let live = live.load(Ordering::Relaxed);
+                    let (code, body) = if req.starts_with("GET /ready") {
+                        if live {
+                            (200, "LIVE\n".to_owned())
+                        } else {
+                            (503, "PRE_INITIALIZING\n".to_owned())
+                        }
+                    } else {
+                        scans.fetch_add(1, Ordering::Relaxed);
+                        // `usedonly`: nothing is reported before the first update.
+                        let body = if live {
+                            "cluster_manager.cds.update_success: 1\nlistener_manager.lds.update_success: 1\nlistener_manager.workers_started: 1\nserver.state: 0\n"
+                        } else {
+                            ""
+                        };
+                        (200, body.to_owned())
+                    };
+                    let resp = format!(
+                        "HTTP/1.1 {code} X\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+                        body.len()
+                    );
+                    let _ = c.write_all(resp.as_bytes()).await;
+                });
+            }
+        });
+        addr
+    }
+
+    #[tokio::test]
+    async fn starting_envoy_is_not_flooded_with_stats_queries() {
+        let (live, scans) = (Arc::new(AtomicBool::new(false)), Arc::default());
+        let admin = fake_admin(live.clone(), Arc::clone(&scans)).await;
+        let probe = EnvoyProbe::new(
+            admin,
+            tokio::time::Instant::now(),
+            &Registry::new(),
+            Arc::default(),
+        );
+        let t = tokio::time::Instant::now();
+        for _ in 0..20 {
+            let e = probe.check().await.unwrap_err();
+            assert!(e.contains("config not received"), "{e}");
+        }
+        let n = scans.load(Ordering::Relaxed);
+        // One query per STATS_INTERVAL at most while /ready is not LIVE.
+        let allowed = 1 + (t.elapsed().as_millis() / STATS_INTERVAL.as_millis()) as usize;
+        assert!(
+            n >= 1 && n <= allowed,
+            "{n} stats queries in {:?}",
+            t.elapsed()
+        );
+        // LIVE is acted on at once, not after the interval.
+        live.store(true, Ordering::Relaxed);
+        probe.check().await.unwrap();
+        let n = scans.load(Ordering::Relaxed);
+        // Once ready, the "once true" caches end the queries.
+        probe.check().await.unwrap();
+        assert_eq!(scans.load(Ordering::Relaxed), n);
     }
 
     #[tokio::test]

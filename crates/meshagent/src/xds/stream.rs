@@ -47,6 +47,9 @@ pub const DELTA_PATH: &str =
 
 /// Everything a stream pair needs, shared by all pairs.
 pub struct Shared {
+    /// A connection to istiod dialled at startup, while Envoy initialises, for Envoy's first
+    /// stream (see [`super::prewarm`]).
+    pub warm: std::sync::Mutex<Option<Warm>>,
     pub target: Target,
     pub cwd: std::path::PathBuf,
     pub keepalive: Keepalive,
@@ -54,6 +57,16 @@ pub struct Shared {
     pub interceptors: Vec<Arc<dyn Interceptor>>,
     pub health: watch::Receiver<Option<Health>>,
     pub metrics: Metrics,
+}
+
+/// An in-flight or finished dial of istiod.
+pub type Warm =
+    tokio::task::JoinHandle<Result<tonic::transport::Channel, control_plane::ConnectError>>;
+
+impl Shared {
+    pub fn take_warm(&self) -> Option<Warm> {
+        self.warm.lock().unwrap_or_else(|e| e.into_inner()).take()
+    }
 }
 
 /// How a stream pair ended, for logs and metrics.
@@ -246,8 +259,24 @@ async fn connect(
     api: Api,
     up_rx: mpsc::Receiver<Bytes>,
 ) -> Result<Streaming<Bytes>, Status> {
-    let channel = control_plane::channel(&shared.target, &shared.cwd, shared.keepalive)
-        .map_err(|e| Status::unavailable(e.to_string()))?;
+    // The pre-dialled connection if there is one; a failed pre-dial may be stale, so this
+    // stream then dials (and reports) on its own.
+    let warm = match shared.take_warm() {
+        Some(dial) => match dial.await {
+            Ok(Ok(channel)) => Some(channel),
+            Ok(Err(e)) => {
+                tracing::debug!(error = %e, "pre-dialled connection failed; dialling again");
+                None
+            }
+            Err(_) => None,
+        },
+        None => None,
+    };
+    let channel = match warm {
+        Some(c) => c,
+        None => control_plane::channel(&shared.target, &shared.cwd, shared.keepalive)
+            .map_err(|e| Status::unavailable(e.to_string()))?,
+    };
     let mut grpc = tonic::client::Grpc::new(channel)
         // No agent-side limit: Envoy's own limit is the one that matters (istio#52815).
         .max_decoding_message_size(usize::MAX)
