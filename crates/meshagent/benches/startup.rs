@@ -1,10 +1,15 @@
 //! Sidecar startup: `meshagent proxy sidecar` start → `/healthz/ready` 200 (first CSR, SDS,
 //! xDS through the agent, Envoy LIVE with devplane's config), against a bare Envoy started
 //! with an equivalent static config (the same bootstrap plus the same clusters, endpoints,
-//! listeners, routes and certificate, all static) → `/ready` LIVE, in the same run. Also the CA round trip on its own (TLS + CreateCertificate)
-//! and the agent's RSS (VmRSS, VmHWM) once ready.
+//! listeners, routes and certificate, all static, and the agent's Envoy flags) → `/ready` LIVE,
+//! and against Envoy with the agent's bootstrap talking ADS to devplane directly with a ready
+//! certificate (the agent path minus the agent's work). All timed from `spawn()`, interleaved,
+//! after one warm-up each. Also the CA round trip on its own (TLS + CreateCertificate) and the
+//! agent's RSS (VmRSS, VmHWM, anonymous / file-backed) once ready.
 //!
-//! Run: `cargo build --release --bins && cargo bench -p meshagent --bench startup`.
+//! Run: `make bench`, or `make agent && cargo build --release --bins &&
+//! MESHAGENT_BIN=$PWD/target/dist/meshagent cargo bench -p meshagent --bench startup`.
+//! `STARTUP_DUMP_STATIC=<file>` writes the static bootstrap, to start that Envoy by hand.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::process::Command;
