@@ -81,7 +81,7 @@ fn main() -> ExitCode {
 /// blocking pool). The agent's own work is small (BENCHMARKS.md: ~2 ms of CPU per MB of xDS
 /// forwarded), so a multi-threaded scheduler would only add threads, per-thread malloc
 /// arenas and, through its poll-time statistics, libm: about 1 MiB of RSS next to every
-/// sidecar. linkerd2-proxy defaults to one core for the same reason.
+/// sidecar. (Unlike Envoy or a data-plane proxy, nothing here is on the request path.)
 fn runtime() -> std::io::Result<tokio::runtime::Runtime> {
     tokio::runtime::Builder::new_current_thread()
         .enable_all()
