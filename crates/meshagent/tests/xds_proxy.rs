@@ -12,7 +12,7 @@ use meshagent_proto::envoy::pb::google::protobuf::{
     Duration as PbDuration, Struct, Value as PbValue, value::Kind,
 };
 use meshagent_proto::type_url;
-use meshagent_testkit::{DEADLINE, Devplane, Envoy, json, wait_for};
+use meshagent_testkit::{DEADLINE, Devplane, json, wait_for};
 use prost::Message;
 use xds_support::*;
 
@@ -20,12 +20,7 @@ async fn envoy_through_agent(delta: bool) {
     let dp = Devplane::start(&mesh_yaml(false)).await;
     let dir = tempfile::tempdir().unwrap();
     let agent = agent_for(&dp, dir.path(), &[]).await;
-    let sds = static_sds(&dp, &agent.token, dir.path()).await;
-    let envoy = Envoy::start(
-        bootstrap(agent.handle.socket(), delta, Some(&sds.socket)),
-        dir.path(),
-    );
-    converged(&envoy).await;
+    let (envoy, _sds) = envoy_through(&dp, &agent, dir.path(), delta).await;
 
     // What the agent sent upstream: Istio's metadata, the token, and Envoy's node verbatim.
     let api = if delta { "delta" } else { "sotw" };
@@ -93,12 +88,7 @@ async fn devplane_restart_envoy_reconverges_through_agent() {
     let mut dp = Devplane::start(&mesh_yaml(false)).await;
     let dir = tempfile::tempdir().unwrap();
     let agent = agent_for(&dp, dir.path(), &[]).await;
-    let sds = static_sds(&dp, &agent.token, dir.path()).await;
-    let envoy = Envoy::start(
-        bootstrap(agent.handle.socket(), true, Some(&sds.socket)),
-        dir.path(),
-    );
-    converged(&envoy).await;
+    let (envoy, _sds) = envoy_through(&dp, &agent, dir.path(), true).await;
     acked(&dp, "delta").await;
     let terminations = || {
         agent.metric("istio_agent_istiod_connection_terminations{type=\"cancelled\"}")
@@ -173,12 +163,7 @@ async fn twenty_mib_response_reaches_envoy_intact() {
     let dp = Devplane::start(&mesh_yaml(false)).await;
     let dir = tempfile::tempdir().unwrap();
     let agent = agent_for(&dp, dir.path(), &[]).await;
-    let sds = static_sds(&dp, &agent.token, dir.path()).await;
-    let envoy = Envoy::start(
-        bootstrap(agent.handle.socket(), false, Some(&sds.socket)),
-        dir.path(),
-    );
-    converged(&envoy).await;
+    let (envoy, _sds) = envoy_through(&dp, &agent, dir.path(), false).await;
     acked(&dp, "sotw").await;
 
     dp.set_resource(type_url::CLUSTER, "big", &big_cluster("big", SIZE))
@@ -232,12 +217,7 @@ async fn nds_is_consumed_by_the_agent_and_malformed_tables_are_nacked() {
         ],
     )
     .await;
-    let sds = static_sds(&dp, &agent.token, dir.path()).await;
-    let envoy = Envoy::start(
-        bootstrap(agent.handle.socket(), false, Some(&sds.socket)),
-        dir.path(),
-    );
-    converged(&envoy).await;
+    let (envoy, _sds) = envoy_through(&dp, &agent, dir.path(), false).await;
 
     // The agent subscribed (after Envoy's LDS request), received, decoded and ACKed the table.
     let mut names = agent.handle.name_table();
@@ -319,12 +299,7 @@ async fn health_is_replayed_after_lds_and_sent_on_change() {
     agent
         .handle
         .set_health(Health::Unhealthy("probe failed".into()));
-    let sds = static_sds(&dp, &agent.token, dir.path()).await;
-    let envoy = Envoy::start(
-        bootstrap(agent.handle.socket(), false, Some(&sds.socket)),
-        dir.path(),
-    );
-    converged(&envoy).await;
+    let (_envoy, _sds) = envoy_through(&dp, &agent, dir.path(), false).await;
     // devplane records an error_detail on a SotW request as a NACK of that type (its Delta
     // server records only nonce-carrying ones, so this test speaks SotW).
     let health_nack = |want: &'static str| {
@@ -367,12 +342,7 @@ async fn paused_envoy_backpressures_upstream() {
     let dp = Devplane::start(&mesh_yaml(false)).await;
     let dir = tempfile::tempdir().unwrap();
     let agent = agent_for(&dp, dir.path(), &[]).await;
-    let sds = static_sds(&dp, &agent.token, dir.path()).await;
-    let envoy = Envoy::start(
-        bootstrap(agent.handle.socket(), false, Some(&sds.socket)),
-        dir.path(),
-    );
-    converged(&envoy).await;
+    let (envoy, _sds) = envoy_through(&dp, &agent, dir.path(), false).await;
     acked(&dp, "sotw").await;
 
     signal(envoy.proc.pid(), "-STOP");

@@ -89,10 +89,22 @@ pub async fn agent_for(dp: &Devplane, cwd: &Path, extra_env: &[(&str, &str)]) ->
     Agent::start(cwd, &dp.grpc_addr.to_string(), Some(&token), &env)
 }
 
-/// A static SDS with a devplane-issued certificate for `default/a`, so TLS clusters and
-/// listeners warm (the agent's own SDS is another module).
-pub async fn static_sds(dp: &Devplane, token: &str, dir: &Path) -> StaticSds {
-    StaticSds::from_devplane(dp, token, dir).await
+/// A real Envoy whose `xds-grpc` is the agent's socket, once it has devplane's config. Its
+/// `sds-grpc` is a static SDS server with a devplane-issued certificate for `default/a`, so
+/// TLS clusters and listeners warm (the agent's own SDS is another module); keep it alive.
+pub async fn envoy_through(
+    dp: &Devplane,
+    agent: &Agent,
+    dir: &Path,
+    delta: bool,
+) -> (Envoy, StaticSds) {
+    let sds = StaticSds::from_devplane(dp, &agent.token, dir).await;
+    let envoy = Envoy::start(
+        bootstrap(agent.handle.socket(), delta, Some(&sds.socket)),
+        dir,
+    );
+    converged(&envoy).await;
+    (envoy, sds)
 }
 
 pub const NODE_ID: &str = "sidecar~127.0.0.1~a-5f7d.default~default.svc.cluster.local";
