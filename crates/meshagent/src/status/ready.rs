@@ -56,7 +56,7 @@ impl EnvoyProbe {
         let settled =
             self.config_received.load(Ordering::Relaxed) && self.live.load(Ordering::Relaxed);
         if settled {
-            return self.scan().await;
+            return self.not_terminated();
         }
         // Envoy answers /ready without touching its stats, while the stats query scans every
         // stat on Envoy's main thread — the thread that is busy starting up. So until /ready
@@ -83,23 +83,23 @@ impl EnvoyProbe {
         result
     }
 
+    fn not_terminated(&self) -> Result<(), String> {
+        if self.drain.shutting_down.load(Ordering::Relaxed) {
+            return Err("server is terminated".into());
+        }
+        Ok(())
+    }
+
     /// Istio's checks, in its order, from one stats query.
     async fn scan(&self) -> Result<(), String> {
         // One admin request for both checks (Istio makes two): each is handled on Envoy's main
         // thread, which at start-up is busy applying the configuration being waited for.
-        let body = if self.config_received.load(Ordering::Relaxed)
-            && self.live.load(Ordering::Relaxed)
-        {
-            None
-        } else {
-            let path = "/stats?usedonly&filter=^((cluster_manager\\.cds|listener_manager\\.lds)\\.(update_success|update_rejected)|server\\.state|listener_manager\\.workers_started)$";
-            let (_, body) = admin::request("GET", self.admin, path, Duration::from_secs(1))
-                .await
-                .map_err(|e| format!("failed to get readiness stats: {e}"))?;
-            Some(body)
-        };
+        let path = "/stats?usedonly&filter=^((cluster_manager\\.cds|listener_manager\\.lds)\\.(update_success|update_rejected)|server\\.state|listener_manager\\.workers_started)$";
+        let (_, body) = admin::request("GET", self.admin, path, Duration::from_secs(1))
+            .await
+            .map_err(|e| format!("failed to get readiness stats: {e}"))?;
+        let body = body.as_str();
         if !self.config_received.load(Ordering::Relaxed) {
-            let body = body.as_deref().unwrap_or_default();
             let cds = admin::stat_value(body, "cluster_manager.cds.update_success");
             let lds = admin::stat_value(body, "listener_manager.lds.update_success");
             let rejected = admin::stat_value(body, "cluster_manager.cds.update_rejected")
@@ -131,11 +131,8 @@ impl EnvoyProbe {
                 }
             }
         }
-        if self.drain.shutting_down.load(Ordering::Relaxed) {
-            return Err("server is terminated".into());
-        }
+        self.not_terminated()?;
         if !self.live.load(Ordering::Relaxed) {
-            let body = body.as_deref().unwrap_or_default();
             let state = admin::stat_value(body, "server.state");
             let workers = admin::stat_value(body, "listener_manager.workers_started");
             match (state, workers) {
