@@ -54,11 +54,9 @@ async fn poll_until(addr: std::net::SocketAddr, path: &str, want: impl Fn(u16, &
 /// The sidecar's running config made static: the agent's generated bootstrap without ADS, plus
 /// every cluster, endpoint, listener and route Envoy received (from `/config_dump`), with SDS
 /// references turned into static secrets holding the same certificate (from `OUTPUT_CERTS`).
-async fn equivalent_static(s: &Sidecar) -> Value {
+async fn equivalent_static(s: &Sidecar, generated: &Value) -> Value {
     let cwd = s.cwd.path();
-    let mut b: Value =
-        serde_json::from_slice(&std::fs::read(cwd.join("etc/istio/proxy/envoy-rev.json")).unwrap())
-            .unwrap();
+    let mut b = generated.clone();
     let (_, dump) = http_get(s.admin, "/config_dump?include_eds").await.unwrap();
     let dump: Value = serde_json::from_str(&dump).unwrap();
     let mut clusters = vec![];
@@ -181,9 +179,8 @@ async fn ready_sidecar(dp: &Devplane, env: &[(&str, String)]) -> (Sidecar, f64) 
 /// The agent's bootstrap as Envoy would run without the agent: `xds-grpc` straight to devplane
 /// over TLS (the token as gRPC metadata) and `sds-grpc` at a static SDS server that already
 /// holds the certificate. Envoy starting with this is the agent path minus the agent's work.
-fn direct_dynamic(s: &Sidecar, dp: &Devplane, token: &str, sds: &std::path::Path) -> Value {
-    let rev = s.cwd.path().join("etc/istio/proxy/envoy-rev.json");
-    let mut b: Value = serde_json::from_slice(&std::fs::read(rev).unwrap()).unwrap();
+fn direct_dynamic(generated: &Value, dp: &Devplane, token: &str, sds: &std::path::Path) -> Value {
+    let mut b = generated.clone();
     let direct = meshagent_testkit::direct_bootstrap(
         "unused",
         json!({}),
@@ -275,11 +272,15 @@ async fn main() {
     let ecdsa_env = [("ECC_SIGNATURE_ALGORITHM", "ECDSA".to_owned())];
     let rsa_env = [("OUTPUT_CERTS", "./out".to_owned())];
     let (s, _) = ready_sidecar(&dp, &rsa_env).await;
-    let (b, args) = (equivalent_static(&s).await, agent_envoy_args(s.proc.pid()));
+    // The bootstrap the agent generated (removed when its Envoy exits).
+    let rev = s.cwd.path().join("etc/istio/proxy/envoy-rev.json");
+    let generated: Value = serde_json::from_slice(&std::fs::read(rev).unwrap()).unwrap();
+    let b = equivalent_static(&s, &generated).await;
+    let args = agent_envoy_args(s.proc.pid());
     let sds_dir = tempfile::tempdir().unwrap();
     let sds =
         meshagent_testkit::static_sds::StaticSds::from_devplane(&dp, &token, sds_dir.path()).await;
-    let direct = direct_dynamic(&s, &dp, &token, &sds.socket);
+    let direct = direct_dynamic(&generated, &dp, &token, &sds.socket);
     stop(s).await;
     if let Ok(p) = std::env::var("STARTUP_DUMP_STATIC") {
         std::fs::write(&p, serde_json::to_vec_pretty(&b).unwrap()).unwrap();
