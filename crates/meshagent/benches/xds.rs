@@ -15,6 +15,7 @@ mod xds_support;
 use std::path::Path;
 use std::time::Duration;
 
+use meshagent::metrics::status_kib;
 use meshagent::xds::Metrics;
 use meshagent_proto::type_url;
 use meshagent_testkit::static_sds::StaticSds;
@@ -49,14 +50,6 @@ fn thread_cpu_seconds() -> f64 {
     let f: Vec<&str> = after.split_whitespace().collect();
     // fields 14 and 15 of stat(5) are utime and stime; `after` starts at field 3.
     (f[11].parse::<f64>().unwrap() + f[12].parse::<f64>().unwrap()) / CLOCK_TICKS
-}
-
-fn status_kib(key: &str) -> f64 {
-    let s = std::fs::read_to_string("/proc/self/status").unwrap();
-    s.lines()
-        .find_map(|l| l.strip_prefix(key))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
-        .unwrap()
 }
 
 enum Cmd {
@@ -222,7 +215,7 @@ async fn main() {
                 direct.push(push(&dp, direct_b.clone(), expect).await);
             }
             std::fs::write("/proc/self/clear_refs", "5").unwrap();
-            let rss0 = status_kib("VmRSS:");
+            let rss0 = status_kib("VmRSS:").unwrap();
             let (cpu0, bytes0) = (agent_cpu(&cmd).await, metrics.response_bytes.get());
             let msgs0 = (metrics.requests.get(), metrics.responses.get());
             let secs = push(&dp, agent_b.clone(), expect).await;
@@ -234,7 +227,7 @@ async fn main() {
                 secs,
                 cpu: agent_cpu(&cmd).await - cpu0,
                 bytes: metrics.response_bytes.get() - bytes0,
-                rss_growth_kib: status_kib("VmHWM:") - rss0,
+                rss_growth_kib: status_kib("VmHWM:").unwrap() - rss0,
             };
             via.push(s.secs);
             samples.push(s);
