@@ -36,45 +36,35 @@ fn main() -> ExitCode {
         tracing::warn!("ignoring unknown flag {flag}");
     }
     match command {
-        Command::Version(args) => match cli::version_output(&args) {
-            Ok(out) => {
-                print!("{out}");
-                ExitCode::SUCCESS
-            }
-            Err(e) => {
-                eprintln!("error: {e}");
-                ExitCode::from(1)
-            }
-        },
+        Command::Version(args) => exit_with(cli::version_output(&args), |out| print!("{out}")),
         Command::Proxy(args) => proxy(&args, log.as_json),
-        Command::Wait(args) => match runtime().map(|rt| rt.block_on(meshagent::wait::run(&args))) {
-            Ok(Ok(())) => ExitCode::SUCCESS,
-            Ok(Err(e)) => {
-                eprintln!("error: {e}");
-                ExitCode::from(1)
-            }
-            Err(e) => {
-                eprintln!("error: {e}");
-                ExitCode::from(1)
-            }
-        },
-        Command::Request(args) => {
-            match runtime().map(|rt| rt.block_on(meshagent::request::run(&args))) {
-                Ok(Ok(body)) => {
-                    print!("{body}");
-                    ExitCode::SUCCESS
-                }
-                Ok(Err(e)) => {
-                    eprintln!("error: {e}");
-                    ExitCode::from(1)
-                }
-                Err(e) => {
-                    eprintln!("error: {e}");
-                    ExitCode::from(1)
-                }
-            }
+        Command::Wait(args) => exit_with(on_runtime(meshagent::wait::run(&args)), |()| {}),
+        Command::Request(args) => exit_with(on_runtime(meshagent::request::run(&args)), |body| {
+            print!("{body}")
+        }),
+    }
+}
+
+/// `on_ok` with the value and exit 0, or the error on stderr and exit 1.
+fn exit_with<T, E: std::fmt::Display>(r: Result<T, E>, on_ok: impl FnOnce(T)) -> ExitCode {
+    match r {
+        Ok(v) => {
+            on_ok(v);
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("error: {e}");
+            ExitCode::from(1)
         }
     }
+}
+
+/// Runs `fut` on the agent's runtime; a runtime that cannot start is an error like `fut`'s.
+fn on_runtime<T, E: std::fmt::Display>(
+    fut: impl std::future::Future<Output = Result<T, E>>,
+) -> Result<T, String> {
+    let rt = runtime().map_err(|e| e.to_string())?;
+    rt.block_on(fut).map_err(|e| e.to_string())
 }
 
 /// One thread runs every task (blocking work — key generation, file reads — goes to Tokio's
