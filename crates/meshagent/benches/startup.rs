@@ -297,6 +297,7 @@ async fn main() {
     let (mut bare, mut agent, mut agent_ecdsa) = (vec![], vec![], vec![]);
     let mut envoy_direct = vec![];
     let (mut rss, mut hwm, mut anon, mut file) = (vec![], vec![], vec![], vec![]);
+    let mut by_mapping = vec![];
     // Each start is preceded by a pause, so the previous run's processes are gone and their
     // memory reclaimed before the clock starts.
     let settle = || tokio::time::sleep(Duration::from_millis(300));
@@ -317,6 +318,7 @@ async fn main() {
         hwm.push(status_kib(pid, "VmHWM:") as f64);
         anon.push(status_kib(pid, "RssAnon:") as f64);
         file.push(status_kib(pid, "RssFile:") as f64);
+        by_mapping = rss_by_mapping(pid);
         stop(s).await;
     }
 
@@ -365,4 +367,35 @@ async fn main() {
         median(anon) / 1024.0,
         median(file) / 1024.0
     );
+    println!("  by mapping (last run, KiB):");
+    for (name, kib) in by_mapping.iter().take(8) {
+        println!("    {kib:>6}  {name}");
+    }
+}
+
+/// Resident KiB per mapping of process `pid` (file and permissions, `[heap]`, `[anon]`, ...),
+/// largest first: where the agent's RSS is.
+fn rss_by_mapping(pid: u32) -> Vec<(String, u64)> {
+    let smaps = std::fs::read_to_string(format!("/proc/{pid}/smaps")).unwrap_or_default();
+    let mut sums: std::collections::HashMap<String, u64> = Default::default();
+    let mut current = String::new();
+    for line in smaps.lines() {
+        let fields: Vec<&str> = line.split_whitespace().collect();
+        if let Some(kib) = line.strip_prefix("Rss:") {
+            let kib: u64 = kib
+                .trim()
+                .trim_end_matches("kB")
+                .trim()
+                .parse()
+                .unwrap_or(0);
+            *sums.entry(current.clone()).or_default() += kib;
+        } else if fields.len() >= 5 && fields[0].contains('-') && !fields[0].ends_with(':') {
+            // "start-end perms offset dev inode [path]"
+            let path = fields.get(5).copied().unwrap_or("[anon]");
+            current = format!("{path} {}", fields[1]);
+        }
+    }
+    let mut v: Vec<_> = sums.into_iter().filter(|(_, k)| *k > 0).collect();
+    v.sort_by_key(|e| std::cmp::Reverse(e.1));
+    v
 }
