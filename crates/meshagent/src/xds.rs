@@ -24,7 +24,8 @@
 //! * **One owner task per stream pair** ([`stream`]), a new upstream connection per Envoy
 //!   stream (as Istio: istio#27877 was about leaking them, which per-pair ownership prevents),
 //!   and only one live pair: a new Envoy stream stops the previous one.
-//! * **Interception** through [`intercept::Interceptor`]: NDS (when the DNS proxy is on), PCDS
+//! * **Interception** through [`intercept::Interceptor`], asynchronous (a pending rewrite
+//!   holds back only later responses of its own type): NDS (when the DNS proxy is on), PCDS
 //!   (`PROXY_CONFIG_XDS_AGENT`), health replay, and ECDS via [`intercept::EcdsRewrite`]
 //!   ([`intercept::PassThrough`] by default; the Wasm module supplies its own through
 //!   [`XdsOptions::ecds`]).
@@ -163,6 +164,9 @@ pub struct XdsOptions {
     pub pcds: bool,
     /// The ECDS rewrite hook.
     pub ecds: Arc<dyn EcdsRewrite>,
+    /// More interceptors (later modules, tests); consulted before the built-in ones, so one
+    /// of these owns its type URL.
+    pub interceptors: Vec<Arc<dyn intercept::Interceptor>>,
 }
 
 impl XdsOptions {
@@ -183,6 +187,7 @@ impl XdsOptions {
             nds: (cfg.dns.capture && cfg.proxy_type == ProxyType::Sidecar) || cfg.dns.enable_server,
             pcds: cfg.xds.proxy_config_xds_agent,
             ecds: Arc::new(PassThrough),
+            interceptors: Vec::new(),
         })
     }
 }
@@ -283,7 +288,7 @@ pub fn start_with(
     let (bundle_tx, pcds_bundle) = watch::channel(Vec::new());
     let (health, health_rx) = watch::channel(None);
 
-    let mut interceptors: Vec<Arc<dyn intercept::Interceptor>> = Vec::new();
+    let mut interceptors: Vec<Arc<dyn intercept::Interceptor>> = opts.interceptors.clone();
     if opts.nds {
         interceptors.push(Arc::new(intercept::Nds { table: table_tx }));
     }
