@@ -12,6 +12,7 @@ pub mod cli;
 pub mod config;
 pub mod control_plane;
 pub mod envoy;
+pub mod fsio;
 pub mod identity;
 pub mod logging;
 pub mod metrics;

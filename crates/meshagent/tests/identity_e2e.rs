@@ -664,7 +664,13 @@ mod raw {
             .registry
             .encode()
             .lines()
-            .find_map(|l| l.strip_prefix(series)?.strip_prefix(' ')?.trim().parse().ok())
+            .find_map(|l| {
+                l.strip_prefix(series)?
+                    .strip_prefix(' ')?
+                    .trim()
+                    .parse()
+                    .ok()
+            })
             .unwrap_or(0)
     }
 
@@ -686,23 +692,25 @@ mod raw {
         std::fs::write(certs.join("cert.pem"), &c1).unwrap();
         std::fs::write(certs.join("key.pem"), k1).unwrap();
         std::fs::write(certs.join("ca.pem"), &c1).unwrap();
-        std::fs::write(
-            d.join("huge.pem"),
-            c1.repeat((5 << 20) / c1.len() + 1),
-        )
-        .unwrap();
+        std::fs::write(d.join("huge.pem"), c1.repeat((5 << 20) / c1.len() + 1)).unwrap();
 
         let started = Instant::now();
         for (name, want) in [
             ("file-root:fifo", "not a regular file (a FIFO)"),
-            ("file-root:/dev/zero", "not a regular file (a character device)"),
+            (
+                "file-root:/dev/zero",
+                "not a regular file (a character device)",
+            ),
             ("file-root:huge.pem", "larger than"),
         ] {
             let e = stream_error(&agent, name).await;
             assert!(e.contains(want), "{name}: {e}");
         }
         // Everything else is still served, at once.
-        assert_eq!(fetch(&agent, "file-cert:etc/certs/cert.pem~etc/certs/key.pem").await, 1);
+        assert_eq!(
+            fetch(&agent, "file-cert:etc/certs/cert.pem~etc/certs/key.pem").await,
+            1
+        );
         assert_eq!(fetch(&agent, "file-root:etc/certs/ca.pem").await, 1);
         assert!(
             started.elapsed() < Duration::from_secs(5),

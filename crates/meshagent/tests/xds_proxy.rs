@@ -458,8 +458,12 @@ async fn pending_interception_delays_no_other_type_and_keeps_its_order() {
     seen_n(1).await;
 
     // While the first NDS verdict is pending, a CDS push reaches Envoy and is ACKed.
-    dp.set_resource(type_url::CLUSTER, "while-pending", &big_cluster("while-pending", 16))
-        .await;
+    dp.set_resource(
+        type_url::CLUSTER,
+        "while-pending",
+        &big_cluster("while-pending", 16),
+    )
+    .await;
     wait_for("the pushed cluster in Envoy", DEADLINE, || async {
         envoy
             .clusters()

@@ -14,11 +14,10 @@
 //! Istio's fsnotify watcher, `pkg/filewatcher`): our own reads raise open/access events, and
 //! reacting to those re-read every file ten times a second, forever.
 //!
-//! Reading: the files are chosen by whoever writes a DestinationRule (istiod turns
-//! `caCertificates` into `file-root:<path>`, `pilot/pkg/networking/core/cluster_tls.go`), so
-//! each load runs on the blocking pool with a timeout, refuses anything but a regular file
-//! (a FIFO or `/proc/self/fd/1` would block forever, `/dev/zero` never ends) and reads at most
-//! [`MAX_FILE_BYTES`]. A stuck or failing file affects only its own resource.
+//! Reading: the files are chosen by whoever writes a DestinationRule, so each load runs on
+//! the blocking pool with a timeout and reads only regular files of at most
+//! [`MAX_FILE_BYTES`] ([`crate::fsio`]: a FIFO or `/proc/self/fd/1` would block forever,
+//! `/dev/zero` never ends). A stuck or failing file affects only its own resource.
 
 use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
@@ -45,7 +44,7 @@ pub const CRL_PATH: &str = "/var/run/secrets/istio/crl/ca-crl.pem";
 pub const MAX_FILE_BYTES: u64 = 4 * 1024 * 1024;
 
 /// How long one load may take before its resource is reported failed (the read itself may
-/// stay stuck on the blocking pool, e.g. on a hung network filesystem; nothing waits for it).
+/// stay stuck on the blocking pool; nothing waits for it).
 pub const LOAD_TIMEOUT: Duration = Duration::from_secs(5);
 
 #[derive(Debug, Clone, thiserror::Error, PartialEq, Eq)]
@@ -68,19 +67,20 @@ pub enum FileSecretError {
     },
     #[error("no OS trust bundle found (looked in {0})")]
     NoSystemRoots(String),
-    #[error("cannot read {path}: not a regular file (a {kind})")]
-    NotRegular { path: String, kind: &'static str },
-    #[error("cannot read {path}: larger than {max} bytes")]
-    TooLarge { path: String, max: u64 },
-    #[error("reading {path} did not finish within {timeout:?}")]
-    Timeout { path: String, timeout: Duration },
+    #[error(transparent)]
+    File(#[from] crate::fsio::ReadError),
 }
 
 /// What a file resource reads.
 #[derive(Debug, Clone, PartialEq, Eq)]
 enum Source {
-    Cert { cert: PathBuf, key: PathBuf },
-    Root { path: PathBuf },
+    Cert {
+        cert: PathBuf,
+        key: PathBuf,
+    },
+    Root {
+        path: PathBuf,
+    },
     /// `file-root:system`: the first OS bundle found, looked up at each load.
     SystemRoot,
 }
@@ -117,55 +117,9 @@ fn system_roots() -> Result<PathBuf, FileSecretError> {
         .ok_or_else(|| FileSecretError::NoSystemRoots(SYSTEM_ROOT_PATHS.join(", ")))
 }
 
-/// Reads a regular file of at most [`MAX_FILE_BYTES`]. Blocking: call it off the reactor.
-/// The open never blocks (`O_NONBLOCK`: a FIFO with no writer would), and the type is checked
-/// on the opened file, so a swap between check and read cannot slip a FIFO in.
-pub fn read_bounded(path: &Path) -> Result<Vec<u8>, FileSecretError> {
-    use std::io::Read as _;
-    use std::os::unix::fs::{FileTypeExt as _, OpenOptionsExt as _};
-    let shown = || path.display().to_string();
-    let io = |e: std::io::Error| FileSecretError::Read {
-        path: shown(),
-        reason: e.to_string(),
-    };
-    let flags = nix::fcntl::OFlag::O_NONBLOCK | nix::fcntl::OFlag::O_NOCTTY;
-    let f = std::fs::OpenOptions::new()
-        .read(true)
-        .custom_flags(flags.bits())
-        .open(path)
-        .map_err(io)?;
-    let t = f.metadata().map_err(io)?.file_type();
-    if !t.is_file() {
-        let kind = if t.is_fifo() {
-            "FIFO"
-        } else if t.is_char_device() {
-            "character device"
-        } else if t.is_block_device() {
-            "block device"
-        } else if t.is_socket() {
-            "socket"
-        } else if t.is_dir() {
-            "directory"
-        } else {
-            "special file"
-        };
-        return Err(FileSecretError::NotRegular { path: shown(), kind });
-    }
-    let mut buf = Vec::new();
-    f.take(MAX_FILE_BYTES + 1)
-        .read_to_end(&mut buf)
-        .map_err(io)?;
-    if buf.len() as u64 > MAX_FILE_BYTES {
-        return Err(FileSecretError::TooLarge {
-            path: shown(),
-            max: MAX_FILE_BYTES,
-        });
-    }
-    Ok(buf)
-}
-
+/// Blocking: loads run on the blocking pool ([`load_off_reactor`]).
 fn read(path: &Path) -> Result<Vec<u8>, FileSecretError> {
-    read_bounded(path)
+    Ok(crate::fsio::read_bounded(path, MAX_FILE_BYTES)?)
 }
 
 /// Loads a cert/key pair, checking that the key belongs to the leaf.
@@ -272,7 +226,11 @@ fn is_content_event(kind: &EventKind) -> bool {
 }
 
 /// One finished load: the resource name, what it read, and the directories to watch.
-type Loaded = (String, Result<SecretData, FileSecretError>, HashSet<PathBuf>);
+type Loaded = (
+    String,
+    Result<SecretData, FileSecretError>,
+    HashSet<PathBuf>,
+);
 
 /// Loads `source` on the blocking pool, giving up after [`LOAD_TIMEOUT`].
 async fn load_off_reactor(name: String, source: Source, crl: Option<PathBuf>) -> Loaded {
@@ -292,10 +250,10 @@ async fn load_off_reactor(name: String, source: Source, crl: Option<PathBuf>) ->
         ),
         Err(_) => (
             name,
-            Err(FileSecretError::Timeout {
+            Err(FileSecretError::File(crate::fsio::ReadError::Timeout {
                 path,
                 timeout: LOAD_TIMEOUT,
-            }),
+            })),
             HashSet::new(),
         ),
     }
@@ -456,12 +414,7 @@ impl FileSecrets {
             Err(e) => {
                 let since = *r.failing_since.get_or_insert_with(Instant::now);
                 // Errors that no rewrite of the same path fixes soon are reported at once.
-                let permanent = matches!(
-                    e,
-                    FileSecretError::NotRegular { .. }
-                        | FileSecretError::TooLarge { .. }
-                        | FileSecretError::Timeout { .. }
-                );
+                let permanent = matches!(&e, FileSecretError::File(f) if f.is_permanent());
                 if permanent || since.elapsed() >= self.load_wait {
                     // Give up on this streak: report once, and wait for the next file event.
                     r.failing_since = None;
@@ -545,28 +498,6 @@ mod tests {
         std::fs::write(&p, junk).unwrap();
         let e = load_root(&p, None).unwrap_err();
         assert!(e.to_string().contains("roots.pem"), "{e}");
-    }
-
-    #[test]
-    fn only_regular_bounded_files_are_read() {
-        let dir = tempfile::tempdir().unwrap();
-        let fifo = dir.path().join("fifo");
-        nix::unistd::mkfifo(&fifo, nix::sys::stat::Mode::S_IRWXU).unwrap();
-        // Opening a FIFO with no writer would block a plain read forever.
-        let e = read_bounded(&fifo).unwrap_err();
-        assert!(matches!(e, FileSecretError::NotRegular { kind: "FIFO", .. }), "{e}");
-        let e = read_bounded(Path::new("/dev/zero")).unwrap_err();
-        assert!(
-            e.to_string().contains("not a regular file (a character device)"),
-            "{e}"
-        );
-        let big = dir.path().join("big.pem");
-        std::fs::write(&big, vec![b'x'; MAX_FILE_BYTES as usize + 1]).unwrap();
-        let e = read_bounded(&big).unwrap_err();
-        assert!(matches!(e, FileSecretError::TooLarge { .. }), "{e}");
-        let ok = dir.path().join("ok.pem");
-        std::fs::write(&ok, vec![b'x'; MAX_FILE_BYTES as usize]).unwrap();
-        assert_eq!(read_bounded(&ok).unwrap().len(), MAX_FILE_BYTES as usize);
     }
 
     #[test]

@@ -242,7 +242,7 @@ impl SecretManager {
                     let root = chain.last().cloned().unwrap_or_default();
                     let chain_pem: String = chain.concat();
                     if let Some(out) = &self.output {
-                        out.write_workload(k.pem(), &chain_pem, &root);
+                        out.write_workload(k.pem(), &chain_pem, &root).await;
                     }
                     self.store.set(
                         WORKLOAD,

@@ -26,17 +26,27 @@ impl OutputCerts {
         &self.dir
     }
 
-    /// Writes the three files; failures are logged (exporting must never stop serving).
-    pub fn write_workload(&self, key: &str, chain: &str, root: &str) {
+    /// Writes the three files on the blocking pool (each write ends in an fsync, which can
+    /// take long on a slow disk); failures are logged (exporting must never stop serving).
+    pub async fn write_workload(&self, key: &str, chain: &str, root: &str) {
+        let this = self.clone();
+        let files = [
+            ("key.pem", key.to_owned()),
+            ("cert-chain.pem", chain.to_owned()),
+            ("root-cert.pem", root.to_owned()),
+        ];
+        let job = tokio::task::spawn_blocking(move || this.write_blocking(&files));
+        if let Err(e) = job.await {
+            tracing::warn!(dir = %self.dir.display(), error = %e, "OUTPUT_CERTS write task failed");
+        }
+    }
+
+    fn write_blocking(&self, files: &[(&str, String)]) {
         if let Err(e) = std::fs::create_dir_all(&self.dir) {
             tracing::warn!(dir = %self.dir.display(), error = %e, "cannot create OUTPUT_CERTS directory");
             return;
         }
-        for (name, content) in [
-            ("key.pem", key),
-            ("cert-chain.pem", chain),
-            ("root-cert.pem", root),
-        ] {
+        for (name, content) in files {
             if let Err(e) = write_if_changed(&self.dir.join(name), content.as_bytes(), self.mode) {
                 tracing::warn!(file = name, dir = %self.dir.display(), error = %e, "cannot write OUTPUT_CERTS file");
             }
@@ -73,11 +83,11 @@ pub fn write_if_changed(path: &Path, content: &[u8], mode: u32) -> std::io::Resu
 mod tests {
     use super::*;
 
-    #[test]
-    fn atomic_only_when_changed_with_modes() {
+    #[tokio::test]
+    async fn atomic_only_when_changed_with_modes() {
         let dir = tempfile::tempdir().unwrap();
         let out = OutputCerts::new(dir.path().join("out"), false);
-        out.write_workload("K", "C", "R");
+        out.write_workload("K", "C", "R").await;
         let key = dir.path().join("out/key.pem");
         assert_eq!(std::fs::read_to_string(&key).unwrap(), "K");
         let meta = std::fs::metadata(&key).unwrap();
@@ -85,7 +95,7 @@ mod tests {
         assert!(!write_if_changed(&key, b"K", 0o600).unwrap());
         assert!(write_if_changed(&key, b"K2", 0o600).unwrap());
         let k8s = OutputCerts::new(dir.path().join("k8s"), true);
-        k8s.write_workload("K", "C", "R");
+        k8s.write_workload("K", "C", "R").await;
         let meta = std::fs::metadata(dir.path().join("k8s/root-cert.pem")).unwrap();
         assert_eq!(meta.permissions().mode() & 0o777, 0o644);
     }

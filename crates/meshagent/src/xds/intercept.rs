@@ -503,7 +503,11 @@ mod tests {
 
         struct Refuse;
         impl EcdsRewrite for Refuse {
-            fn rewrite(&self, _: Api, _: Bytes) -> BoxFuture<'static, Result<Bytes, InterceptError>> {
+            fn rewrite(
+                &self,
+                _: Api,
+                _: Bytes,
+            ) -> BoxFuture<'static, Result<Bytes, InterceptError>> {
                 Box::pin(async { Err(InterceptError::Rejected("wasm fetch failed".into())) })
             }
         }

@@ -306,7 +306,7 @@ async fn connect(
         .max_decoding_message_size(usize::MAX)
         .max_encoding_message_size(usize::MAX);
     let mut req = tonic::Request::new(ReceiverStream::new(up_rx));
-    shared.metadata.apply(req.metadata_mut());
+    shared.metadata.apply(req.metadata_mut()).await;
     grpc.ready()
         .await
         .map_err(|e| Status::unavailable(e.to_string()))?;
