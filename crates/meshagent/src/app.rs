@@ -1,6 +1,11 @@
-//! Wires the agent together for `meshagent proxy` (spec §1.2 startup order): status server,
-//! then Envoy's bootstrap and process, supervised until Envoy exits or the agent is told to
-//! stop (SIGTERM/SIGINT or `/quitquitquit`), in which case Envoy is drained first.
+//! Wires the agent together for `meshagent proxy` (Istio's order, `pilot/cmd/pilot-agent/app`
+//! and `pkg/istio-agent/agent.go` `Run`): status server, identity/SDS, xDS proxy, then Envoy's
+//! bootstrap and process, supervised until Envoy exits or the agent is told to stop
+//! (SIGTERM/SIGINT or `/quitquitquit`), in which case Envoy is drained first.
+//!
+//! Shutdown: the first SIGTERM/SIGINT drains; a second one skips what is left of the drain.
+//! From the first signal the agent has [`shutdown_budget`] to finish: tasks still running then
+//! are named in a log line and the agent exits 1.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -12,6 +17,11 @@ use crate::config::Config;
 use crate::envoy::{self, DrainOptions, DrainState, Envoy, EnvoyArgs, Outcome};
 use crate::metrics::Registry;
 use crate::status;
+use crate::tasks::Tasks;
+
+/// Time allowed after the drain for stopping Envoy (SIGTERM, then SIGKILL after 5 s) and the
+/// agent's own servers.
+const SHUTDOWN_MARGIN: std::time::Duration = std::time::Duration::from_secs(15);
 
 #[derive(Debug, thiserror::Error)]
 pub enum AppError {
@@ -49,6 +59,8 @@ pub struct Agent {
     /// Where the xDS proxy publishes each NDS name table it receives; read by the DNS
     /// readiness probe and `/debug/ndsz`.
     pub name_table: tokio::sync::watch::Sender<Option<Arc<status::NameTable>>>,
+    /// The agent's long-lived tasks, waited for (with a deadline) at shutdown.
+    pub tasks: Tasks,
 }
 
 impl Agent {
@@ -64,11 +76,31 @@ impl Agent {
             readiness: status::Readiness::default(),
             started: tokio::time::Instant::now(),
             name_table: tokio::sync::watch::Sender::new(None),
+            tasks: Tasks::new(),
         }
     }
 
-    /// Runs until Envoy exits or shutdown completes; returns the process exit code.
+    /// Runs until Envoy exits or shutdown completes; returns the process exit code. Once
+    /// shutdown has begun, it ends within [`shutdown_budget`] (exit code 1 if it had to give
+    /// up on tasks that would not stop).
     pub async fn run(self) -> Result<u8, AppError> {
+        let shutdown = self.shutdown.clone();
+        let tasks = self.tasks.clone();
+        let budget = shutdown_budget(&self.config);
+        let deadline = async move {
+            shutdown.cancelled().await;
+            tokio::time::sleep(budget).await;
+        };
+        tokio::select! {
+            r = self.run_inner() => r,
+            () = deadline => {
+                tracing::error!(budget = ?budget, still_running = ?tasks.running(), "shutdown did not finish in time; exiting");
+                Ok(1)
+            }
+        }
+    }
+
+    async fn run_inner(self) -> Result<u8, AppError> {
         let cfg = &self.config;
         bootstrap::check_template(cfg)?;
         let node = Node::from_config(cfg)?;
@@ -125,7 +157,7 @@ impl Agent {
             };
             let stop = status_stop.clone();
             let shutdown = self.shutdown.clone();
-            status_task = Some(tokio::spawn(async move {
+            status_task = Some(self.tasks.spawn("status-server", async move {
                 if let Err(e) = status::serve(listener, state, stop).await {
                     // Istio's agent terminates itself when the status server dies.
                     tracing::error!(error = %e, "status server failed; shutting down");
@@ -134,7 +166,8 @@ impl Agent {
             }));
             tracing::info!(port, "status server listening");
         }
-        spawn_signal_handler(self.shutdown.clone()).map_err(AppError::Signals)?;
+        spawn_signal_handler(self.shutdown.clone(), self.drain.clone())
+            .map_err(AppError::Signals)?;
 
         // Identity and xDS serve Envoy until it has drained and stopped, so they stop on their
         // own token, after Envoy — not on the shutdown signal.
@@ -156,7 +189,7 @@ impl Agent {
         // into ROOTCA. Both forwarders end when the xDS proxy drops its senders.
         let mut names = xds.name_table();
         let table_tx = self.name_table.clone();
-        tokio::spawn(async move {
+        self.tasks.spawn("nds-table-forwarder", async move {
             while names.changed().await.is_ok() {
                 let t = names.borrow_and_update().clone();
                 table_tx.send_replace(t);
@@ -164,7 +197,7 @@ impl Agent {
         });
         let mut bundle = xds.pcds_bundle();
         let anchors = identity.trust_anchors();
-        tokio::spawn(async move {
+        self.tasks.spawn("pcds-bundle-forwarder", async move {
             while bundle.changed().await.is_ok() {
                 let pems = bundle.borrow_and_update().clone();
                 anchors.set(pems);
@@ -198,10 +231,16 @@ impl Agent {
                 .filter(|p| *p != 0)
                 .collect(),
             };
-            match envoy
-                .supervise(self.shutdown.clone(), drain, self.drain.clone())
-                .await?
-            {
+            let supervised = self.tasks.spawn(
+                "envoy",
+                envoy.supervise(self.shutdown.clone(), drain, self.drain.clone()),
+            );
+            let outcome = supervised.await.map_err(|e| {
+                envoy::EnvoyError::Wait(std::io::Error::other(format!(
+                    "Envoy supervisor task failed: {e}"
+                )))
+            })??;
+            match outcome {
                 Outcome::EnvoyExited(status) => {
                     self.shutdown.cancel();
                     envoy::process::exit_code(status)
@@ -213,12 +252,15 @@ impl Agent {
             0
         };
         services.cancel();
-        xds.wait().await;
-        identity.stopped().await;
+        self.tasks.spawn("xds-proxy", xds.wait());
+        self.tasks
+            .spawn("identity", async move { identity.stopped().await });
         status_stop.cancel();
         if let Some(t) = status_task {
             let _ = t.await;
         }
+        // The deadline in `run` bounds this wait.
+        self.tasks.wait_all().await;
         tracing::info!(code, "agent exiting");
         Ok(code)
     }
@@ -300,19 +342,58 @@ fn envoy_args(
     })
 }
 
-/// SIGTERM or SIGINT starts graceful shutdown; a second signal is left to the default action
-/// of the drain timeouts (Envoy is stopped when they end).
-fn spawn_signal_handler(shutdown: CancellationToken) -> std::io::Result<()> {
+/// How long shutdown may take from the first signal: the drain Envoy is given
+/// (`terminationDrainDuration`, or `MINIMUM_DRAIN_DURATION` with
+/// `EXIT_ON_ZERO_ACTIVE_CONNECTIONS` if longer) plus [`SHUTDOWN_MARGIN`].
+pub fn shutdown_budget(cfg: &Config) -> std::time::Duration {
+    let mut drain = cfg.proxy_config.termination_drain_duration.get();
+    if cfg.lifecycle.exit_on_zero_active_connections {
+        drain = drain.max(cfg.lifecycle.minimum_drain_duration);
+    }
+    if cfg.lifecycle.disable_envoy {
+        drain = std::time::Duration::ZERO;
+    }
+    drain + SHUTDOWN_MARGIN
+}
+
+/// SIGTERM or SIGINT starts graceful shutdown; a second one (either) skips the rest of the
+/// drain. SIGHUP, SIGUSR1 and SIGUSR2 are ignored, as a Go program ignores them unless it
+/// asks for them (their default action would kill the agent and orphan Envoy).
+fn spawn_signal_handler(
+    shutdown: CancellationToken,
+    drain: Arc<DrainState>,
+) -> std::io::Result<()> {
     use tokio::signal::unix::{SignalKind, signal};
     let mut term = signal(SignalKind::terminate())?;
     let mut int = signal(SignalKind::interrupt())?;
-    tokio::spawn(async move {
-        tokio::select! {
-            _ = term.recv() => tracing::info!("received SIGTERM; starting graceful shutdown"),
-            _ = int.recv() => tracing::info!("received SIGINT; starting graceful shutdown"),
-            _ = shutdown.cancelled() => return,
-        }
-        shutdown.cancel();
-    });
+    // Registering a handler replaces the default (terminating) action; never reading the
+    // streams drops the signals.
+    let ignored = [
+        signal(SignalKind::hangup())?,
+        signal(SignalKind::user_defined1())?,
+        signal(SignalKind::user_defined2())?,
+    ];
+    let span = tracing::info_span!("task", name = "signals");
+    tokio::spawn(tracing::Instrument::instrument(
+        async move {
+            let _ignored = ignored;
+            tokio::select! {
+                _ = term.recv() => tracing::info!("received SIGTERM; starting graceful shutdown"),
+                _ = int.recv() => tracing::info!("received SIGINT; starting graceful shutdown"),
+                _ = shutdown.cancelled() => {}
+            }
+            shutdown.cancel();
+            tokio::select! {
+                _ = term.recv() => {}
+                _ = int.recv() => {}
+            }
+            tracing::warn!("second termination signal; skipping the rest of the drain");
+            drain
+                .skip_drain
+                .store(true, std::sync::atomic::Ordering::SeqCst);
+            drain.abort.cancel();
+        },
+        span,
+    ));
     Ok(())
 }
