@@ -61,6 +61,8 @@ pub struct Agent {
     pub name_table: tokio::sync::watch::Sender<Option<Arc<status::NameTable>>>,
     /// The agent's long-lived tasks, waited for (with a deadline) at shutdown.
     pub tasks: Tasks,
+    /// Supervised internal servers that are down (SDS, xDS proxy): not ready while any is.
+    pub servers: crate::supervise::Servers,
 }
 
 impl Agent {
@@ -77,6 +79,7 @@ impl Agent {
             started: tokio::time::Instant::now(),
             name_table: tokio::sync::watch::Sender::new(None),
             tasks: Tasks::new(),
+            servers: crate::supervise::Servers::new(),
         }
     }
 
@@ -108,6 +111,12 @@ impl Agent {
         let admin = std::net::SocketAddr::new(node.localhost, cfg.proxy_config.proxy_admin_port);
         let envoy_enabled = !cfg.lifecycle.disable_envoy;
 
+        // A dead internal server is the root cause of whatever else fails: reported first.
+        let servers = self.servers.clone();
+        self.readiness.add(Arc::new(move || {
+            let reason = servers.not_ready();
+            Box::pin(async move { reason.map_or(Ok(()), Err) })
+        }));
         if envoy_enabled {
             self.readiness.add_envoy(status::EnvoyProbe::new(
                 admin,
@@ -172,8 +181,18 @@ impl Agent {
         // Identity and xDS serve Envoy until it has drained and stopped, so they stop on their
         // own token, after Envoy — not on the shutdown signal.
         let services = CancellationToken::new();
-        let identity =
-            crate::identity::start(cfg, &self.cwd, &self.registry, services.clone()).await?;
+        let identity_opts = crate::identity::Options {
+            servers: self.servers.clone(),
+            ..Default::default()
+        };
+        let identity = crate::identity::start_with(
+            cfg,
+            &self.cwd,
+            &self.registry,
+            services.clone(),
+            identity_opts,
+        )
+        .await?;
         // Certificates gate readiness where something depends on them: Envoy's SDS, or the
         // files proxyless gRPC reads (OUTPUT_CERTS). Istio does not check them at all, so an
         // expired certificate stays "ready" there; here it does not.
@@ -184,7 +203,9 @@ impl Agent {
                 Box::pin(async move { reason.map_or(Ok(()), Err) })
             }));
         }
-        let xds = crate::xds::start(cfg, &self.cwd, &self.registry, services.clone())?;
+        let mut xds_opts = crate::xds::XdsOptions::from_config(cfg, &self.cwd)?;
+        xds_opts.servers = self.servers.clone();
+        let xds = crate::xds::start_with(xds_opts, &self.cwd, &self.registry, services.clone())?;
         // The NDS table feeds the DNS readiness probe and /debug/ndsz; PCDS trust anchors go
         // into ROOTCA. Both forwarders end when the xDS proxy drops its senders.
         let mut names = xds.name_table();

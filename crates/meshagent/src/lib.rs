@@ -19,6 +19,7 @@ pub mod metrics;
 pub mod request;
 pub mod sds;
 pub mod status;
+pub mod supervise;
 pub mod tasks;
 pub mod wait;
 pub mod xds;

@@ -59,6 +59,7 @@ pub use intercept::{Api, EcdsRewrite, Health, PassThrough};
 use crate::config::{Config, ProxyType};
 use crate::control_plane::{self, CallMetadata, DialError, Keepalive, Target, TokenSource};
 use crate::metrics::{Counter, CounterVec, Gauge, Registry};
+use crate::supervise;
 
 /// The socket's file name inside `configPath`.
 pub const SOCKET_NAME: &str = "XDS";
@@ -167,6 +168,8 @@ pub struct XdsOptions {
     /// More interceptors (later modules, tests); consulted before the built-in ones, so one
     /// of these owns its type URL.
     pub interceptors: Vec<Arc<dyn intercept::Interceptor>>,
+    /// Where the server's supervisor reports it down (readiness).
+    pub servers: crate::supervise::Servers,
 }
 
 impl XdsOptions {
@@ -188,6 +191,7 @@ impl XdsOptions {
             pcds: cfg.xds.proxy_config_xds_agent,
             ecds: Arc::new(PassThrough),
             interceptors: Vec::new(),
+            servers: crate::supervise::Servers::new(),
         })
     }
 }
@@ -314,22 +318,44 @@ pub fn start_with(
         shutdown: shutdown.clone(),
         current: Arc::default(),
     };
-    let server = tonic::transport::Server::builder()
-        .http2_keepalive_interval(Some(opts.keepalive.interval))
-        .http2_keepalive_timeout(Some(opts.keepalive.timeout))
-        .max_concurrent_streams(Some(opts.max_streams))
-        .add_service(service);
     let socket = opts.socket.clone();
     tracing::info!(socket = %socket.display(), upstream = %opts.target.addr, tls = opts.target.tls.is_some(), nds = opts.nds, pcds = opts.pcds, "xDS proxy listening");
-    let task = tokio::spawn(async move {
-        let incoming = UnixListenerStream::new(listener);
-        if let Err(e) = server
-            .serve_with_incoming_shutdown(incoming, shutdown.cancelled_owned())
-            .await
-        {
-            tracing::error!(error = %e, "xDS proxy server failed");
-        }
-    });
+    // The first run serves the listener bound above (a bind failure is a startup error);
+    // restarts bind again.
+    let mut first = Some(listener);
+    let (keepalive, max_streams) = (opts.keepalive, opts.max_streams);
+    let stop = shutdown.clone();
+    let task = tokio::spawn(supervise::run(
+        "xds-proxy",
+        opts.servers.clone(),
+        supervise::Backoff::default(),
+        shutdown,
+        move || {
+            let listener = first.take();
+            let (service, stop, path) = (service.clone(), stop.clone(), socket.clone());
+            async move {
+                let listener = match listener {
+                    Some(l) => l,
+                    None => bind(&path).map_err(|e| e.to_string())?,
+                };
+                let server = tonic::transport::Server::builder()
+                    .http2_keepalive_interval(Some(keepalive.interval))
+                    .http2_keepalive_timeout(Some(keepalive.timeout))
+                    .max_concurrent_streams(Some(max_streams))
+                    .add_service(service);
+                Ok(supervise::Serving {
+                    serve: Box::pin(async move {
+                        let incoming = UnixListenerStream::new(listener);
+                        server
+                            .serve_with_incoming_shutdown(incoming, stop.cancelled_owned())
+                            .await
+                            .map_err(|e| e.to_string())
+                    }),
+                    socket: Some(path),
+                })
+            }
+        },
+    ));
     Ok(XdsProxyHandle {
         socket: opts.socket,
         name_table,

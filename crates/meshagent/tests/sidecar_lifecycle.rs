@@ -390,3 +390,38 @@ async fn hup_and_usr_signals_are_ignored() {
     }
     assert_eq!(children_of(pid).len(), 1, "Envoy still running");
 }
+
+/// A supervised server whose socket disappears is down: the agent logs it naming the
+/// server, binds the socket again, and clients can connect to it. (While it is down readiness
+/// names it too — the supervisor's unit tests check that; here the restart takes ~100 ms, too
+/// short a window to observe reliably over HTTP.)
+#[tokio::test(flavor = "multi_thread")]
+async fn removed_sds_and_xds_sockets_are_rebound() {
+    let a = start_agent("sidecar", &[]);
+    for (name, rel) in [
+        ("xds-proxy", "etc/istio/proxy/XDS"),
+        ("sds", "var/run/secrets/workload-spiffe-uds/socket"),
+    ] {
+        let sock = a.cwd.path().join(rel);
+        wait_for("the socket", DEADLINE, || {
+            let ok = sock.exists();
+            async move { ok.then_some(()) }
+        })
+        .await;
+        std::fs::remove_file(&sock).unwrap();
+        let want = format!("server=\"{name}\" error=socket");
+        wait_for("the supervisor to notice", DEADLINE, || {
+            let log = a.proc.log_text();
+            let hit = log
+                .lines()
+                .any(|l| l.contains(&want) && l.contains("was removed"));
+            async move { hit.then_some(()) }
+        })
+        .await;
+        wait_for("the socket bound again and accepting", DEADLINE, || {
+            let sock = sock.clone();
+            async move { tokio::net::UnixStream::connect(&sock).await.ok() }
+        })
+        .await;
+    }
+}
