@@ -206,10 +206,13 @@ const WARM_TTL: Duration = Duration::from_secs(30);
 /// Only the first stream uses it; later streams dial their own connection, as Istio does.
 fn prewarm(shared: &Arc<stream::Shared>, shutdown: CancellationToken) {
     let (target, cwd, keepalive) = (shared.target.clone(), shared.cwd.clone(), shared.keepalive);
-    let dial = tokio::spawn(async move { control_plane::connect(&target, &cwd, keepalive).await });
+    let dial = tokio::spawn(tracing::Instrument::instrument(
+        async move { control_plane::connect(&target, &cwd, keepalive).await },
+        tracing::info_span!("task", name = "xds-predial"),
+    ));
     *shared.warm.lock().unwrap_or_else(|e| e.into_inner()) = Some(dial);
     let shared = shared.clone();
-    tokio::spawn(async move {
+    let expire = async move {
         tokio::select! {
             () = shutdown.cancelled() => {}
             () = tokio::time::sleep(WARM_TTL) => {}
@@ -218,7 +221,11 @@ fn prewarm(shared: &Arc<stream::Shared>, shutdown: CancellationToken) {
             tracing::debug!("closing the unused pre-dialled connection to the XDS server");
             dial.abort();
         }
-    });
+    };
+    tokio::spawn(tracing::Instrument::instrument(
+        expire,
+        tracing::info_span!("task", name = "xds-predial-expiry"),
+    ));
 }
 
 /// The running proxy.
@@ -325,36 +332,39 @@ pub fn start_with(
     let mut first = Some(listener);
     let (keepalive, max_streams) = (opts.keepalive, opts.max_streams);
     let stop = shutdown.clone();
-    let task = tokio::spawn(supervise::run(
-        "xds-proxy",
-        opts.servers.clone(),
-        supervise::Backoff::default(),
-        shutdown,
-        move || {
-            let listener = first.take();
-            let (service, stop, path) = (service.clone(), stop.clone(), socket.clone());
-            async move {
-                let listener = match listener {
-                    Some(l) => l,
-                    None => bind(&path).map_err(|e| e.to_string())?,
-                };
-                let server = tonic::transport::Server::builder()
-                    .http2_keepalive_interval(Some(keepalive.interval))
-                    .http2_keepalive_timeout(Some(keepalive.timeout))
-                    .max_concurrent_streams(Some(max_streams))
-                    .add_service(service);
-                Ok(supervise::Serving {
-                    serve: Box::pin(async move {
-                        let incoming = UnixListenerStream::new(listener);
-                        server
-                            .serve_with_incoming_shutdown(incoming, stop.cancelled_owned())
-                            .await
-                            .map_err(|e| e.to_string())
-                    }),
-                    socket: Some(path),
-                })
-            }
-        },
+    let task = tokio::spawn(tracing::Instrument::instrument(
+        supervise::run(
+            "xds-proxy",
+            opts.servers.clone(),
+            supervise::Backoff::default(),
+            shutdown,
+            move || {
+                let listener = first.take();
+                let (service, stop, path) = (service.clone(), stop.clone(), socket.clone());
+                async move {
+                    let listener = match listener {
+                        Some(l) => l,
+                        None => bind(&path).map_err(|e| e.to_string())?,
+                    };
+                    let server = tonic::transport::Server::builder()
+                        .http2_keepalive_interval(Some(keepalive.interval))
+                        .http2_keepalive_timeout(Some(keepalive.timeout))
+                        .max_concurrent_streams(Some(max_streams))
+                        .add_service(service);
+                    Ok(supervise::Serving {
+                        serve: Box::pin(async move {
+                            let incoming = UnixListenerStream::new(listener);
+                            server
+                                .serve_with_incoming_shutdown(incoming, stop.cancelled_owned())
+                                .await
+                                .map_err(|e| e.to_string())
+                        }),
+                        socket: Some(path),
+                    })
+                }
+            },
+        ),
+        tracing::info_span!("task", name = "xds-proxy"),
     ));
     Ok(XdsProxyHandle {
         socket: opts.socket,
@@ -454,13 +464,10 @@ impl AdsServer {
         };
         // The one-slot buffer toward Envoy (spec §5.2).
         let (tx, rx) = mpsc::channel(1);
-        tokio::spawn(stream::run(
-            self.shared.clone(),
-            api,
-            id,
-            downstream,
-            tx,
-            stop,
+        let span = tracing::info_span!("xds_stream", id, api = ?api);
+        tokio::spawn(tracing::Instrument::instrument(
+            stream::run(self.shared.clone(), api, id, downstream, tx, stop),
+            span,
         ));
         let mut resp = http::Response::new(Body::new(codec::ResponseBody::new(rx)));
         resp.headers_mut().insert(

@@ -232,8 +232,21 @@ type Loaded = (
     HashSet<PathBuf>,
 );
 
+/// Loads running at once. Loading is CPU work too (PEM, X.509, key match); with one at a time
+/// a directory of 2,000 resources re-verifies in about a second, and the other core stays
+/// free for the runtime thread (tests/runtime_policy.rs measures the status port meanwhile).
+const CONCURRENT_LOADS: usize = 1;
+
 /// Loads `source` on the blocking pool, giving up after [`LOAD_TIMEOUT`].
-async fn load_off_reactor(name: String, source: Source, crl: Option<PathBuf>) -> Loaded {
+async fn load_off_reactor(
+    name: String,
+    source: Source,
+    crl: Option<PathBuf>,
+    limit: Arc<tokio::sync::Semaphore>,
+) -> Loaded {
+    // The permit is held while the load runs, or until it times out (a stuck read then holds
+    // a blocking thread, not the others' turn).
+    let _permit = limit.acquire_owned().await;
     let path = source_files(&source)
         .first()
         .map_or_else(|| name.clone(), |p| p.display().to_string());
@@ -310,6 +323,7 @@ impl FileSecrets {
         let mut loads: JoinSet<Loaded> = JoinSet::new();
         let mut in_flight: HashSet<String> = HashSet::new();
         let mut again: HashSet<String> = HashSet::new();
+        let limit = Arc::new(tokio::sync::Semaphore::new(CONCURRENT_LOADS));
 
         loop {
             // Event arms only mark work; loading starts at one debounced deadline, so a burst
@@ -322,7 +336,7 @@ impl FileSecrets {
                     match parse_name(&name, &self.cwd) {
                         Ok(source) => {
                             resources.insert(name.clone(), Resource { source, dirs: HashSet::new(), failing_since: None, loaded_once: false });
-                            self.start_load(&name, &resources, &mut loads, &mut in_flight, &mut again);
+                            self.start_load(&name, &resources, &limit, &mut loads, &mut in_flight, &mut again);
                         }
                         Err(e) => {
                             self.metrics.file_secret_failures.inc();
@@ -353,7 +367,7 @@ impl FileSecrets {
                 _ = sleep_until(reload_at.unwrap_or_else(far_future)), if reload_at.is_some() => {
                     reload_at = None;
                     for name in std::mem::take(&mut dirty) {
-                        self.start_load(&name, &resources, &mut loads, &mut in_flight, &mut again);
+                        self.start_load(&name, &resources, &limit, &mut loads, &mut in_flight, &mut again);
                     }
                 }
                 _ = sleep_until(next_poll), if watcher.is_none() => {
@@ -370,6 +384,7 @@ impl FileSecrets {
         &self,
         name: &str,
         resources: &HashMap<String, Resource>,
+        limit: &Arc<tokio::sync::Semaphore>,
         loads: &mut JoinSet<Loaded>,
         in_flight: &mut HashSet<String>,
         again: &mut HashSet<String>,
@@ -384,7 +399,12 @@ impl FileSecrets {
         self.metrics.file_secret_loads.inc();
         let span = tracing::debug_span!("file_secret_load", resource = name);
         loads.spawn(tracing::Instrument::instrument(
-            load_off_reactor(name.to_owned(), r.source.clone(), self.crl.clone()),
+            load_off_reactor(
+                name.to_owned(),
+                r.source.clone(),
+                self.crl.clone(),
+                limit.clone(),
+            ),
             span,
         ));
     }

@@ -36,8 +36,15 @@ impl OutputCerts {
             ("root-cert.pem", root.to_owned()),
         ];
         let job = tokio::task::spawn_blocking(move || this.write_blocking(&files));
-        if let Err(e) = job.await {
-            tracing::warn!(dir = %self.dir.display(), error = %e, "OUTPUT_CERTS write task failed");
+        // A hung disk must not stop rotation: the write may finish later on its own.
+        match tokio::time::timeout(WRITE_TIMEOUT, job).await {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => {
+                tracing::warn!(dir = %self.dir.display(), error = %e, "OUTPUT_CERTS write task failed")
+            }
+            Err(_) => {
+                tracing::warn!(dir = %self.dir.display(), timeout = ?WRITE_TIMEOUT, "OUTPUT_CERTS write did not finish in time; continuing")
+            }
         }
     }
 
@@ -54,9 +61,15 @@ impl OutputCerts {
     }
 }
 
-/// Atomic write with `mode`, skipped when the file already has exactly `content`.
+/// How long exporting one certificate set may take before rotation moves on.
+const WRITE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// Atomic write with `mode`, skipped when the file already has exactly `content`. Whatever
+/// is at `path` (a FIFO, a huge file) is only compared through a bounded, non-blocking read,
+/// and replaced by the rename.
 pub fn write_if_changed(path: &Path, content: &[u8], mode: u32) -> std::io::Result<bool> {
-    if std::fs::read(path).is_ok_and(|old| old == content) {
+    let limit = content.len() as u64;
+    if crate::fsio::read_bounded(path, limit).is_ok_and(|old| old == content) {
         return Ok(false);
     }
     let tmp = path.with_file_name(format!(
@@ -93,6 +106,12 @@ mod tests {
         let meta = std::fs::metadata(&key).unwrap();
         assert_eq!(meta.permissions().mode() & 0o777, 0o600);
         assert!(!write_if_changed(&key, b"K", 0o600).unwrap());
+        // Whatever sits at the path (here a FIFO, whose plain read would block) is replaced.
+        let fifo = dir.path().join("out/cert-chain.pem");
+        std::fs::remove_file(&fifo).unwrap();
+        nix::unistd::mkfifo(&fifo, nix::sys::stat::Mode::S_IRWXU).unwrap();
+        assert!(write_if_changed(&fifo, b"C", 0o600).unwrap());
+        assert_eq!(std::fs::read(&fifo).unwrap(), b"C");
         assert!(write_if_changed(&key, b"K2", 0o600).unwrap());
         let k8s = OutputCerts::new(dir.path().join("k8s"), true);
         k8s.write_workload("K", "C", "R").await;
