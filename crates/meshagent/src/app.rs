@@ -104,6 +104,7 @@ impl Agent {
     }
 
     async fn run_inner(self) -> Result<u8, AppError> {
+        raise_fd_limit();
         let cfg = &self.config;
         bootstrap::check_template(cfg)?;
         let node = Node::from_config(cfg)?;
@@ -148,7 +149,7 @@ impl Agent {
         let mut status_task = None;
         if cfg.proxy_config.status_port > 0 {
             let port = cfg.proxy_config.status_port;
-            let listener = status::bind(port, node.ipv6_only())
+            let listener = status::bind(port)
                 .await
                 .map_err(|source| AppError::StatusPort { port, source })?;
             let state = status::StatusState {
@@ -369,6 +370,21 @@ fn envoy_args(
         config_yaml,
         concurrency: cfg.proxy_config.concurrency,
     })
+}
+
+/// Raises the soft open-files limit to the hard limit, as the Go runtime does at start
+/// (`syscall.rlimit` in Go 1.19+): the inherited soft limit (often 1024) is easy to exhaust
+/// with status-port, SDS and xDS connections, and then every new connection fails.
+pub fn raise_fd_limit() {
+    use nix::sys::resource::{Resource, getrlimit, setrlimit};
+    match getrlimit(Resource::RLIMIT_NOFILE) {
+        Ok((soft, hard)) if soft < hard => match setrlimit(Resource::RLIMIT_NOFILE, hard, hard) {
+            Ok(()) => tracing::debug!(from = soft, to = hard, "raised the open-files limit"),
+            Err(e) => tracing::warn!(error = %e, soft, hard, "cannot raise the open-files limit"),
+        },
+        Ok(_) => {}
+        Err(e) => tracing::warn!(error = %e, "cannot read the open-files limit"),
+    }
 }
 
 /// How long shutdown may take from the first signal: the drain Envoy is given

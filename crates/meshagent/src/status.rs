@@ -81,27 +81,98 @@ pub fn router(state: StatusState) -> axum::Router {
         .layer(tower_http::compression::CompressionLayer::new().gzip(true))
 }
 
-/// Serves until `shutdown`; a bind failure is returned to the caller (startup error).
-pub async fn bind(port: u16, ipv6: bool) -> std::io::Result<tokio::net::TcpListener> {
-    let ip: IpAddr = if ipv6 {
-        IpAddr::from(std::net::Ipv6Addr::UNSPECIFIED)
-    } else {
-        IpAddr::from([0, 0, 0, 0])
-    };
-    tokio::net::TcpListener::bind((ip, port)).await
+/// Connections served at once; more are closed at accept (kubelet probes and Prometheus
+/// scrapes need a handful, so this only stops a flood from taking every file descriptor).
+pub const MAX_CONNECTIONS: usize = 1024;
+/// A client must send its request headers within this time, and an idle keep-alive
+/// connection is closed after it (Istio's status server sets no timeouts at all).
+pub const HEADER_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Binds the status port on every address of both families when the host has IPv6 (a
+/// dual-stack `[::]` socket, like Go's `net.Listen("tcp", ":port")` in Istio's
+/// `pilot/cmd/pilot-agent/status/server.go`), else on `0.0.0.0`. Envoy's readiness route may
+/// point at `127.0.0.1` or `[::1]`, so both must answer.
+pub async fn bind(port: u16) -> std::io::Result<tokio::net::TcpListener> {
+    match bind_dual_stack(port) {
+        Ok(l) => Ok(l),
+        Err(e) if e.kind() == std::io::ErrorKind::AddrInUse => Err(e),
+        Err(e) => {
+            tracing::debug!(error = %e, "no IPv6 socket; status server on 0.0.0.0 only");
+            tokio::net::TcpListener::bind((IpAddr::from([0, 0, 0, 0]), port)).await
+        }
+    }
 }
 
+fn bind_dual_stack(port: u16) -> std::io::Result<tokio::net::TcpListener> {
+    let socket = tokio::net::TcpSocket::new_v6()?;
+    nix::sys::socket::setsockopt(&socket, nix::sys::socket::sockopt::Ipv6V6Only, &false)
+        .map_err(std::io::Error::from)?;
+    socket.set_reuseaddr(true)?;
+    socket.bind(SocketAddr::from((std::net::Ipv6Addr::UNSPECIFIED, port)))?;
+    socket.listen(1024)
+}
+
+/// Serves until `stop`, HTTP/1.1 only (kubelet, Prometheus and Envoy speak it), with
+/// [`HEADER_TIMEOUT`] and at most [`MAX_CONNECTIONS`] connections; accept errors such as
+/// running out of file descriptors are logged and retried, never fatal.
 pub async fn serve(
     listener: tokio::net::TcpListener,
     state: StatusState,
     stop: CancellationToken,
 ) -> std::io::Result<()> {
-    axum::serve(
-        listener,
-        router(state).into_make_service_with_connect_info::<SocketAddr>(),
-    )
-    .with_graceful_shutdown(async move { stop.cancelled().await })
-    .await
+    use hyper_util::rt::{TokioIo, TokioTimer};
+    let app = router(state);
+    let slots = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
+    let conns = tokio_util::task::TaskTracker::new();
+    let mut refused_logged = false;
+    loop {
+        let (tcp, peer) = tokio::select! {
+            () = stop.cancelled() => break,
+            r = listener.accept() => match r {
+                Ok(c) => c,
+                Err(e) => {
+                    // EMFILE/ENFILE/ECONNABORTED: wait a little instead of spinning.
+                    tracing::warn!(error = %e, "status server: accept failed");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            },
+        };
+        let Ok(slot) = slots.clone().try_acquire_owned() else {
+            if !refused_logged {
+                tracing::warn!(
+                    max = MAX_CONNECTIONS,
+                    "status server at its connection limit; closing new connections"
+                );
+                refused_logged = true;
+            }
+            drop(tcp);
+            continue;
+        };
+        refused_logged = false;
+        let _ = tcp.set_nodelay(true);
+        let svc = app.clone().layer(axum::Extension(ConnectInfo(peer)));
+        let svc = hyper_util::service::TowerToHyperService::new(svc);
+        let stop = stop.clone();
+        conns.spawn(async move {
+            let _slot = slot;
+            let conn = hyper::server::conn::http1::Builder::new()
+                .timer(TokioTimer::new())
+                .header_read_timeout(HEADER_TIMEOUT)
+                .serve_connection(TokioIo::new(tcp), svc);
+            tokio::pin!(conn);
+            tokio::select! {
+                _ = conn.as_mut() => {}
+                () = stop.cancelled() => {
+                    conn.as_mut().graceful_shutdown();
+                    let _ = tokio::time::timeout(Duration::from_secs(5), conn).await;
+                }
+            }
+        });
+    }
+    conns.close();
+    let _ = tokio::time::timeout(Duration::from_secs(5), conns.wait()).await;
+    Ok(())
 }
 
 async fn ready(State(s): State<StatusState>) -> Response {

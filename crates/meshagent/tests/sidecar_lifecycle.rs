@@ -43,9 +43,22 @@ fn agent_env(status: u16, admin: u16, extra: &[(&str, String)]) -> Vec<(String, 
 }
 
 fn start_agent(proxy_type: &str, extra: &[(&str, String)]) -> AgentUnderTest {
+    start_agent_via(&[], proxy_type, extra)
+}
+
+/// [`start_agent`] through a wrapper command that execs the agent (e.g. `prlimit … --`).
+fn start_agent_via(wrapper: &[&str], proxy_type: &str, extra: &[(&str, String)]) -> AgentUnderTest {
     let cwd = tempfile::tempdir().unwrap();
     let status = free_port();
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_meshagent"));
+    let agent = env!("CARGO_BIN_EXE_meshagent");
+    let mut cmd = match wrapper.split_first() {
+        None => Command::new(agent),
+        Some((prog, args)) => {
+            let mut c = Command::new(prog);
+            c.args(args).arg(agent);
+            c
+        }
+    };
     cmd.args([
         "proxy",
         proxy_type,
@@ -435,4 +448,67 @@ async fn removed_sds_and_xds_sockets_are_rebound() {
         })
         .await;
     }
+}
+
+/// Defects D3 and D4: the status port answers on both loopback families, and a flood of idle
+/// connections neither exhausts the agent's file descriptors (its soft limit is raised to the
+/// hard one, as Go does) nor keeps the port unusable (idle connections time out).
+#[tokio::test(flavor = "multi_thread")]
+async fn status_port_is_dual_stack_and_survives_an_idle_connection_flood() {
+    let hard = std::fs::read_to_string("/proc/self/limits")
+        .unwrap()
+        .lines()
+        .find(|l| l.starts_with("Max open files"))
+        .and_then(|l| l.split_whitespace().nth(4).map(str::to_owned))
+        .unwrap();
+    let nofile = format!("--nofile=1024:{hard}");
+    let a = start_agent_via(&["prlimit", &nofile, "--"], "sidecar", &[]);
+    let status = a.status;
+    let v6 = SocketAddr::from((std::net::Ipv6Addr::LOCALHOST, status.port()));
+    for addr in [status, v6] {
+        wait_for("a readiness answer", DEADLINE, || async move {
+            http_get(addr, "/healthz/ready").await.ok()
+        })
+        .await;
+    }
+    let limits = std::fs::read_to_string(format!("/proc/{}/limits", a.proc.pid())).unwrap();
+    let soft = limits
+        .lines()
+        .find(|l| l.starts_with("Max open files"))
+        .and_then(|l| l.split_whitespace().nth(3).map(str::to_owned))
+        .unwrap();
+    assert_eq!(soft, hard, "soft open-files limit raised\n{limits}");
+
+    // 1,100 idle connections (more than the inherited soft limit and the connection cap).
+    let mut idle = Vec::new();
+    for _ in 0..1100 {
+        idle.push(tokio::net::TcpStream::connect(status).await.unwrap());
+    }
+    // SDS still accepts and serves: the server's HTTP/2 SETTINGS arrive after our preface.
+    let sds = a
+        .cwd
+        .path()
+        .join("var/run/secrets/workload-spiffe-uds/socket");
+    let mut c = tokio::net::UnixStream::connect(&sds).await.unwrap();
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    c.write_all(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\0\0\0\x04\0\0\0\0\0")
+        .await
+        .unwrap();
+    let mut frame = [0u8; 9];
+    tokio::time::timeout(Duration::from_secs(10), c.read_exact(&mut frame))
+        .await
+        .expect("SDS answered during the flood")
+        .unwrap();
+    assert_eq!(frame[3], 0x04, "a SETTINGS frame");
+    // The idle connections are closed after the header timeout, and readiness answers again.
+    wait_for("readiness after the flood", DEADLINE, || async move {
+        http_get(status, "/healthz/ready").await.ok()
+    })
+    .await;
+    drop(idle);
+    assert!(
+        a.proc.log_text().contains("connection limit"),
+        "{}",
+        a.proc.log_text()
+    );
 }

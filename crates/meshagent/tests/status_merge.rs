@@ -119,7 +119,7 @@ async fn start_status(envoy: Option<SocketAddr>, targets: Vec<ScrapeTarget>) -> 
         config_dump: None,
     };
     let port = free_port();
-    let listener = status::bind(port, false).await.unwrap();
+    let listener = status::bind(port).await.unwrap();
     let stop = CancellationToken::new();
     tokio::spawn(status::serve(listener, state, stop.clone()));
     Agent {

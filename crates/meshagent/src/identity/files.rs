@@ -124,9 +124,16 @@ fn read(path: &Path) -> Result<Vec<u8>, FileSecretError> {
 
 /// Loads a cert/key pair, checking that the key belongs to the leaf.
 pub fn load_cert_pair(cert: &Path, key: &Path) -> Result<SecretData, FileSecretError> {
-    let chain_pem = read(cert)?;
-    let key_pem = read(key)?;
-    let chain: Vec<CertificateDer<'static>> = CertificateDer::pem_slice_iter(&chain_pem)
+    parse_cert_pair(cert, key, &read(cert)?, &read(key)?)
+}
+
+fn parse_cert_pair(
+    cert: &Path,
+    key: &Path,
+    chain_pem: &[u8],
+    key_pem: &[u8],
+) -> Result<SecretData, FileSecretError> {
+    let chain: Vec<CertificateDer<'static>> = CertificateDer::pem_slice_iter(chain_pem)
         .collect::<Result<_, _>>()
         .map_err(|_| FileSecretError::NoCertificate {
             path: cert.display().to_string(),
@@ -136,7 +143,7 @@ pub fn load_cert_pair(cert: &Path, key: &Path) -> Result<SecretData, FileSecretE
             path: cert.display().to_string(),
         });
     }
-    let key_der = PrivateKeyDer::from_pem_slice(&key_pem).map_err(|_| FileSecretError::NoKey {
+    let key_der = PrivateKeyDer::from_pem_slice(key_pem).map_err(|_| FileSecretError::NoKey {
         path: key.display().to_string(),
     })?;
     let provider = rustls::crypto::aws_lc_rs::default_provider();
@@ -153,16 +160,23 @@ pub fn load_cert_pair(cert: &Path, key: &Path) -> Result<SecretData, FileSecretE
         .keys_match()
         .map_err(|e| mismatch(e.to_string()))?;
     Ok(SecretData::Cert {
-        chain: String::from_utf8_lossy(&chain_pem).into_owned(),
-        key: String::from_utf8_lossy(&key_pem).into_owned(),
+        chain: String::from_utf8_lossy(chain_pem).into_owned(),
+        key: String::from_utf8_lossy(key_pem).into_owned(),
     })
 }
 
 /// Loads a root bundle: invalid certificates are skipped; none valid is an error.
 pub fn load_root(path: &Path, crl: Option<PathBuf>) -> Result<SecretData, FileSecretError> {
-    let pem = read(path)?;
+    parse_root(path, &read(path)?, crl)
+}
+
+fn parse_root(
+    path: &Path,
+    pem: &[u8],
+    crl: Option<PathBuf>,
+) -> Result<SecretData, FileSecretError> {
     let mut out = String::new();
-    for der in CertificateDer::pem_slice_iter(&pem).flatten() {
+    for der in CertificateDer::pem_slice_iter(pem).flatten() {
         if x509_parser::parse_x509_certificate(der.as_ref()).is_ok() {
             out.push_str(&super::keys::pem_encode("CERTIFICATE", der.as_ref()));
         }
@@ -175,12 +189,68 @@ pub fn load_root(path: &Path, crl: Option<PathBuf>) -> Result<SecretData, FileSe
     Ok(SecretData::Root { pem: out, crl })
 }
 
-fn load(source: &Source, crl: &Option<PathBuf>) -> Result<SecretData, FileSecretError> {
-    let crl = || crl.clone().filter(|p| p.is_file());
+/// A digest of the bytes a resource was last loaded from.
+type Digest = [u8; 32];
+
+fn digest(parts: &[&[u8]]) -> Digest {
+    let mut ctx = aws_lc_rs::digest::Context::new(&aws_lc_rs::digest::SHA256);
+    for p in parts {
+        // Length-prefixed, so moving bytes between files changes the digest.
+        ctx.update(&(p.len() as u64).to_le_bytes());
+        ctx.update(p);
+    }
+    let mut out = [0u8; 32];
+    out.copy_from_slice(ctx.finish().as_ref());
+    out
+}
+
+/// What a load found.
+#[derive(Debug)]
+enum Found {
+    /// The same bytes as last time: nothing to parse or publish.
+    Unchanged,
+    Loaded(SecretData, Digest),
+}
+
+/// Reads the source's files and parses them unless they are byte-for-byte what was loaded
+/// last time (`prev`): most reloads are caused by events for *other* files of a directory, or
+/// by rewrites with the same content, and parsing and key checks are the expensive part.
+fn load(
+    source: &Source,
+    crl: &Option<PathBuf>,
+    prev: Option<Digest>,
+) -> Result<Found, FileSecretError> {
+    let crl = crl.clone().filter(|p| p.is_file());
+    let crl_tag = crl
+        .as_ref()
+        .map(|p| p.as_os_str().as_encoded_bytes().to_vec());
+    let crl_tag = crl_tag.as_deref().unwrap_or_default();
     match source {
-        Source::Cert { cert, key } => load_cert_pair(cert, key),
-        Source::Root { path } => load_root(path, crl()),
-        Source::SystemRoot => load_root(&system_roots()?, crl()),
+        Source::Cert { cert, key } => {
+            let (c, k) = (read(cert)?, read(key)?);
+            let d = digest(&[&c, &k]);
+            if prev == Some(d) {
+                return Ok(Found::Unchanged);
+            }
+            Ok(Found::Loaded(parse_cert_pair(cert, key, &c, &k)?, d))
+        }
+        Source::Root { path } => {
+            let p = read(path)?;
+            let d = digest(&[&p, crl_tag]);
+            if prev == Some(d) {
+                return Ok(Found::Unchanged);
+            }
+            Ok(Found::Loaded(parse_root(path, &p, crl)?, d))
+        }
+        Source::SystemRoot => {
+            let path = system_roots()?;
+            let p = read(&path)?;
+            let d = digest(&[path.as_os_str().as_encoded_bytes(), &p, crl_tag]);
+            if prev == Some(d) {
+                return Ok(Found::Unchanged);
+            }
+            Ok(Found::Loaded(parse_root(&path, &p, crl)?, d))
+        }
     }
 }
 
@@ -226,11 +296,7 @@ fn is_content_event(kind: &EventKind) -> bool {
 }
 
 /// One finished load: the resource name, what it read, and the directories to watch.
-type Loaded = (
-    String,
-    Result<SecretData, FileSecretError>,
-    HashSet<PathBuf>,
-);
+type Loaded = (String, Result<Found, FileSecretError>, HashSet<PathBuf>);
 
 /// Loads running at once. Loading is CPU work too (PEM, X.509, key match); with one at a time
 /// a directory of 2,000 resources re-verifies in about a second, and the other core stays
@@ -242,6 +308,7 @@ async fn load_off_reactor(
     name: String,
     source: Source,
     crl: Option<PathBuf>,
+    prev: Option<Digest>,
     limit: Arc<tokio::sync::Semaphore>,
 ) -> Loaded {
     // The permit is held while the load runs, or until it times out (a stuck read then holds
@@ -250,7 +317,8 @@ async fn load_off_reactor(
     let path = source_files(&source)
         .first()
         .map_or_else(|| name.clone(), |p| p.display().to_string());
-    let job = tokio::task::spawn_blocking(move || (load(&source, &crl), source_dirs(&source)));
+    let job =
+        tokio::task::spawn_blocking(move || (load(&source, &crl, prev), source_dirs(&source)));
     match tokio::time::timeout(LOAD_TIMEOUT, job).await {
         Ok(Ok((result, dirs))) => (name, result, dirs),
         Ok(Err(e)) => (
@@ -275,6 +343,8 @@ async fn load_off_reactor(
 struct Resource {
     source: Source,
     dirs: HashSet<PathBuf>,
+    /// What the published secret was loaded from.
+    digest: Option<Digest>,
     /// First failure of the current failing streak (load retried until `load_wait` passes).
     failing_since: Option<Instant>,
     loaded_once: bool,
@@ -335,7 +405,7 @@ impl FileSecrets {
                 Some(name) = self.requests.recv() => {
                     match parse_name(&name, &self.cwd) {
                         Ok(source) => {
-                            resources.insert(name.clone(), Resource { source, dirs: HashSet::new(), failing_since: None, loaded_once: false });
+                            resources.insert(name.clone(), Resource { source, dirs: HashSet::new(), digest: None, failing_since: None, loaded_once: false });
                             self.start_load(&name, &resources, &limit, &mut loads, &mut in_flight, &mut again);
                         }
                         Err(e) => {
@@ -360,8 +430,11 @@ impl FileSecrets {
                             dirty.insert(name.clone());
                         }
                     }
+                    // The window opens at the first event and is not extended by later ones:
+                    // a file rewritten more often than the debounce would otherwise never be
+                    // reloaded.
                     if !dirty.is_empty() {
-                        reload_at = Some(Instant::now() + self.debounce);
+                        reload_at.get_or_insert(Instant::now() + self.debounce);
                     }
                 }
                 _ = sleep_until(reload_at.unwrap_or_else(far_future)), if reload_at.is_some() => {
@@ -403,6 +476,7 @@ impl FileSecrets {
                 name.to_owned(),
                 r.source.clone(),
                 self.crl.clone(),
+                r.digest,
                 limit.clone(),
             ),
             span,
@@ -414,7 +488,7 @@ impl FileSecrets {
     fn loaded(
         &self,
         name: &str,
-        result: Result<SecretData, FileSecretError>,
+        result: Result<Found, FileSecretError>,
         dirs: HashSet<PathBuf>,
         resources: &mut HashMap<String, Resource>,
         watcher: Option<&mut notify::RecommendedWatcher>,
@@ -424,12 +498,15 @@ impl FileSecrets {
             return;
         };
         match result {
-            Ok(data) => {
+            Ok(found) => {
                 if r.failing_since.take().is_some() && r.loaded_once {
                     tracing::info!(resource = name, "file secret readable again");
                 }
                 r.loaded_once = true;
-                self.store.set(name, SecretState::Ready(Arc::new(data)));
+                if let Found::Loaded(data, d) = found {
+                    r.digest = Some(d);
+                    self.store.set(name, SecretState::Ready(Arc::new(data)));
+                }
             }
             Err(e) => {
                 let since = *r.failing_since.get_or_insert_with(Instant::now);
