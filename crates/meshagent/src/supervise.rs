@@ -139,8 +139,12 @@ async fn inode_of(p: &std::path::Path) -> Option<u64> {
 /// Resolves when the socket file is gone or is another file than the one bound; never for
 /// servers without a socket file.
 async fn socket_lost(socket: Option<PathBuf>, inode: Option<u64>) -> String {
-    let (Some(path), Some(inode)) = (socket, inode) else {
+    let Some(path) = socket else {
         return std::future::pending().await;
+    };
+    // Gone already between bind and the first look.
+    let Some(inode) = inode else {
+        return format!("socket {} was removed", path.display());
     };
     loop {
         tokio::time::sleep(SOCKET_CHECK).await;

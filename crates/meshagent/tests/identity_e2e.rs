@@ -641,8 +641,9 @@ mod raw {
         }
     }
 
-    /// Fetches `name` on a new stream and returns the number of resources in the answer.
-    async fn fetch(agent: &Agent, name: &str) -> usize {
+    /// Fetches `name` on a new stream: the number of resources in the answer, and the stream
+    /// (the subscription lasts as long as it does).
+    async fn fetch(agent: &Agent, name: &str) -> (usize, Box<dyn std::any::Any>) {
         let mut c = client(&agent.socket()).await;
         let (tx, rx) = mpsc::channel(8);
         tx.send(req(&[name], "", "", false)).await.unwrap();
@@ -656,7 +657,7 @@ mod raw {
             .unwrap_or_else(|_| panic!("no answer for {name} within 10 s"))
             .unwrap_or_else(|e| panic!("{name}: {e}"))
             .unwrap();
-        r.resources.len()
+        (r.resources.len(), Box::new((stream, tx)))
     }
 
     fn metric(agent: &Agent, series: &str) -> u64 {
@@ -707,11 +708,10 @@ mod raw {
             assert!(e.contains(want), "{name}: {e}");
         }
         // Everything else is still served, at once.
-        assert_eq!(
-            fetch(&agent, "file-cert:etc/certs/cert.pem~etc/certs/key.pem").await,
-            1
-        );
-        assert_eq!(fetch(&agent, "file-root:etc/certs/ca.pem").await, 1);
+        let (n, _cert) = fetch(&agent, "file-cert:etc/certs/cert.pem~etc/certs/key.pem").await;
+        assert_eq!(n, 1);
+        let (n, _root) = fetch(&agent, "file-root:etc/certs/ca.pem").await;
+        assert_eq!(n, 1);
         assert!(
             started.elapsed() < Duration::from_secs(5),
             "hostile files held up the agent for {:?}",
@@ -737,6 +737,59 @@ mod raw {
             assert!(Instant::now() < deadline, "the CA change was not reloaded");
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
+    }
+
+    /// Defect D9: file resources used to be kept (and re-read on every change) forever.
+    #[tokio::test(flavor = "current_thread")]
+    async fn file_resources_are_forgotten_when_no_stream_subscribes() {
+        const N: usize = 300;
+        let agent = start_agent(None, &[("FILE_MOUNTED_CERTS", "true")], Options::default()).await;
+        let d = agent.path();
+        std::fs::create_dir_all(d.join("roots")).unwrap();
+        let (c1, _) = self_signed(1);
+        std::fs::write(d.join("roots/ca.pem"), &c1).unwrap();
+        // N names for the same file (istiod may name one path in many ways over time).
+        let names: Vec<String> = (0..N)
+            .map(|i| format!("file-root:roots/{}ca.pem", "./".repeat(i)))
+            .collect();
+        let mut c = client(&agent.socket()).await;
+        let (tx, rx) = mpsc::channel(8);
+        let refs: Vec<&str> = names.iter().map(String::as_str).collect();
+        tx.send(req(&refs, "", "", false)).await.unwrap();
+        let mut stream = c
+            .stream_secrets(ReceiverStream::new(rx))
+            .await
+            .unwrap()
+            .into_inner();
+        let mut got = 0;
+        while got < N {
+            let r = tokio::time::timeout(Duration::from_secs(30), stream.message())
+                .await
+                .unwrap()
+                .unwrap()
+                .unwrap();
+            got += r.resources.len();
+        }
+        assert_eq!(
+            metric(&agent, "istio_agent_file_secret_resources"),
+            N as u64
+        );
+        // The stream goes away: every resource is forgotten.
+        drop((stream, tx, c));
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while metric(&agent, "istio_agent_file_secret_resources") != 0 {
+            assert!(
+                Instant::now() < deadline,
+                "file resources kept after their stream ended"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        // ...and a change to the file no longer causes reads.
+        let loads = metric(&agent, "istio_agent_file_secret_loads_total");
+        let (c2, _) = self_signed(2);
+        std::fs::write(d.join("roots/ca.pem"), c2).unwrap();
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        assert_eq!(metric(&agent, "istio_agent_file_secret_loads_total"), loads);
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

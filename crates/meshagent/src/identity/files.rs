@@ -33,7 +33,9 @@ use tokio::time::{Instant, sleep_until};
 use tokio_util::sync::CancellationToken;
 
 use super::metrics::Metrics;
-use super::store::{FILE_CERT_PREFIX, FILE_ROOT_PREFIX, SecretData, SecretState, SecretStore};
+use super::store::{
+    FILE_CERT_PREFIX, FILE_ROOT_PREFIX, FileRequest, SecretData, SecretState, SecretStore,
+};
 use crate::control_plane::SYSTEM_ROOT_PATHS;
 
 /// Istio's CRL file, attached to roots when present.
@@ -353,7 +355,7 @@ struct Resource {
 /// The file-secret task. Owns the watcher and every file resource.
 pub struct FileSecrets {
     pub store: Arc<SecretStore>,
-    pub requests: mpsc::UnboundedReceiver<String>,
+    pub requests: mpsc::UnboundedReceiver<FileRequest>,
     pub cwd: PathBuf,
     pub debounce: Duration,
     /// How long a resource may fail to load before its streams get the error (Istio: 10 s,
@@ -402,10 +404,19 @@ impl FileSecrets {
             // never holds up requests, events or other resources.
             tokio::select! {
                 _ = cancel.cancelled() => return,
-                Some(name) = self.requests.recv() => {
+                Some(req) = self.requests.recv() => {
+                    let name = match req {
+                        FileRequest::Forget(name) => {
+                            Self::forget(&name, &mut resources, &mut dirty, &mut again, watcher.as_mut(), &mut watched);
+                            self.metrics.file_secret_resources.set(resources.len() as f64);
+                            continue;
+                        }
+                        FileRequest::Load(name) => name,
+                    };
                     match parse_name(&name, &self.cwd) {
                         Ok(source) => {
                             resources.insert(name.clone(), Resource { source, dirs: HashSet::new(), digest: None, failing_since: None, loaded_once: false });
+                            self.metrics.file_secret_resources.set(resources.len() as f64);
                             self.start_load(&name, &resources, &limit, &mut loads, &mut in_flight, &mut again);
                         }
                         Err(e) => {
@@ -450,6 +461,32 @@ impl FileSecrets {
                 }
             }
         }
+    }
+
+    /// Nobody subscribes to `name` any more: forget it, and stop watching directories no other
+    /// resource lives in. A load in flight finds it gone.
+    fn forget(
+        name: &str,
+        resources: &mut HashMap<String, Resource>,
+        dirty: &mut HashSet<String>,
+        again: &mut HashSet<String>,
+        mut watcher: Option<&mut notify::RecommendedWatcher>,
+        watched: &mut HashSet<PathBuf>,
+    ) {
+        let Some(r) = resources.remove(name) else {
+            return;
+        };
+        dirty.remove(name);
+        again.remove(name);
+        for d in r.dirs {
+            if resources.values().any(|o| o.dirs.contains(&d)) || !watched.remove(&d) {
+                continue;
+            }
+            if let Some(w) = watcher.as_deref_mut() {
+                let _ = w.unwatch(&d);
+            }
+        }
+        tracing::debug!(resource = name, "file secret forgotten (no subscribers)");
     }
 
     /// Starts loading `name` unless a load of it is already running (then it runs again after).

@@ -3,7 +3,7 @@
 use std::sync::{Arc, Mutex};
 use std::time::SystemTime;
 
-use crate::metrics::{Counter, Registry};
+use crate::metrics::{Counter, Gauge, Registry};
 
 #[derive(Clone)]
 pub struct Metrics {
@@ -22,6 +22,9 @@ pub struct Metrics {
     /// `file_secret_loads_total` (no Istio equivalent): file-secret loads started, so a reload
     /// loop shows up on a dashboard.
     pub file_secret_loads: Counter,
+    /// `file_secret_resources` (no Istio equivalent): `file-*` resources currently loaded and
+    /// watched; falls when their last subscriber goes.
+    pub file_secret_resources: Gauge,
     /// Feeds `cert_expiry_seconds{resource_name="default"}` at scrape time.
     pub expiry: Arc<Mutex<Option<SystemTime>>>,
 }
@@ -76,6 +79,10 @@ impl Metrics {
             file_secret_loads: r.counter(
                 "file_secret_loads_total",
                 "Number of times a file-backed secret was read (initial loads and reloads).",
+            ),
+            file_secret_resources: r.gauge(
+                "file_secret_resources",
+                "Number of file-backed secrets currently loaded and watched.",
             ),
             expiry,
         }

@@ -58,6 +58,32 @@ pub enum SecretState {
 struct Entry {
     state: SecretState,
     generation: u64,
+    /// Live [`Subscription`]s. A file resource nobody subscribes to any more is forgotten:
+    /// its data dropped and its files no longer watched (istiod can name any number of
+    /// `file-*` resources over a pod's life).
+    subscribers: usize,
+}
+
+/// What the file watcher is asked to do.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum FileRequest {
+    /// Load and watch this `file-*` resource.
+    Load(String),
+    /// Stop watching it: no stream subscribes to it any more.
+    Forget(String),
+}
+
+/// A stream's interest in one resource; dropping it unsubscribes.
+#[derive(Debug)]
+pub struct Subscription {
+    store: Arc<SecretStore>,
+    key: String,
+}
+
+impl Drop for Subscription {
+    fn drop(&mut self) {
+        self.store.unsubscribe(&self.key);
+    }
 }
 
 /// How names map to producers in the current mode.
@@ -73,8 +99,9 @@ pub struct SecretStore {
     entries: Mutex<HashMap<String, Entry>>,
     changed: watch::Sender<u64>,
     aliases: Aliases,
-    /// File resources are loaded and watched on first request.
-    file_requests: mpsc::UnboundedSender<String>,
+    /// File resources are loaded and watched on first request, forgotten after the last
+    /// subscription ends.
+    file_requests: mpsc::UnboundedSender<FileRequest>,
 }
 
 impl fmt::Debug for SecretStore {
@@ -91,7 +118,7 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 
 impl SecretStore {
     /// The store and the receiver of file-resource requests (owned by the file watcher).
-    pub fn new(aliases: Aliases) -> (Arc<SecretStore>, mpsc::UnboundedReceiver<String>) {
+    pub fn new(aliases: Aliases) -> (Arc<SecretStore>, mpsc::UnboundedReceiver<FileRequest>) {
         let (file_requests, rx) = mpsc::unbounded_channel();
         let (changed, _) = watch::channel(0);
         let store = SecretStore {
@@ -115,24 +142,46 @@ impl SecretStore {
         }
     }
 
-    /// Makes sure something produces `name` (starting a file load if needed).
-    pub fn request(&self, name: &str) {
+    fn is_file(key: &str) -> bool {
+        key.starts_with(FILE_CERT_PREFIX) || key.starts_with(FILE_ROOT_PREFIX)
+    }
+
+    /// Makes sure something produces `name` (starting a file load if needed), for as long as
+    /// the returned subscription lives.
+    pub fn subscribe(self: &Arc<Self>, name: &str) -> Subscription {
         let key = self.resolve(name).to_owned();
-        let is_file = key.starts_with(FILE_CERT_PREFIX) || key.starts_with(FILE_ROOT_PREFIX);
         let mut entries = lock(&self.entries);
-        if entries.contains_key(&key) {
-            return;
-        }
-        entries.insert(
-            key.clone(),
-            Entry {
-                state: SecretState::Pending,
-                generation: 0,
-            },
-        );
+        let created = !entries.contains_key(&key);
+        let entry = entries.entry(key.clone()).or_insert_with(|| Entry {
+            state: SecretState::Pending,
+            generation: 0,
+            subscribers: 0,
+        });
+        entry.subscribers += 1;
         drop(entries);
-        if is_file {
-            let _ = self.file_requests.send(key);
+        if created && Self::is_file(&key) {
+            let _ = self.file_requests.send(FileRequest::Load(key.clone()));
+        }
+        Subscription {
+            store: self.clone(),
+            key,
+        }
+    }
+
+    fn unsubscribe(&self, key: &str) {
+        let mut entries = lock(&self.entries);
+        let Some(entry) = entries.get_mut(key) else {
+            return;
+        };
+        entry.subscribers = entry.subscribers.saturating_sub(1);
+        // Mode aliases (file-mounted `default`/`ROOTCA`) are kept: the agent itself relies on
+        // them, not only its streams.
+        let alias = self.aliases.workload.as_deref() == Some(key)
+            || self.aliases.root.as_deref() == Some(key);
+        if entry.subscribers == 0 && Self::is_file(key) && !alias {
+            entries.remove(key);
+            drop(entries);
+            let _ = self.file_requests.send(FileRequest::Forget(key.to_owned()));
         }
     }
 
@@ -148,11 +197,16 @@ impl SecretStore {
 
     /// Publishes a new state for the resource `key` (not an alias). Unchanged data is not a
     /// change: no push for a metadata-only file event or an identical root.
+    /// A `file-*` resource that is no longer subscribed is not re-created by a late load.
     pub fn set(&self, key: &str, state: SecretState) {
         let mut entries = lock(&self.entries);
+        if Self::is_file(key) && !entries.contains_key(key) {
+            return;
+        }
         let entry = entries.entry(key.to_owned()).or_insert(Entry {
             state: SecretState::Pending,
             generation: 0,
+            subscribers: 0,
         });
         let same = match (&entry.state, &state) {
             (SecretState::Ready(a), SecretState::Ready(b)) => a == b,
@@ -196,10 +250,15 @@ mod tests {
         });
         assert_eq!(s.resolve("anything"), "file-cert:c~k");
         assert_eq!(s.resolve(ROOT), ROOT);
-        s.request("default");
-        assert_eq!(files.try_recv().unwrap(), "file-cert:c~k");
-        s.request("other");
+        let sub = s.subscribe("default");
+        assert_eq!(
+            files.try_recv().unwrap(),
+            FileRequest::Load("file-cert:c~k".into())
+        );
+        let other = s.subscribe("other");
         assert!(files.try_recv().is_err(), "already requested");
+        drop((sub, other));
+        assert!(files.try_recv().is_err(), "aliases are never forgotten");
         let d = Arc::new(SecretData::Root {
             pem: "x".into(),
             crl: None,
@@ -221,5 +280,38 @@ mod tests {
             key: "SECRET".into(),
         };
         assert!(!format!("{key:?}").contains("SECRET"));
+    }
+
+    #[test]
+    fn file_resources_are_forgotten_after_the_last_subscription() {
+        let (s, mut files) = SecretStore::new(Aliases::default());
+        let a = s.subscribe("file-root:r.pem");
+        let b = s.subscribe("file-root:r.pem");
+        assert_eq!(
+            files.try_recv().unwrap(),
+            FileRequest::Load("file-root:r.pem".into())
+        );
+        let data = Arc::new(SecretData::Root {
+            pem: "x".into(),
+            crl: None,
+        });
+        s.set("file-root:r.pem", SecretState::Ready(data.clone()));
+        drop(a);
+        assert!(
+            s.ready("file-root:r.pem").is_some(),
+            "still subscribed once"
+        );
+        drop(b);
+        assert_eq!(
+            files.try_recv().unwrap(),
+            FileRequest::Forget("file-root:r.pem".into())
+        );
+        assert!(s.ready("file-root:r.pem").is_none());
+        // A load finishing after the forget does not bring it back.
+        s.set("file-root:r.pem", SecretState::Ready(data));
+        assert!(s.ready("file-root:r.pem").is_none());
+        // Non-file resources are never forgotten.
+        drop(s.subscribe(ROOT));
+        assert!(files.try_recv().is_err());
     }
 }

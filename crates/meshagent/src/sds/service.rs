@@ -32,7 +32,7 @@ use tokio_stream::wrappers::ReceiverStream;
 use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status, Streaming};
 
-use crate::identity::store::{SecretData, SecretState, SecretStore};
+use crate::identity::store::{SecretData, SecretState, SecretStore, Subscription};
 
 type ResponseStream<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send>>;
 
@@ -143,6 +143,8 @@ impl SdsService {
         let mut changes = store.changes();
         // name → generation last sent (None: watched, not sent yet)
         let mut sent: HashMap<String, Option<u64>> = HashMap::new();
+        // What this stream keeps alive in the store (dropped with the stream).
+        let mut subs: HashMap<String, Subscription> = HashMap::new();
         let mut last_nonce: Option<String> = None;
         let mut peer = String::new();
         loop {
@@ -171,6 +173,7 @@ impl SdsService {
                     }
                     let names: HashSet<String> = req.resource_names.iter().cloned().collect();
                     sent.retain(|n, _| names.contains(n));
+                    subs.retain(|n, _| names.contains(n));
                     if names.is_empty() {
                         continue;
                     }
@@ -178,7 +181,7 @@ impl SdsService {
                     let mut added = Vec::new();
                     for n in names {
                         if initial || !sent.contains_key(&n) {
-                            store.request(&n);
+                            subs.entry(n.clone()).or_insert_with(|| store.subscribe(&n));
                             sent.insert(n.clone(), None);
                             added.push(n);
                         }
@@ -231,6 +234,7 @@ impl SdsService {
         let store = self.store.clone();
         let mut changes = store.changes();
         let mut sent: HashMap<String, Option<u64>> = HashMap::new();
+        let mut subs: HashMap<String, Subscription> = HashMap::new();
         loop {
             let to_send: Vec<String> = tokio::select! {
                 _ = self.shutdown.cancelled() => return,
@@ -245,11 +249,12 @@ impl SdsService {
                     }
                     for n in &req.resource_names_unsubscribe {
                         sent.remove(n);
+                        subs.remove(n);
                     }
                     let mut added = Vec::new();
                     for n in req.resource_names_subscribe {
                         if !sent.contains_key(&n) {
-                            store.request(&n);
+                            subs.insert(n.clone(), store.subscribe(&n));
                             sent.insert(n.clone(), None);
                             added.push(n);
                         }
