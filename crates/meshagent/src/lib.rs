@@ -12,6 +12,7 @@ pub mod cli;
 pub mod config;
 pub mod control_plane;
 pub mod envoy;
+pub mod http_client;
 pub mod identity;
 pub mod logging;
 pub mod metrics;
