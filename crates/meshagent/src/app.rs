@@ -35,6 +35,8 @@ pub enum AppError {
     Xds(#[from] crate::xds::XdsError),
     #[error("cannot set up TLS for application probes: {0}")]
     ProbeTls(#[source] rustls::Error),
+    #[error(transparent)]
+    Metrics(#[from] crate::metrics::MetricsError),
 }
 
 /// The running agent's shared pieces; tests drive an agent in-process through this.
@@ -53,12 +55,10 @@ pub struct Agent {
 
 impl Agent {
     pub fn new(config: Config, cwd: &Path) -> Agent {
-        let registry = Registry::new();
-        crate::metrics::register_process_metrics(&registry);
         Agent {
             config,
             cwd: cwd.to_path_buf(),
-            registry,
+            registry: Registry::new(),
             shutdown: CancellationToken::new(),
             drain: Arc::default(),
             readiness: status::Readiness::default(),
@@ -70,6 +70,7 @@ impl Agent {
     /// Runs until Envoy exits or shutdown completes; returns the process exit code.
     pub async fn run(self) -> Result<u8, AppError> {
         let cfg = &self.config;
+        crate::metrics::register_process_metrics(&self.registry)?;
         bootstrap::check_template(cfg)?;
         let node = Node::from_config(cfg)?;
         tracing::info!(node = %node.id, ips = ?node.ips, "proxy node");
@@ -82,7 +83,7 @@ impl Agent {
                 self.started,
                 &self.registry,
                 self.drain.clone(),
-            ));
+            )?);
         }
         // Istio's order (spec §7.2): Envoy, gRPC bootstrap, DNS table.
         // Nothing writes the gRPC bootstrap yet, so a missing file does not block readiness.
@@ -107,7 +108,7 @@ impl Agent {
                 shutdown: self.shutdown.clone(),
                 envoy_admin: envoy_enabled.then_some(admin),
                 proxy_type: cfg.proxy_type,
-                merger: merger(cfg, &self.registry, node.localhost, envoy_enabled),
+                merger: merger(cfg, &self.registry, node.localhost, envoy_enabled)?,
                 probes: status::AppProbes::new(
                     cfg.status.kube_app_probers.clone(),
                     probe_destination(cfg, node.localhost),
@@ -231,7 +232,7 @@ fn merger(
     registry: &Registry,
     localhost: std::net::IpAddr,
     envoy_enabled: bool,
-) -> status::Merger {
+) -> Result<status::Merger, crate::metrics::MetricsError> {
     let envoy =
         (envoy_enabled && cfg.status.merge_envoy_stats && cfg.bootstrap.envoy_prometheus_port != 0)
             .then(|| std::net::SocketAddr::new(localhost, cfg.bootstrap.envoy_prometheus_port));
@@ -241,12 +242,12 @@ fn merger(
         }
         _ => Vec::new(),
     };
-    status::Merger::new(
+    Ok(status::Merger::new(
         registry.clone(),
-        status::MergeMetrics::register(registry),
+        status::MergeMetrics::register(registry)?,
         envoy,
         targets,
-    )
+    ))
 }
 
 /// `INSTANCE_IP` (apps bound only to the pod IP, #25177), or loopback with
