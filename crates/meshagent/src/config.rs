@@ -453,6 +453,23 @@ fn is_host_port(addr: &str) -> bool {
     !host.is_empty() && port.parse::<u16>().is_ok_and(|p| p != 0)
 }
 
+/// Serializes a header map (`CA_HEADER_*`, `XDS_HEADER_*`) with its names and every value
+/// replaced: the values are often credentials, and the config is logged at INFO
+/// ("Effective config") and served on `/debug/config_dump`.
+mod serde_redacted {
+    use serde::Serializer;
+    use std::collections::BTreeMap;
+
+    pub(crate) const REDACTED: &str = "<redacted>";
+
+    pub(crate) fn serialize<S: Serializer>(
+        m: &BTreeMap<String, String>,
+        s: S,
+    ) -> Result<S::Ok, S::Error> {
+        s.collect_map(m.keys().map(|k| (k, REDACTED)))
+    }
+}
+
 /// Serializes `std::time::Duration` the way Go prints durations (`24h0m0s`).
 mod serde_duration {
     use serde::Serializer;

@@ -3,8 +3,12 @@
 
 #![allow(clippy::unwrap_used)] // tests fail loudly by design
 
+use std::net::SocketAddr;
 use std::path::Path;
 use std::process::{Command, Output};
+use std::time::Duration;
+
+use meshagent_testkit::{Proc, free_port, http_get, wait_for};
 
 fn run(cwd: &Path, exe: &Path, args: &[&str], env: &[(&str, &str)]) -> Output {
     Command::new(exe)
@@ -86,4 +90,48 @@ fn answers_as_pilot_agent() {
     let bad = run(dir.path(), &link, &["proxy", "gateway"], &[]);
     assert!(!bad.status.success());
     assert!(String::from_utf8_lossy(&bad.stderr).contains("invalid proxy Type"));
+}
+
+/// D8: `CA_HEADER_*` / `XDS_HEADER_*` values are often credentials. The names show in the
+/// INFO "Effective config" line and on `/debug/config_dump`; the values never do.
+#[tokio::test]
+async fn header_values_never_reach_the_log_or_config_dump() {
+    let cwd = tempfile::tempdir().unwrap();
+    let status = free_port();
+    let pc = serde_json::json!({
+        "binaryPath": "/nonexistent/envoy",
+        "statusPort": status,
+        "discoveryAddress": format!("127.0.0.1:{}", free_port()),
+    });
+    let mut cmd = Command::new(meshagent());
+    cmd.args(["proxy", "sidecar"])
+        .current_dir(cwd.path())
+        .env_clear()
+        .env("POD_NAMESPACE", "default")
+        .env("DISABLE_ENVOY", "true")
+        .env("PROXY_CONFIG", pc.to_string())
+        .env("CA_HEADER_Authorization", "Bearer ca-credential-1")
+        .env("XDS_HEADER_X-Api-Key", "xds-credential-2");
+    let agent = Proc::spawn("agent", cmd, cwd.path());
+    let addr = SocketAddr::from(([127, 0, 0, 1], status));
+    let dump = wait_for(
+        "/debug/config_dump",
+        Duration::from_secs(30),
+        || async move {
+            match http_get(addr, "/debug/config_dump").await {
+                Ok((200, body)) => Some(body),
+                _ => None,
+            }
+        },
+    )
+    .await;
+    assert!(
+        dump.contains("Authorization") && dump.contains("X-Api-Key"),
+        "{dump}"
+    );
+    assert!(!dump.contains("credential-"), "{dump}");
+    let log = agent.log_text();
+    assert!(log.contains("Effective config"), "{log}");
+    assert!(log.contains("X-Api-Key"), "{log}");
+    assert!(!log.contains("credential-"), "{log}");
 }

@@ -32,7 +32,9 @@ pub struct IdentityConfig {
     pub ca_provider: String,
     /// `CA_ROOT_CA`: root for the CA TLS connection; `SYSTEM` means OS roots.
     pub ca_root_ca: String,
-    /// `CA_HEADER_<NAME>`: extra gRPC metadata `NAME: value` on CSR calls.
+    /// `CA_HEADER_<NAME>`: extra gRPC metadata `NAME: value` on CSR calls (values redacted
+    /// when serialized).
+    #[serde(with = "super::serde_redacted")]
     pub ca_headers: BTreeMap<String, String>,
     /// `PILOT_CERT_PROVIDER` (default `istiod`): where the istiod root comes from.
     pub pilot_cert_provider: String,

@@ -314,6 +314,26 @@ fn prefix_families() {
     assert!(c.dns.capture);
 }
 
+#[test]
+fn header_values_are_redacted_when_serialized() {
+    let c = Fixture::new()
+        .env("CA_HEADER_Authorization", "Bearer ca-credential-1")
+        .env("XDS_HEADER_X-Api-Key", "xds-credential-2")
+        .ok();
+    // The agent itself still has the values ...
+    assert_eq!(
+        c.identity.ca_headers["Authorization"],
+        "Bearer ca-credential-1"
+    );
+    assert_eq!(c.xds.headers["X-Api-Key"], "xds-credential-2");
+    // ... but what is logged and served on /debug/config_dump names them only.
+    let v = serde_json::to_value(&c).unwrap();
+    let text = v.to_string();
+    assert!(!text.contains("credential-"), "{text}");
+    assert_eq!(v["identity"]["caHeaders"]["Authorization"], "<redacted>");
+    assert_eq!(v["xds"]["headers"]["X-Api-Key"], "<redacted>");
+}
+
 // === layering ===
 
 #[test]

@@ -14,7 +14,7 @@ use super::env::Reader;
 use super::probers::{
     AppProber, PrometheusScrape, parse_app_probers, parse_prometheus_annotations,
 };
-use super::serde_duration;
+use super::{serde_duration, serde_redacted};
 
 const MIB: u64 = 1024 * 1024;
 
@@ -64,7 +64,9 @@ impl PodConfig {
 pub struct XdsConfig {
     /// `XDS_ROOT_CA`: root for istiod TLS; `SYSTEM` means OS roots.
     pub root_ca: String,
-    /// `XDS_HEADER_<NAME>`: extra gRPC metadata on upstream ADS streams.
+    /// `XDS_HEADER_<NAME>`: extra gRPC metadata on upstream ADS streams (values redacted
+    /// when serialized).
+    #[serde(with = "serde_redacted")]
     pub headers: BTreeMap<String, String>,
     /// `PROXY_CONFIG_XDS_AGENT` (default false): subscribe to ProxyConfig (PCDS).
     pub proxy_config_xds_agent: bool,
