@@ -59,6 +59,9 @@ pub enum ConfigError {
         value: String,
         expected: String,
     },
+    /// An environment variable the agent reads is set to bytes that are not UTF-8.
+    #[error("environment variable {name} is not valid UTF-8")]
+    NotUnicode { name: String },
     /// A pod annotation has a bad value.
     #[error("invalid annotation {name}={value:?}: expected {expected}")]
     InvalidAnnotation {
@@ -280,6 +283,7 @@ pub fn load(
     let mut errors = Vec::new();
     let mut warnings = Vec::new();
     let mut pc = ProxyConfig::default();
+    let mut r = Reader::new(env);
 
     let mut apply = |pc: &mut ProxyConfig, origin: &str, layer: serde_json::Value| {
         let unknown = pc.apply_layer(origin, layer, &mut errors);
@@ -293,7 +297,7 @@ pub fn load(
 
     let mesh_origin = format!("{} (defaultConfig)", files::mesh_origin(&flags.mesh_config));
     let mesh = files::mesh_default_config(base_dir, &flags.mesh_config);
-    let proxy_config_env = env
+    let proxy_config_env = r
         .get("PROXY_CONFIG")
         .filter(|s| !s.trim().is_empty())
         .map(|text| files::yaml_to_json("PROXY_CONFIG", &text));
@@ -327,7 +331,6 @@ pub fn load(
     });
     errors.extend(layer_errors);
 
-    let mut r = Reader::new(env);
     let pod = PodConfig::from_env(&mut r);
 
     if pc.concurrency.is_none() && pod.cpu_limit != 0 {
@@ -379,6 +382,7 @@ pub fn load(
     let dns = DnsConfig::from_env(&mut r);
     let wasm = WasmConfig::from_env(&mut r);
     let grpc = GrpcConfig::from_env(&r);
+    errors.extend(r.not_unicode_errors());
     errors.extend(r.errors);
 
     if !errors.is_empty() {

@@ -135,3 +135,42 @@ async fn header_values_never_reach_the_log_or_config_dump() {
     assert!(log.contains("X-Api-Key"), "{log}");
     assert!(!log.contains("credential-"), "{log}");
 }
+
+/// D10: a non-UTF-8 value of a variable the agent reads is a startup error naming it, not
+/// "unset" (a non-UTF-8 PROXY_CONFIG used to be ignored and the agent ran on defaults).
+#[test]
+fn non_utf8_env_value_exits_nonzero_naming_the_variable() {
+    use std::ffi::OsStr;
+    use std::os::unix::ffi::OsStrExt;
+
+    let dir = tempfile::tempdir().unwrap();
+    let bad = OsStr::from_bytes(b"concurrency: 2\n# caf\xe9\n");
+    let out = Command::new(meshagent())
+        .args(["proxy", "--dump-config"])
+        .current_dir(dir.path())
+        .env_clear()
+        .env("PROXY_CONFIG", bad)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("environment variable PROXY_CONFIG is not valid UTF-8"),
+        "{err}"
+    );
+    assert!(out.stdout.is_empty());
+
+    // A non-UTF-8 variable the agent does not read changes nothing.
+    let out = Command::new(meshagent())
+        .args(["proxy", "--dump-config"])
+        .current_dir(dir.path())
+        .env_clear()
+        .env("UNRELATED", OsStr::from_bytes(b"\xff"))
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}

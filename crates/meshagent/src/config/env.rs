@@ -3,7 +3,8 @@
 //! Everything goes through [`EnvSource`] so tests can hand in a [`MapEnv`]
 //! instead of mutating the process environment.
 
-use std::collections::{BTreeMap, HashMap};
+use std::cell::RefCell;
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::fmt::Display;
 use std::str::FromStr;
 use std::time::Duration;
@@ -13,10 +14,17 @@ use super::parse::{EXPECT_BOOL, EXPECT_DURATION, parse_go_bool, parse_go_duratio
 
 /// A source of environment variables.
 pub trait EnvSource {
-    /// The value of `key`, or `None` if it is not set (or not valid UTF-8).
+    /// The value of `key`, or `None` if it is not set (or not valid UTF-8; see
+    /// [`EnvSource::not_unicode`]).
     fn get(&self, key: &str) -> Option<String>;
-    /// Every variable, for prefix families such as `ISTIO_META_*`.
+    /// Every variable with a UTF-8 name and value, for prefix families such as `ISTIO_META_*`.
     fn vars(&self) -> Vec<(String, String)>;
+    /// Names (lossily decoded) of the variables whose name or value is not valid UTF-8, which
+    /// [`EnvSource::get`] and [`EnvSource::vars`] leave out. The loader turns those the agent
+    /// reads into errors instead of treating them as unset.
+    fn not_unicode(&self) -> Vec<String> {
+        Vec::new()
+    }
 }
 
 /// The real process environment.
@@ -29,9 +37,16 @@ impl EnvSource for ProcessEnv {
     }
 
     fn vars(&self) -> Vec<(String, String)> {
-        // `std::env::vars` panics on non-UTF-8 entries; skip those instead.
+        // `std::env::vars` panics on non-UTF-8 entries; `not_unicode` reports those.
         std::env::vars_os()
             .filter_map(|(k, v)| Some((k.into_string().ok()?, v.into_string().ok()?)))
+            .collect()
+    }
+
+    fn not_unicode(&self) -> Vec<String> {
+        std::env::vars_os()
+            .filter(|(k, v)| k.to_str().is_none() || v.to_str().is_none())
+            .map(|(k, _)| k.to_string_lossy().into_owned())
             .collect()
     }
 }
@@ -70,9 +85,15 @@ impl EnvSource for MapEnv {
 /// A variable that is set but empty counts as unset for typed values
 /// (Kubernetes manifests often render `value: ""`); string values keep the
 /// empty string, as Istio does.
+///
+/// It also remembers which variables and prefix families were read, so that
+/// [`Reader::not_unicode_errors`] reports exactly the non-UTF-8 variables the agent would
+/// otherwise have mistaken for unset (D10), and none it does not use.
 pub(crate) struct Reader<'a> {
     env: &'a dyn EnvSource,
     pub(crate) errors: Vec<ConfigError>,
+    read: RefCell<BTreeSet<String>>,
+    prefixes: RefCell<BTreeSet<String>>,
 }
 
 impl<'a> Reader<'a> {
@@ -80,16 +101,37 @@ impl<'a> Reader<'a> {
         Self {
             env,
             errors: Vec::new(),
+            read: RefCell::default(),
+            prefixes: RefCell::default(),
         }
     }
 
+    /// The raw value; every read goes through here.
+    pub(crate) fn get(&self, key: &str) -> Option<String> {
+        self.read.borrow_mut().insert(key.to_owned());
+        self.env.get(key)
+    }
+
     pub(crate) fn string(&self, key: &str, default: &str) -> String {
-        self.env.get(key).unwrap_or_else(|| default.to_owned())
+        self.get(key).unwrap_or_else(|| default.to_owned())
     }
 
     /// The value if set and non-empty.
     pub(crate) fn non_empty(&self, key: &str) -> Option<String> {
-        self.env.get(key).filter(|v| !v.is_empty())
+        self.get(key).filter(|v| !v.is_empty())
+    }
+
+    /// One error per variable read so far (alone or through a prefix family) whose name or
+    /// value is not valid UTF-8.
+    pub(crate) fn not_unicode_errors(&self) -> Vec<ConfigError> {
+        let read = self.read.borrow();
+        let prefixes = self.prefixes.borrow();
+        self.env
+            .not_unicode()
+            .into_iter()
+            .filter(|name| read.contains(name) || prefixes.iter().any(|p| name.starts_with(p)))
+            .map(|name| ConfigError::NotUnicode { name })
+            .collect()
     }
 
     pub(crate) fn invalid(&mut self, key: &str, value: &str, expected: impl Into<String>) {
@@ -160,7 +202,7 @@ impl<'a> Reader<'a> {
 
     /// A comma-separated list; blank items are dropped.
     pub(crate) fn list(&self, key: &str, default: &[&str]) -> Vec<String> {
-        match self.env.get(key) {
+        match self.get(key) {
             Some(v) => split_list(&v),
             None => default.iter().map(|s| (*s).to_owned()).collect(),
         }
@@ -168,6 +210,7 @@ impl<'a> Reader<'a> {
 
     /// Every variable `<prefix><NAME>` with a non-empty NAME, keyed by NAME.
     pub(crate) fn prefixed(&self, prefix: &str) -> BTreeMap<String, String> {
+        self.prefixes.borrow_mut().insert(prefix.to_owned());
         self.env
             .vars()
             .into_iter()

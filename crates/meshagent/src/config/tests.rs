@@ -334,6 +334,62 @@ fn header_values_are_redacted_when_serialized() {
     assert_eq!(v["xds"]["headers"]["X-Api-Key"], "<redacted>");
 }
 
+/// An environment in which some variables are set to bytes that are not UTF-8.
+struct NotUnicodeEnv {
+    env: MapEnv,
+    bad: Vec<&'static str>,
+}
+
+impl EnvSource for NotUnicodeEnv {
+    fn get(&self, key: &str) -> Option<String> {
+        self.env.get(key)
+    }
+    fn vars(&self) -> Vec<(String, String)> {
+        self.env.vars()
+    }
+    fn not_unicode(&self) -> Vec<String> {
+        self.bad.iter().map(|s| (*s).to_owned()).collect()
+    }
+}
+
+#[test]
+fn non_utf8_values_of_variables_the_agent_reads_are_errors() {
+    let dir = tempfile::tempdir().unwrap();
+    let load_with = |bad: Vec<&'static str>| {
+        let env = NotUnicodeEnv {
+            env: MapEnv::from_pairs([("POD_NAMESPACE", "shop")]),
+            bad,
+        };
+        load(&ProxyFlags::default(), &env, dir.path())
+    };
+    // Single variables, prefix families, and PROXY_CONFIG (read before everything else).
+    for name in [
+        "PROXY_CONFIG",
+        "SECRET_TTL",
+        "POD_NAME",
+        "CA_HEADER_X-Token",
+        "ISTIO_META_\u{fffd}",
+    ] {
+        assert_eq!(
+            load_with(vec![name]).unwrap_err(),
+            ConfigError::NotUnicode {
+                name: name.to_owned()
+            },
+            "{name}"
+        );
+    }
+    let e = load_with(vec!["PROXY_CONFIG", "XDS_HEADER_A"]).unwrap_err();
+    assert_contains(
+        &e.to_string(),
+        &[
+            "environment variable PROXY_CONFIG is not valid UTF-8",
+            "environment variable XDS_HEADER_A is not valid UTF-8",
+        ],
+    );
+    // Variables the agent does not read are none of its business.
+    assert!(load_with(vec!["LS_COLORS", "PROXY_CONFIGX"]).is_ok());
+}
+
 // === layering ===
 
 #[test]
