@@ -87,8 +87,11 @@ impl Agent {
         }
         // Istio's order (spec §7.2): Envoy, gRPC bootstrap, DNS table.
         // Nothing writes the gRPC bootstrap yet, so a missing file does not block readiness.
-        self.readiness
-            .add_grpc_bootstrap(self.cwd.join(&cfg.grpc.xds_bootstrap), false);
+        // GRPC_XDS_BOOTSTRAP="" turns the gRPC bootstrap (and this check) off, as in Istio.
+        if !cfg.grpc.xds_bootstrap.as_os_str().is_empty() {
+            self.readiness
+                .add_grpc_bootstrap(self.cwd.join(&cfg.grpc.xds_bootstrap), false);
+        }
         let dns_enabled = (cfg.dns.capture && cfg.proxy_type == crate::config::ProxyType::Sidecar)
             || cfg.dns.enable_server;
         if dns_enabled {

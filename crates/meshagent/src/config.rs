@@ -5,8 +5,10 @@
 //! and `proxy` flags, in Istio's order (spec §6.1). This is the only module
 //! that reads the environment; everything else receives a `Config`.
 //!
-//! Unlike Istio, which logs a bad value and carries on with the default, every
-//! bad value here is an error, so a typo cannot silently change behaviour.
+//! Environment variables follow Istio's parsing rules (see `env::Reader`): a scalar
+//! that does not parse is a warning and the default, as in Istio. Every other bad
+//! value is an error, and so is everything a start would reject (`startup`): loading
+//! runs the start's own checks, so `proxy --dump-config` fails exactly as `proxy` does.
 
 use std::collections::BTreeMap;
 use std::fmt;
@@ -21,6 +23,7 @@ mod identity;
 mod parse;
 pub mod probers;
 mod proxy_config;
+mod startup;
 mod vars;
 
 #[cfg(test)]
@@ -94,6 +97,9 @@ pub enum ConfigError {
         value: String,
         expected: &'static str,
     },
+    /// A value the start itself would reject; the message is the one a start prints.
+    #[error("{0}")]
+    Startup(String),
     /// Several of the above.
     #[error("{} configuration errors: {}", .0.len(), join(.0))]
     Multiple(Vec<ConfigError>),
@@ -379,11 +385,12 @@ pub fn load(
     let bootstrap = BootstrapConfig::from_env(&mut r);
     let lifecycle = LifecycleConfig::from_env(&mut r);
     let status = StatusConfig::from_env(&mut r, pc.status_port);
-    let dns = DnsConfig::from_env(&mut r);
+    let dns = DnsConfig::from_env(&mut r, flags.proxy_type == ProxyType::Sidecar);
     let wasm = WasmConfig::from_env(&mut r);
     let grpc = GrpcConfig::from_env(&r);
     errors.extend(r.not_unicode_errors());
     errors.extend(r.errors);
+    warnings.extend(r.warnings);
 
     if !errors.is_empty() {
         return Err(ConfigError::from_many(errors));
@@ -391,7 +398,7 @@ pub fn load(
     for w in &warnings {
         tracing::warn!("{w}");
     }
-    Ok(Config {
+    let config = Config {
         proxy_type: flags.proxy_type,
         domain,
         flags: flags.clone(),
@@ -409,7 +416,12 @@ pub fn load(
         wasm,
         grpc,
         warnings,
-    })
+    };
+    let startup = startup::check(&config, base_dir);
+    if !startup.is_empty() {
+        return Err(ConfigError::from_many(startup));
+    }
+    Ok(config)
 }
 
 /// A subset of Istio's `ValidateMeshConfigProxyConfig`, on the merged result.

@@ -6,11 +6,12 @@
 use std::cell::RefCell;
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::fmt::Display;
-use std::str::FromStr;
 use std::time::Duration;
 
 use super::ConfigError;
-use super::parse::{EXPECT_BOOL, EXPECT_DURATION, parse_go_bool, parse_go_duration};
+use super::parse::{
+    EXPECT_BOOL, EXPECT_DURATION, go_duration_string, parse_go_bool, parse_go_duration,
+};
 
 /// A source of environment variables.
 pub trait EnvSource {
@@ -79,12 +80,15 @@ impl EnvSource for MapEnv {
     }
 }
 
-/// Typed reads over an [`EnvSource`] that collect every bad value instead of
-/// stopping at the first one.
+/// Typed reads over an [`EnvSource`], with Istio's rules (`pkg/env/var.go`, `Lookup`):
 ///
-/// A variable that is set but empty counts as unset for typed values
-/// (Kubernetes manifests often render `value: ""`); string values keep the
-/// empty string, as Istio does.
+/// * a string that is set but empty is `""`, not the default ([`Reader::string`]); a few
+///   callers treat `""` as unset where Istio's consumer does ([`Reader::non_empty`]);
+/// * a bool, integer, float or duration that does not parse — `""` included — logs a
+///   warning and the default is used ([`Reader::scalar`], the one place that rule lives);
+/// * a value that parses but that the agent cannot run with (an integer out of range, a
+///   socket name with a `/`) is an error; every error is collected instead of stopping at
+///   the first one, and loading fails with all of them.
 ///
 /// It also remembers which variables and prefix families were read, so that
 /// [`Reader::not_unicode_errors`] reports exactly the non-UTF-8 variables the agent would
@@ -92,6 +96,8 @@ impl EnvSource for MapEnv {
 pub(crate) struct Reader<'a> {
     env: &'a dyn EnvSource,
     pub(crate) errors: Vec<ConfigError>,
+    /// "Invalid environment variable value …, defaulting to …" lines, logged by the loader.
+    pub(crate) warnings: Vec<String>,
     read: RefCell<BTreeSet<String>>,
     prefixes: RefCell<BTreeSet<String>>,
 }
@@ -101,6 +107,7 @@ impl<'a> Reader<'a> {
         Self {
             env,
             errors: Vec::new(),
+            warnings: Vec::new(),
             read: RefCell::default(),
             prefixes: RefCell::default(),
         }
@@ -142,9 +149,34 @@ impl<'a> Reader<'a> {
         });
     }
 
-    /// Parses `key` with `parse`, recording an error (and returning `default`)
-    /// when the value does not parse.
-    pub(crate) fn parse<T>(
+    /// Istio's rule for scalar variables: unset → `default`; set to something `parse`
+    /// rejects (`""` included) → a warning and `default` (`shown` is how the warning
+    /// prints it).
+    pub(crate) fn scalar<T>(
+        &mut self,
+        key: &str,
+        default: T,
+        shown: &str,
+        expected: &str,
+        parse: impl FnOnce(&str) -> Option<T>,
+    ) -> T {
+        let Some(raw) = self.get(key) else {
+            return default;
+        };
+        match parse(&raw) {
+            Some(v) => v,
+            None => {
+                self.warnings.push(format!(
+                    "Invalid environment variable value {key}={raw:?}, expecting {expected}, defaulting to {shown}"
+                ));
+                default
+            }
+        }
+    }
+
+    /// A value of a type Istio reads as a string and checks later (e.g. an IP address): unset
+    /// or empty → `default`; not accepted by `parse` → an error.
+    pub(crate) fn validated<T>(
         &mut self,
         key: &str,
         default: T,
@@ -164,40 +196,72 @@ impl<'a> Reader<'a> {
     }
 
     pub(crate) fn bool(&mut self, key: &str, default: bool) -> bool {
-        self.parse(key, default, EXPECT_BOOL, parse_go_bool)
+        self.scalar(
+            key,
+            default,
+            &default.to_string(),
+            EXPECT_BOOL,
+            parse_go_bool,
+        )
     }
 
     pub(crate) fn opt_bool(&mut self, key: &str) -> Option<bool> {
-        self.parse(key, None, EXPECT_BOOL, |s| parse_go_bool(s).map(Some))
+        self.scalar(key, None, "unset", EXPECT_BOOL, |s| {
+            parse_go_bool(s).map(Some)
+        })
     }
 
     pub(crate) fn duration(&mut self, key: &str, default: Duration) -> Duration {
-        self.parse(key, default, EXPECT_DURATION, parse_go_duration)
+        let shown = go_duration_string(default);
+        self.scalar(key, default, &shown, EXPECT_DURATION, parse_go_duration)
     }
 
-    /// An integer within `min..=max`.
+    /// An integer within `min..=max`: not an integer → warning and default; an integer out
+    /// of range → error.
     pub(crate) fn int<T>(&mut self, key: &str, default: T, min: T, max: T) -> T
     where
-        T: FromStr + PartialOrd + Copy + Display,
+        T: TryFrom<i128> + PartialOrd + Copy + Display,
     {
-        let expected = format!("an integer between {min} and {max}");
-        self.parse(key, default, &expected, |s| {
-            s.parse::<T>().ok().filter(|v| *v >= min && *v <= max)
-        })
+        let Some(n) = self.scalar(key, None, &default.to_string(), "an integer", |s| {
+            s.parse::<i128>().ok().map(Some)
+        }) else {
+            return default;
+        };
+        match T::try_from(n).ok().filter(|v| *v >= min && *v <= max) {
+            Some(v) => v,
+            None => {
+                self.invalid(
+                    key,
+                    &n.to_string(),
+                    format!("an integer between {min} and {max}"),
+                );
+                default
+            }
+        }
     }
 
     pub(crate) fn port(&mut self, key: &str, default: u16) -> u16 {
-        self.parse(key, default, "a port number between 0 and 65535", |s| {
-            s.parse().ok()
-        })
+        self.int(key, default, 0, u16::MAX)
     }
 
-    /// A finite float within `min..=max`.
+    /// A finite float within `min..=max`: not a number → warning and default; a number out
+    /// of range (or NaN) → error.
     pub(crate) fn float(&mut self, key: &str, default: f64, min: f64, max: f64) -> f64 {
-        let expected = format!("a number between {min} and {max}");
-        self.parse(key, default, &expected, |s| {
-            s.parse::<f64>().ok().filter(|v| (min..=max).contains(v))
-        })
+        let Some(x) = self.scalar(key, None, &default.to_string(), "a number", |s| {
+            s.parse::<f64>().ok().map(Some)
+        }) else {
+            return default;
+        };
+        if (min..=max).contains(&x) {
+            x
+        } else {
+            self.invalid(
+                key,
+                &x.to_string(),
+                format!("a number between {min} and {max}"),
+            );
+            default
+        }
     }
 
     /// A comma-separated list; blank items are dropped.
