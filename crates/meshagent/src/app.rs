@@ -1,6 +1,11 @@
-//! Wires the agent together for `meshagent proxy` (spec §1.2 startup order): status server,
-//! then Envoy's bootstrap and process, supervised until Envoy exits or the agent is told to
-//! stop (SIGTERM/SIGINT or `/quitquitquit`), in which case Envoy is drained first.
+//! Wires the agent together for `meshagent proxy` (Istio's order, `pilot/cmd/pilot-agent/app`
+//! and `pkg/istio-agent/agent.go` `Run`): status server, identity/SDS, xDS proxy, then Envoy's
+//! bootstrap and process, supervised until Envoy exits or the agent is told to stop
+//! (SIGTERM/SIGINT or `/quitquitquit`), in which case Envoy is drained first.
+//!
+//! Shutdown: the first SIGTERM/SIGINT drains; a second one skips what is left of the drain.
+//! From the first signal the agent has [`shutdown_budget`] to finish: tasks still running then
+//! are named in a log line and the agent exits 1.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -12,6 +17,11 @@ use crate::config::Config;
 use crate::envoy::{self, DrainOptions, DrainState, Envoy, EnvoyArgs, Outcome};
 use crate::metrics::Registry;
 use crate::status;
+use crate::tasks::Tasks;
+
+/// Time allowed after the drain for stopping Envoy (SIGTERM, then SIGKILL after 5 s) and the
+/// agent's own servers.
+const SHUTDOWN_MARGIN: std::time::Duration = std::time::Duration::from_secs(15);
 
 #[derive(Debug, thiserror::Error)]
 pub enum AppError {
@@ -51,6 +61,10 @@ pub struct Agent {
     /// Where the xDS proxy publishes each NDS name table it receives; read by the DNS
     /// readiness probe and `/debug/ndsz`.
     pub name_table: tokio::sync::watch::Sender<Option<Arc<status::NameTable>>>,
+    /// The agent's long-lived tasks, waited for (with a deadline) at shutdown.
+    pub tasks: Tasks,
+    /// Supervised internal servers that are down (SDS, xDS proxy): not ready while any is.
+    pub servers: crate::supervise::Servers,
 }
 
 impl Agent {
@@ -64,11 +78,32 @@ impl Agent {
             readiness: status::Readiness::default(),
             started: tokio::time::Instant::now(),
             name_table: tokio::sync::watch::Sender::new(None),
+            tasks: Tasks::new(),
+            servers: crate::supervise::Servers::new(),
         }
     }
 
-    /// Runs until Envoy exits or shutdown completes; returns the process exit code.
+    /// Runs until Envoy exits or shutdown completes; returns the process exit code. Once
+    /// shutdown has begun, it ends within [`shutdown_budget`] (exit code 1 if it had to give
+    /// up on tasks that would not stop).
     pub async fn run(self) -> Result<u8, AppError> {
+        let shutdown = self.shutdown.clone();
+        let tasks = self.tasks.clone();
+        let budget = shutdown_budget(&self.config);
+        let deadline = async move {
+            shutdown.cancelled().await;
+            tokio::time::sleep(budget).await;
+        };
+        tokio::select! {
+            r = self.run_inner() => r,
+            () = deadline => {
+                tracing::error!(budget = ?budget, still_running = ?tasks.running(), "shutdown did not finish in time; exiting");
+                Ok(1)
+            }
+        }
+    }
+
+    async fn run_inner(self) -> Result<u8, AppError> {
         let cfg = &self.config;
         crate::metrics::register_process_metrics(&self.registry)?;
         bootstrap::check_template(cfg)?;
@@ -77,6 +112,12 @@ impl Agent {
         let admin = std::net::SocketAddr::new(node.localhost, cfg.proxy_config.proxy_admin_port);
         let envoy_enabled = !cfg.lifecycle.disable_envoy;
 
+        // A dead internal server is the root cause of whatever else fails: reported first.
+        let servers = self.servers.clone();
+        self.readiness.add(Arc::new(move || {
+            let reason = servers.not_ready();
+            Box::pin(async move { reason.map_or(Ok(()), Err) })
+        }));
         if envoy_enabled {
             self.readiness.add_envoy(status::EnvoyProbe::new(
                 admin,
@@ -129,7 +170,7 @@ impl Agent {
             };
             let stop = status_stop.clone();
             let shutdown = self.shutdown.clone();
-            status_task = Some(tokio::spawn(async move {
+            status_task = Some(self.tasks.spawn("status-server", async move {
                 if let Err(e) = status::serve(listener, state, stop).await {
                     // Istio's agent terminates itself when the status server dies.
                     tracing::error!(error = %e, "status server failed; shutting down");
@@ -138,13 +179,24 @@ impl Agent {
             }));
             tracing::info!(port, "status server listening");
         }
-        spawn_signal_handler(self.shutdown.clone()).map_err(AppError::Signals)?;
+        spawn_signal_handler(self.shutdown.clone(), self.drain.clone())
+            .map_err(AppError::Signals)?;
 
         // Identity and xDS serve Envoy until it has drained and stopped, so they stop on their
         // own token, after Envoy — not on the shutdown signal.
         let services = CancellationToken::new();
-        let identity =
-            crate::identity::start(cfg, &self.cwd, &self.registry, services.clone()).await?;
+        let identity_opts = crate::identity::Options {
+            servers: self.servers.clone(),
+            ..Default::default()
+        };
+        let identity = crate::identity::start_with(
+            cfg,
+            &self.cwd,
+            &self.registry,
+            services.clone(),
+            identity_opts,
+        )
+        .await?;
         // Certificates gate readiness where something depends on them: Envoy's SDS, or the
         // files proxyless gRPC reads (OUTPUT_CERTS). Istio does not check them at all, so an
         // expired certificate stays "ready" there; here it does not.
@@ -155,12 +207,14 @@ impl Agent {
                 Box::pin(async move { reason.map_or(Ok(()), Err) })
             }));
         }
-        let xds = crate::xds::start(cfg, &self.cwd, &self.registry, services.clone())?;
+        let mut xds_opts = crate::xds::XdsOptions::from_config(cfg, &self.cwd)?;
+        xds_opts.servers = self.servers.clone();
+        let xds = crate::xds::start_with(xds_opts, &self.cwd, &self.registry, services.clone())?;
         // The NDS table feeds the DNS readiness probe and /debug/ndsz; PCDS trust anchors go
         // into ROOTCA. Both forwarders end when the xDS proxy drops its senders.
         let mut names = xds.name_table();
         let table_tx = self.name_table.clone();
-        tokio::spawn(async move {
+        self.tasks.spawn("nds-table-forwarder", async move {
             while names.changed().await.is_ok() {
                 let t = names.borrow_and_update().clone();
                 table_tx.send_replace(t);
@@ -168,7 +222,7 @@ impl Agent {
         });
         let mut bundle = xds.pcds_bundle();
         let anchors = identity.trust_anchors();
-        tokio::spawn(async move {
+        self.tasks.spawn("pcds-bundle-forwarder", async move {
             while bundle.changed().await.is_ok() {
                 let pems = bundle.borrow_and_update().clone();
                 anchors.set(pems);
@@ -202,10 +256,16 @@ impl Agent {
                 .filter(|p| *p != 0)
                 .collect(),
             };
-            match envoy
-                .supervise(self.shutdown.clone(), drain, self.drain.clone())
-                .await?
-            {
+            let supervised = self.tasks.spawn(
+                "envoy",
+                envoy.supervise(self.shutdown.clone(), drain, self.drain.clone()),
+            );
+            let outcome = supervised.await.map_err(|e| {
+                envoy::EnvoyError::Wait(std::io::Error::other(format!(
+                    "Envoy supervisor task failed: {e}"
+                )))
+            })??;
+            match outcome {
                 Outcome::EnvoyExited(status) => {
                     self.shutdown.cancel();
                     envoy::process::exit_code(status)
@@ -217,12 +277,15 @@ impl Agent {
             0
         };
         services.cancel();
-        xds.wait().await;
-        identity.stopped().await;
+        self.tasks.spawn("xds-proxy", xds.wait());
+        self.tasks
+            .spawn("identity", async move { identity.stopped().await });
         status_stop.cancel();
         if let Some(t) = status_task {
             let _ = t.await;
         }
+        // The deadline in `run` bounds this wait.
+        self.tasks.wait_all().await;
         tracing::info!(code, "agent exiting");
         Ok(code)
     }
@@ -304,19 +367,58 @@ fn envoy_args(
     })
 }
 
-/// SIGTERM or SIGINT starts graceful shutdown; a second signal is left to the default action
-/// of the drain timeouts (Envoy is stopped when they end).
-fn spawn_signal_handler(shutdown: CancellationToken) -> std::io::Result<()> {
+/// How long shutdown may take from the first signal: the drain Envoy is given
+/// (`terminationDrainDuration`, or `MINIMUM_DRAIN_DURATION` with
+/// `EXIT_ON_ZERO_ACTIVE_CONNECTIONS` if longer) plus [`SHUTDOWN_MARGIN`].
+pub fn shutdown_budget(cfg: &Config) -> std::time::Duration {
+    let mut drain = cfg.proxy_config.termination_drain_duration.get();
+    if cfg.lifecycle.exit_on_zero_active_connections {
+        drain = drain.max(cfg.lifecycle.minimum_drain_duration);
+    }
+    if cfg.lifecycle.disable_envoy {
+        drain = std::time::Duration::ZERO;
+    }
+    drain + SHUTDOWN_MARGIN
+}
+
+/// SIGTERM or SIGINT starts graceful shutdown; a second one (either) skips the rest of the
+/// drain. SIGHUP, SIGUSR1 and SIGUSR2 are ignored, as a Go program ignores them unless it
+/// asks for them (their default action would kill the agent and orphan Envoy).
+fn spawn_signal_handler(
+    shutdown: CancellationToken,
+    drain: Arc<DrainState>,
+) -> std::io::Result<()> {
     use tokio::signal::unix::{SignalKind, signal};
     let mut term = signal(SignalKind::terminate())?;
     let mut int = signal(SignalKind::interrupt())?;
-    tokio::spawn(async move {
-        tokio::select! {
-            _ = term.recv() => tracing::info!("received SIGTERM; starting graceful shutdown"),
-            _ = int.recv() => tracing::info!("received SIGINT; starting graceful shutdown"),
-            _ = shutdown.cancelled() => return,
-        }
-        shutdown.cancel();
-    });
+    // Registering a handler replaces the default (terminating) action; never reading the
+    // streams drops the signals.
+    let ignored = [
+        signal(SignalKind::hangup())?,
+        signal(SignalKind::user_defined1())?,
+        signal(SignalKind::user_defined2())?,
+    ];
+    let span = tracing::info_span!("task", name = "signals");
+    tokio::spawn(tracing::Instrument::instrument(
+        async move {
+            let _ignored = ignored;
+            tokio::select! {
+                _ = term.recv() => tracing::info!("received SIGTERM; starting graceful shutdown"),
+                _ = int.recv() => tracing::info!("received SIGINT; starting graceful shutdown"),
+                _ = shutdown.cancelled() => {}
+            }
+            shutdown.cancel();
+            tokio::select! {
+                _ = term.recv() => {}
+                _ = int.recv() => {}
+            }
+            tracing::warn!("second termination signal; skipping the rest of the drain");
+            drain
+                .skip_drain
+                .store(true, std::sync::atomic::Ordering::SeqCst);
+            drain.abort.cancel();
+        },
+        span,
+    ));
     Ok(())
 }

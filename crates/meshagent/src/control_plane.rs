@@ -312,8 +312,13 @@ fn connector(
             let Some(tls) = tls else {
                 return Ok::<_, std::io::Error>(TokioIo::new(Either::Left(tcp)));
             };
-            let (settings, cwd) = &*tls;
-            let config = client_config(settings, cwd)?;
+            // Roots and client certificate are read from files per connection: on the
+            // blocking pool, never on the runtime thread.
+            let files = tls.clone();
+            let config = tokio::task::spawn_blocking(move || client_config(&files.0, &files.1))
+                .await
+                .map_err(std::io::Error::other)??;
+            let (settings, _) = &*tls;
             let name = ServerName::try_from(settings.server_name.clone()).map_err(|e| {
                 std::io::Error::other(format!("server name {:?}: {e}", settings.server_name))
             })?;
@@ -358,12 +363,8 @@ fn load_roots(roots: &Roots, cwd: &Path) -> std::io::Result<rustls::RootCertStor
                 std::io::Error::other(DialError::NoSystemRoots(SYSTEM_ROOT_PATHS.to_vec()))
             })?,
     };
-    let pem = std::fs::read(&path).map_err(|e| {
-        std::io::Error::new(
-            e.kind(),
-            format!("root certificates {}: {e}", path.display()),
-        )
-    })?;
+    let pem = crate::fsio::read_bounded(&path, MAX_TLS_FILE_BYTES)
+        .map_err(|e| std::io::Error::new(e.kind(), format!("root certificates: {e}")))?;
     let mut store = rustls::RootCertStore::empty();
     // Invalid entries in a bundle are skipped, as Istio does; an empty result is an error.
     for der in CertificateDer::pem_slice_iter(&pem).flatten() {
@@ -384,11 +385,12 @@ fn load_client_cert(
     c: &ClientCert,
     cwd: &Path,
 ) -> Option<(Vec<CertificateDer<'static>>, PrivateKeyDer<'static>)> {
-    let chain_pem = std::fs::read(cwd.join(&c.cert_chain)).ok()?;
+    let chain_pem = crate::fsio::read_bounded(&cwd.join(&c.cert_chain), MAX_TLS_FILE_BYTES).ok()?;
     let chain: Vec<CertificateDer<'static>> = CertificateDer::pem_slice_iter(&chain_pem)
         .collect::<Result<_, _>>()
         .ok()?;
-    let key = PrivateKeyDer::from_pem_file(cwd.join(&c.key)).ok()?;
+    let key_pem = crate::fsio::read_bounded(&cwd.join(&c.key), MAX_TLS_FILE_BYTES).ok()?;
+    let key = PrivateKeyDer::from_pem_slice(&key_pem).ok()?;
     let leaf = chain.first()?;
     let (_, parsed) = x509_parser::parse_x509_certificate(leaf.as_ref()).ok()?;
     if !parsed.validity().is_valid() {
@@ -415,13 +417,17 @@ impl TokenSource {
         }
     }
 
-    /// The current token, trimmed; `None` (logged once) when missing or empty.
-    pub fn token(&self) -> Option<String> {
+    /// The current token, trimmed; `None` (logged once) when missing, empty or unreadable.
+    /// Read on the blocking pool with a size cap and timeout (`fsio`): it is read on every
+    /// call, so a slow or hostile mount must not stall the runtime.
+    pub async fn token(&self) -> Option<String> {
         let path = self.path.as_ref()?;
-        match std::fs::read_to_string(path) {
-            Ok(t) if !t.trim().is_empty() => {
+        let read = crate::fsio::read(path.clone(), MAX_TOKEN_BYTES, FILE_READ_TIMEOUT).await;
+        let result = read.map(|b| String::from_utf8_lossy(&b).trim().to_owned());
+        match result {
+            Ok(t) if !t.is_empty() => {
                 self.warned.store(false, Ordering::Relaxed);
-                Some(t.trim().to_owned())
+                Some(t)
             }
             result => {
                 if !self.warned.swap(true, Ordering::Relaxed) {
@@ -433,6 +439,13 @@ impl TokenSource {
         }
     }
 }
+
+/// Largest token file read (projected service-account tokens are ~1 KiB).
+const MAX_TOKEN_BYTES: u64 = 64 * 1024;
+/// Largest root bundle or client certificate file read per connection.
+const MAX_TLS_FILE_BYTES: u64 = 4 * 1024 * 1024;
+/// How long reading one of these files may take.
+const FILE_READ_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// Metadata added to every control-plane call.
 #[derive(Debug, Clone)]
@@ -466,11 +479,11 @@ impl CallMetadata {
         CallMetadata { headers, token }
     }
 
-    pub fn apply(&self, md: &mut MetadataMap) {
+    pub async fn apply(&self, md: &mut MetadataMap) {
         for (k, v) in &self.headers {
             md.insert(k.clone(), v.clone());
         }
-        if let Some(t) = self.token.token()
+        if let Some(t) = self.token.token().await
             && let Ok(v) = AsciiMetadataValue::try_from(format!("Bearer {t}"))
         {
             md.insert("authorization", v);
@@ -495,24 +508,28 @@ mod tests {
         assert_eq!(host_of("[::1]:15012").unwrap(), "::1");
     }
 
-    #[test]
-    fn token_is_read_on_every_call() {
+    #[tokio::test]
+    async fn token_is_read_on_every_call() {
         let dir = tempfile::tempdir().unwrap();
         let p = dir.path().join("t");
         let ts = TokenSource::new(Some(p.clone()));
-        assert_eq!(ts.token(), None);
+        assert_eq!(ts.token().await, None);
         std::fs::write(&p, "one\n").unwrap();
-        assert_eq!(ts.token().as_deref(), Some("one"));
+        assert_eq!(ts.token().await.as_deref(), Some("one"));
         std::fs::write(&p, "two").unwrap();
-        assert_eq!(ts.token().as_deref(), Some("two"));
+        assert_eq!(ts.token().await.as_deref(), Some("two"));
+        // A FIFO as the token (a hostile or broken mount) is no token, at once.
+        std::fs::remove_file(&p).unwrap();
+        nix::unistd::mkfifo(&p, nix::sys::stat::Mode::S_IRWXU).unwrap();
+        assert_eq!(ts.token().await, None);
     }
 
-    #[test]
-    fn metadata_headers() {
+    #[tokio::test]
+    async fn metadata_headers() {
         let extra = std::collections::BTreeMap::from([("X-Team".to_owned(), "pay".to_owned())]);
         let m = CallMetadata::new("Kubernetes", &extra, TokenSource::new(None));
         let mut md = MetadataMap::new();
-        m.apply(&mut md);
+        m.apply(&mut md).await;
         assert_eq!(md.get("clusterid").unwrap(), "Kubernetes");
         assert_eq!(md.get("x-team").unwrap(), "pay");
         assert!(md.get("authorization").is_none());

@@ -43,6 +43,8 @@ pub struct DrainState {
     pub skip_drain: AtomicBool,
     /// Shutdown has begun (readiness then reports "server is terminated").
     pub shutting_down: AtomicBool,
+    /// A second SIGTERM/SIGINT: end any drain wait now and stop Envoy.
+    pub abort: CancellationToken,
 }
 
 /// How the agent drains Envoy.
@@ -81,7 +83,9 @@ impl Envoy {
     ) -> Result<Envoy, EnvoyError> {
         let argv = args.argv();
         tracing::info!(binary = %args.binary.display(), args = %argv.join(" "), "starting Envoy");
-        let child = Command::new(&args.binary)
+        let mut cmd = Command::new(&args.binary);
+        set_parent_death_signal(&mut cmd);
+        let child = cmd
             .args(&argv)
             .current_dir(cwd)
             .stdin(Stdio::null())
@@ -146,12 +150,16 @@ impl Envoy {
             Err(e) => tracing::warn!(error = %e, "cannot drain Envoy"),
         }
         if d.exit_on_zero_active_connections {
-            self.wait_for_zero_connections(d).await?;
+            tokio::select! {
+                r = self.wait_for_zero_connections(d) => r?,
+                () = state.abort.cancelled() => tracing::warn!("drain aborted by a second signal"),
+            }
         } else {
             tracing::info!(wait = ?d.termination_drain_duration, "waiting for terminationDrainDuration");
             tokio::select! {
                 _ = tokio::time::sleep(d.termination_drain_duration) => {}
                 s = self.child.wait() => return s.map_err(EnvoyError::Wait),
+                () = state.abort.cancelled() => tracing::warn!("drain aborted by a second signal"),
             }
         }
         self.stop().await
@@ -215,6 +223,32 @@ impl Envoy {
                 self.child.wait().await.map_err(EnvoyError::Wait)
             }
         }
+    }
+}
+
+/// Envoy never outlives the agent: the kernel sends it SIGKILL when the agent dies, even by
+/// SIGKILL and outside a container (where no pod teardown would stop it). `kill_on_drop`
+/// covers only an orderly exit.
+///
+/// `PR_SET_PDEATHSIG` fires when the *thread* that forked dies; the agent spawns Envoy from its
+/// runtime thread (the main thread on the one-thread runtime, a long-lived worker in tests).
+#[allow(unsafe_code)]
+fn set_parent_death_signal(cmd: &mut Command) {
+    let parent = nix::unistd::getpid();
+    // SAFETY: the closure runs in the forked child before exec and calls only prctl(2) and
+    // getppid(2), both async-signal-safe; it allocates nothing and touches no locks.
+    unsafe {
+        cmd.pre_exec(move || {
+            nix::sys::prctl::set_pdeathsig(nix::sys::signal::Signal::SIGKILL)
+                .map_err(std::io::Error::from)?;
+            // The agent may have died between fork and prctl: then nothing would signal us.
+            if nix::unistd::getppid() != parent {
+                return Err(std::io::Error::other(
+                    "the agent exited before Envoy started",
+                ));
+            }
+            Ok(())
+        });
     }
 }
 

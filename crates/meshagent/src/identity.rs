@@ -129,6 +129,8 @@ pub struct Options {
     pub clock: manager::Clock,
     /// Per-identity CSR backoff.
     pub backoff: manager::Backoff,
+    /// Where the SDS server's supervisor reports it down (readiness).
+    pub servers: crate::supervise::Servers,
 }
 
 impl Default for Options {
@@ -137,6 +139,7 @@ impl Default for Options {
             file_load_wait: Duration::from_secs(10),
             clock: manager::Clock::System,
             backoff: manager::Backoff::default(),
+            servers: crate::supervise::Servers::new(),
         }
     }
 }
@@ -369,7 +372,10 @@ pub async fn start_with(
         crl,
         metrics: metrics.clone(),
     };
-    tasks.push(tokio::spawn(file_task.run(shutdown.clone())));
+    tasks.push(tokio::spawn(tracing::Instrument::instrument(
+        file_task.run(shutdown.clone()),
+        tracing::info_span!("task", name = "file-secrets"),
+    )));
 
     if let Some((key_spec, target)) = ca_parts {
         let token = TokenSource::new(id.jwt_path.as_ref().map(|p| cwd.join(p)));
@@ -399,17 +405,47 @@ pub async fn start_with(
                 .pilot_enable_ca_crl
                 .then(|| PathBuf::from(files::CRL_PATH)),
         };
-        tasks.push(tokio::spawn(mgr.run(shutdown.clone())));
+        tasks.push(tokio::spawn(tracing::Instrument::instrument(
+            mgr.run(shutdown.clone()),
+            tracing::info_span!("task", name = "secret-manager"),
+        )));
     }
 
     tracing::info!(socket = %socket.display(), "SDS server listening");
     let sds_store = store.clone();
     let sds_shutdown = shutdown.clone();
-    tasks.push(tokio::spawn(async move {
-        if let Err(e) = crate::sds::serve(listener, sds_store, sds_shutdown).await {
-            tracing::error!(error = %e, "SDS server failed");
-        }
-    }));
+    let sds_socket = socket.clone();
+    // The first run serves the listener bound above (a bind failure is a startup error);
+    // restarts bind again.
+    let mut first = Some(listener);
+    tasks.push(tokio::spawn(tracing::Instrument::instrument(
+        crate::supervise::run(
+            "sds",
+            opts.servers.clone(),
+            crate::supervise::Backoff::default(),
+            shutdown.clone(),
+            move || {
+                let (store, stop, path) =
+                    (sds_store.clone(), sds_shutdown.clone(), sds_socket.clone());
+                let listener = first.take();
+                async move {
+                    let listener = match listener {
+                        Some(l) => l,
+                        None => crate::sds::bind(&path).await.map_err(|e| e.to_string())?,
+                    };
+                    Ok(crate::supervise::Serving {
+                        serve: Box::pin(async move {
+                            crate::sds::serve(listener, store, stop)
+                                .await
+                                .map_err(|e| e.to_string())
+                        }),
+                        socket: Some(path),
+                    })
+                }
+            },
+        ),
+        tracing::info_span!("task", name = "sds"),
+    )));
 
     Ok(IdentityHandle {
         status: status_rx,

@@ -3,7 +3,7 @@
 //! `main.rs` only parses the command line, sets up logging and maps errors to
 //! exit codes; everything else lives here so it can be tested in-process.
 
-#![forbid(unsafe_code)]
+#![deny(unsafe_code)]
 #![deny(rust_2018_idioms, clippy::disallowed_methods, clippy::disallowed_types)]
 
 pub mod app;
@@ -12,6 +12,7 @@ pub mod cli;
 pub mod config;
 pub mod control_plane;
 pub mod envoy;
+pub mod fsio;
 pub mod http_client;
 pub mod identity;
 pub mod logging;
@@ -19,6 +20,8 @@ pub mod metrics;
 pub mod request;
 pub mod sds;
 pub mod status;
+pub mod supervise;
+pub mod tasks;
 pub mod wait;
 pub mod xds;
 

@@ -711,6 +711,7 @@ mod tests {
             "istiod_connection_terminations",
             "num_failed_outgoing_requests",
             "num_file_secret_failures_total",
+            "file_secret_loads_total",
             "num_file_watcher_failures_total",
             "num_outgoing_requests",
             "num_outgoing_retries",

@@ -24,7 +24,8 @@
 //! * **One owner task per stream pair** ([`stream`]), a new upstream connection per Envoy
 //!   stream (as Istio: istio#27877 was about leaking them, which per-pair ownership prevents),
 //!   and only one live pair: a new Envoy stream stops the previous one.
-//! * **Interception** through [`intercept::Interceptor`]: NDS (when the DNS proxy is on), PCDS
+//! * **Interception** through [`intercept::Interceptor`], asynchronous (a pending rewrite
+//!   holds back only later responses of its own type): NDS (when the DNS proxy is on), PCDS
 //!   (`PROXY_CONFIG_XDS_AGENT`), health replay, and ECDS via [`intercept::EcdsRewrite`]
 //!   ([`intercept::PassThrough`] by default; the Wasm module supplies its own through
 //!   [`XdsOptions::ecds`]).
@@ -58,6 +59,7 @@ pub use intercept::{Api, EcdsRewrite, Health, PassThrough};
 use crate::config::{Config, ProxyType};
 use crate::control_plane::{self, CallMetadata, DialError, Keepalive, Target, TokenSource};
 use crate::metrics::{Counter, CounterVec, Gauge, MetricsError, Registry};
+use crate::supervise;
 
 /// The socket's file name inside `configPath`.
 pub const SOCKET_NAME: &str = "XDS";
@@ -165,6 +167,11 @@ pub struct XdsOptions {
     pub pcds: bool,
     /// The ECDS rewrite hook.
     pub ecds: Arc<dyn EcdsRewrite>,
+    /// More interceptors (later modules, tests); consulted before the built-in ones, so one
+    /// of these owns its type URL.
+    pub interceptors: Vec<Arc<dyn intercept::Interceptor>>,
+    /// Where the server's supervisor reports it down (readiness).
+    pub servers: crate::supervise::Servers,
 }
 
 impl XdsOptions {
@@ -185,6 +192,8 @@ impl XdsOptions {
             nds: (cfg.dns.capture && cfg.proxy_type == ProxyType::Sidecar) || cfg.dns.enable_server,
             pcds: cfg.xds.proxy_config_xds_agent,
             ecds: Arc::new(PassThrough),
+            interceptors: Vec::new(),
+            servers: crate::supervise::Servers::new(),
         })
     }
 }
@@ -199,10 +208,13 @@ const WARM_TTL: Duration = Duration::from_secs(30);
 /// Only the first stream uses it; later streams dial their own connection, as Istio does.
 fn prewarm(shared: &Arc<stream::Shared>, shutdown: CancellationToken) {
     let (target, cwd, keepalive) = (shared.target.clone(), shared.cwd.clone(), shared.keepalive);
-    let dial = tokio::spawn(async move { control_plane::connect(&target, &cwd, keepalive).await });
+    let dial = tokio::spawn(tracing::Instrument::instrument(
+        async move { control_plane::connect(&target, &cwd, keepalive).await },
+        tracing::info_span!("task", name = "xds-predial"),
+    ));
     *shared.warm.lock().unwrap_or_else(|e| e.into_inner()) = Some(dial);
     let shared = shared.clone();
-    tokio::spawn(async move {
+    let expire = async move {
         tokio::select! {
             () = shutdown.cancelled() => {}
             () = tokio::time::sleep(WARM_TTL) => {}
@@ -211,7 +223,11 @@ fn prewarm(shared: &Arc<stream::Shared>, shutdown: CancellationToken) {
             tracing::debug!("closing the unused pre-dialled connection to the XDS server");
             dial.abort();
         }
-    });
+    };
+    tokio::spawn(tracing::Instrument::instrument(
+        expire,
+        tracing::info_span!("task", name = "xds-predial-expiry"),
+    ));
 }
 
 /// The running proxy.
@@ -285,7 +301,7 @@ pub fn start_with(
     let (bundle_tx, pcds_bundle) = watch::channel(Vec::new());
     let (health, health_rx) = watch::channel(None);
 
-    let mut interceptors: Vec<Arc<dyn intercept::Interceptor>> = Vec::new();
+    let mut interceptors: Vec<Arc<dyn intercept::Interceptor>> = opts.interceptors.clone();
     if opts.nds {
         interceptors.push(Arc::new(intercept::Nds { table: table_tx }));
     }
@@ -311,22 +327,47 @@ pub fn start_with(
         shutdown: shutdown.clone(),
         current: Arc::default(),
     };
-    let server = tonic::transport::Server::builder()
-        .http2_keepalive_interval(Some(opts.keepalive.interval))
-        .http2_keepalive_timeout(Some(opts.keepalive.timeout))
-        .max_concurrent_streams(Some(opts.max_streams))
-        .add_service(service);
     let socket = opts.socket.clone();
     tracing::info!(socket = %socket.display(), upstream = %opts.target.addr, tls = opts.target.tls.is_some(), nds = opts.nds, pcds = opts.pcds, "xDS proxy listening");
-    let task = tokio::spawn(async move {
-        let incoming = UnixListenerStream::new(listener);
-        if let Err(e) = server
-            .serve_with_incoming_shutdown(incoming, shutdown.cancelled_owned())
-            .await
-        {
-            tracing::error!(error = %e, "xDS proxy server failed");
-        }
-    });
+    // The first run serves the listener bound above (a bind failure is a startup error);
+    // restarts bind again.
+    let mut first = Some(listener);
+    let (keepalive, max_streams) = (opts.keepalive, opts.max_streams);
+    let stop = shutdown.clone();
+    let task = tokio::spawn(tracing::Instrument::instrument(
+        supervise::run(
+            "xds-proxy",
+            opts.servers.clone(),
+            supervise::Backoff::default(),
+            shutdown,
+            move || {
+                let listener = first.take();
+                let (service, stop, path) = (service.clone(), stop.clone(), socket.clone());
+                async move {
+                    let listener = match listener {
+                        Some(l) => l,
+                        None => bind(&path).map_err(|e| e.to_string())?,
+                    };
+                    let server = tonic::transport::Server::builder()
+                        .http2_keepalive_interval(Some(keepalive.interval))
+                        .http2_keepalive_timeout(Some(keepalive.timeout))
+                        .max_concurrent_streams(Some(max_streams))
+                        .add_service(service);
+                    Ok(supervise::Serving {
+                        serve: Box::pin(async move {
+                            let incoming = UnixListenerStream::new(listener);
+                            server
+                                .serve_with_incoming_shutdown(incoming, stop.cancelled_owned())
+                                .await
+                                .map_err(|e| e.to_string())
+                        }),
+                        socket: Some(path),
+                    })
+                }
+            },
+        ),
+        tracing::info_span!("task", name = "xds-proxy"),
+    ));
     Ok(XdsProxyHandle {
         socket: opts.socket,
         name_table,
@@ -425,13 +466,10 @@ impl AdsServer {
         };
         // The one-slot buffer toward Envoy (spec §5.2).
         let (tx, rx) = mpsc::channel(1);
-        tokio::spawn(stream::run(
-            self.shared.clone(),
-            api,
-            id,
-            downstream,
-            tx,
-            stop,
+        let span = tracing::info_span!("xds_stream", id, api = ?api);
+        tokio::spawn(tracing::Instrument::instrument(
+            stream::run(self.shared.clone(), api, id, downstream, tx, stop),
+            span,
         ));
         let mut resp = http::Response::new(Body::new(codec::ResponseBody::new(rx)));
         resp.headers_mut().insert(

@@ -641,6 +641,104 @@ mod raw {
         }
     }
 
+    /// Fetches `name` on a new stream and returns the number of resources in the answer.
+    async fn fetch(agent: &Agent, name: &str) -> usize {
+        let mut c = client(&agent.socket()).await;
+        let (tx, rx) = mpsc::channel(8);
+        tx.send(req(&[name], "", "", false)).await.unwrap();
+        let mut stream = c
+            .stream_secrets(ReceiverStream::new(rx))
+            .await
+            .unwrap()
+            .into_inner();
+        let r = tokio::time::timeout(Duration::from_secs(10), stream.message())
+            .await
+            .unwrap_or_else(|_| panic!("no answer for {name} within 10 s"))
+            .unwrap_or_else(|e| panic!("{name}: {e}"))
+            .unwrap();
+        r.resources.len()
+    }
+
+    fn metric(agent: &Agent, series: &str) -> u64 {
+        agent
+            .registry
+            .encode()
+            .lines()
+            .find_map(|l| {
+                l.strip_prefix(series)?
+                    .strip_prefix(' ')?
+                    .trim()
+                    .parse()
+                    .ok()
+            })
+            .unwrap_or(0)
+    }
+
+    /// Defects D1, D2 and D6 of the field-hardening review. Runs on a current-thread runtime,
+    /// as the agent does, so a blocking read on the reactor would stall the test itself.
+    #[tokio::test(flavor = "current_thread")]
+    async fn hostile_file_roots_stall_nothing_and_reads_do_not_retrigger() {
+        let opts = Options {
+            file_load_wait: Duration::from_millis(300),
+            ..Options::default()
+        };
+        let agent = start_agent(None, &[("FILE_MOUNTED_CERTS", "true")], opts).await;
+        let d = agent.path();
+        nix::unistd::mkfifo(&d.join("fifo"), nix::sys::stat::Mode::S_IRWXU).unwrap();
+        // The standard MUTUAL DestinationRule layout: cert, key and CA in one directory.
+        let certs = d.join("etc/certs");
+        std::fs::create_dir_all(&certs).unwrap();
+        let (c1, k1) = self_signed(1);
+        std::fs::write(certs.join("cert.pem"), &c1).unwrap();
+        std::fs::write(certs.join("key.pem"), k1).unwrap();
+        std::fs::write(certs.join("ca.pem"), &c1).unwrap();
+        std::fs::write(d.join("huge.pem"), c1.repeat((5 << 20) / c1.len() + 1)).unwrap();
+
+        let started = Instant::now();
+        for (name, want) in [
+            ("file-root:fifo", "not a regular file (a FIFO)"),
+            (
+                "file-root:/dev/zero",
+                "not a regular file (a character device)",
+            ),
+            ("file-root:huge.pem", "larger than"),
+        ] {
+            let e = stream_error(&agent, name).await;
+            assert!(e.contains(want), "{name}: {e}");
+        }
+        // Everything else is still served, at once.
+        assert_eq!(
+            fetch(&agent, "file-cert:etc/certs/cert.pem~etc/certs/key.pem").await,
+            1
+        );
+        assert_eq!(fetch(&agent, "file-root:etc/certs/ca.pem").await, 1);
+        assert!(
+            started.elapsed() < Duration::from_secs(5),
+            "hostile files held up the agent for {:?}",
+            started.elapsed()
+        );
+
+        // Reading the files must not trigger more reads (inotify open/access events): the
+        // load count stays put while nothing changes...
+        let settle = Instant::now() + Duration::from_millis(500);
+        tokio::time::sleep_until(settle).await;
+        let loads = metric(&agent, "istio_agent_file_secret_loads_total");
+        tokio::time::sleep(Duration::from_millis(1500)).await;
+        assert_eq!(
+            metric(&agent, "istio_agent_file_secret_loads_total"),
+            loads,
+            "file secrets were re-read with no change on disk"
+        );
+        // ...and a real change is still picked up.
+        let (c2, _) = self_signed(2);
+        std::fs::write(certs.join("ca.pem"), c2).unwrap();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while metric(&agent, "istio_agent_file_secret_loads_total") <= loads {
+            assert!(Instant::now() < deadline, "the CA change was not reloaded");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn mismatched_or_unreadable_file_certs_are_clear_errors() {
         let opts = Options {

@@ -302,3 +302,126 @@ fn malformed_pod_ports_is_a_startup_error() {
         "{err}"
     );
 }
+
+/// A SIGKILLed agent (no chance to stop Envoy itself) must not leave Envoy running: the
+/// kernel's parent-death signal ends it.
+#[tokio::test(flavor = "multi_thread")]
+async fn sigkilled_agent_takes_envoy_with_it() {
+    let mut a = start_agent("sidecar", &[]);
+    let pid = a.proc.pid();
+    let envoy = wait_for("Envoy child", DEADLINE, || async move {
+        children_of(pid).first().copied()
+    })
+    .await;
+    signal(pid, "-KILL");
+    let _ = wait_exit(&mut a.proc, Duration::from_secs(10)).await;
+    // Gone, or a zombie waiting for its new parent to reap it: either way not running.
+    wait_for(
+        "Envoy to die with the agent",
+        Duration::from_secs(10),
+        || async move {
+            match std::fs::read_to_string(format!("/proc/{envoy}/stat")) {
+                Err(_) => Some(()),
+                Ok(s) => s
+                    .rsplit_once(") ")
+                    .is_some_and(|(_, rest)| rest.starts_with('Z') || rest.starts_with('X'))
+                    .then_some(()),
+            }
+        },
+    )
+    .await;
+}
+
+/// The first SIGTERM drains (here for up to 60 s); a second one skips the rest of the drain.
+#[tokio::test(flavor = "multi_thread")]
+async fn second_sigterm_skips_the_drain() {
+    let pc = serde_json::json!({
+        "binaryPath": envoy_bin(),
+        "proxyAdminPort": free_port(),
+        "statusPort": free_port(),
+        "discoveryAddress": format!("127.0.0.1:{}", free_port()),
+        "terminationDrainDuration": "60s",
+        "drainDuration": "2s",
+    });
+    let mut a = start_agent("sidecar", &[("PROXY_CONFIG", pc.to_string())]);
+    let pid = a.proc.pid();
+    wait_for("Envoy child", DEADLINE, || async move {
+        children_of(pid).first().copied()
+    })
+    .await;
+    signal(pid, "-TERM");
+    wait_for("the drain to start", DEADLINE, || {
+        let log = a.proc.log_text();
+        async move {
+            log.contains("waiting for terminationDrainDuration")
+                .then_some(())
+        }
+    })
+    .await;
+    assert!(a.proc.try_wait().is_none(), "exited before the drain ended");
+    signal(pid, "-TERM");
+    let st = wait_exit(&mut a.proc, Duration::from_secs(20)).await;
+    assert!(st.success(), "{st:?}\n{}", a.proc.log_text());
+    assert!(
+        a.proc.log_text().contains("second termination signal"),
+        "{}",
+        a.proc.log_text()
+    );
+}
+
+/// SIGHUP, SIGUSR1 and SIGUSR2 neither kill the agent nor orphan Envoy (Go ignores them).
+#[tokio::test(flavor = "multi_thread")]
+async fn hup_and_usr_signals_are_ignored() {
+    let mut a = start_agent("sidecar", &[]);
+    let pid = a.proc.pid();
+    let status = a.status;
+    wait_for("the status port", DEADLINE, || async move {
+        http_get(status, "/healthz/ready").await.ok()
+    })
+    .await;
+    for sig in ["-HUP", "-USR1", "-USR2"] {
+        signal(pid, sig);
+    }
+    // Still serving after the signals were delivered.
+    for _ in 0..5 {
+        assert!(http_get(status, "/healthz/ready").await.is_ok());
+        assert!(a.proc.try_wait().is_none(), "{}", a.proc.log_text());
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(children_of(pid).len(), 1, "Envoy still running");
+}
+
+/// A supervised server whose socket disappears is down: the agent logs it naming the
+/// server, binds the socket again, and clients can connect to it. (While it is down readiness
+/// names it too — the supervisor's unit tests check that; here the restart takes ~100 ms, too
+/// short a window to observe reliably over HTTP.)
+#[tokio::test(flavor = "multi_thread")]
+async fn removed_sds_and_xds_sockets_are_rebound() {
+    let a = start_agent("sidecar", &[]);
+    for (name, rel) in [
+        ("xds-proxy", "etc/istio/proxy/XDS"),
+        ("sds", "var/run/secrets/workload-spiffe-uds/socket"),
+    ] {
+        let sock = a.cwd.path().join(rel);
+        wait_for("the socket", DEADLINE, || {
+            let ok = sock.exists();
+            async move { ok.then_some(()) }
+        })
+        .await;
+        std::fs::remove_file(&sock).unwrap();
+        let want = format!("server=\"{name}\" error=socket");
+        wait_for("the supervisor to notice", DEADLINE, || {
+            let log = a.proc.log_text();
+            let hit = log
+                .lines()
+                .any(|l| l.contains(&want) && l.contains("was removed"));
+            async move { hit.then_some(()) }
+        })
+        .await;
+        wait_for("the socket bound again and accepting", DEADLINE, || {
+            let sock = sock.clone();
+            async move { tokio::net::UnixStream::connect(&sock).await.ok() }
+        })
+        .await;
+    }
+}

@@ -387,3 +387,112 @@ async fn paused_envoy_backpressures_upstream() {
     .await;
     assert_eq!(client_for(&dp, "sotw").await["nacks"], json!({}));
 }
+
+/// An NDS interceptor whose first response waits until the test opens the gate (standing in
+/// for a slow Wasm download); later ones finish at once.
+struct GatedNds {
+    gate: std::sync::Arc<tokio::sync::Semaphore>,
+    seen: std::sync::Arc<std::sync::Mutex<Vec<String>>>,
+}
+
+impl meshagent::xds::intercept::Interceptor for GatedNds {
+    fn type_url(&self) -> &'static str {
+        type_url::NAME_TABLE
+    }
+
+    fn on_first_lds(&self, api: meshagent::xds::Api) -> Vec<bytes::Bytes> {
+        vec![meshagent::xds::intercept::request(
+            api,
+            type_url::NAME_TABLE,
+            "",
+            "",
+            None,
+        )]
+    }
+
+    fn on_response(
+        &self,
+        api: meshagent::xds::Api,
+        _msg: bytes::Bytes,
+        meta: meshagent::xds::intercept::Meta,
+    ) -> meshagent::xds::intercept::Outcome {
+        let first = {
+            let mut seen = self.seen.lock().unwrap();
+            seen.push(meta.version.clone());
+            seen.len() == 1
+        };
+        let gate = self.gate.clone();
+        Box::pin(async move {
+            if first {
+                let _ = gate.acquire().await;
+            }
+            Ok(meshagent::xds::intercept::Verdict::Consume(Some(
+                meshagent::xds::intercept::ack(api, &meta),
+            )))
+        })
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn pending_interception_delays_no_other_type_and_keeps_its_order() {
+    let dp = Devplane::start(&mesh_yaml(false)).await;
+    let dir = tempfile::tempdir().unwrap();
+    let gate = std::sync::Arc::new(tokio::sync::Semaphore::new(0));
+    let seen = std::sync::Arc::new(std::sync::Mutex::new(Vec::<String>::new()));
+    let nds = std::sync::Arc::new(GatedNds {
+        gate: gate.clone(),
+        seen: seen.clone(),
+    });
+    let agent = agent_for_with(&dp, dir.path(), &[], |o| o.interceptors.push(nds)).await;
+    let (envoy, _sds) = envoy_through(&dp, &agent, dir.path(), false).await;
+    let seen_n = |n: usize| {
+        let seen = seen.clone();
+        async move {
+            wait_for("NDS responses at the interceptor", DEADLINE, || {
+                let v = seen.lock().unwrap().clone();
+                async move { (v.len() >= n).then_some(v) }
+            })
+            .await
+        }
+    };
+    seen_n(1).await;
+
+    // While the first NDS verdict is pending, a CDS push reaches Envoy and is ACKed.
+    dp.set_resource(
+        type_url::CLUSTER,
+        "while-pending",
+        &big_cluster("while-pending", 16),
+    )
+    .await;
+    wait_for("the pushed cluster in Envoy", DEADLINE, || async {
+        envoy
+            .clusters()
+            .await
+            .iter()
+            .any(|n| n == "while-pending")
+            .then_some(())
+    })
+    .await;
+    let c = client_for(&dp, "sotw").await;
+    assert!(
+        c["acked"].get(type_url::NAME_TABLE).is_none(),
+        "the gated NDS response was ACKed before its verdict: {c:#}"
+    );
+
+    // A second NDS response finishes at once but is applied after the first.
+    dp.set_resource(type_url::NAME_TABLE, "", &[]).await;
+    let versions = seen_n(2).await;
+    assert_ne!(versions[0], versions[1]);
+    gate.add_permits(1);
+    // The last ACK is for the newest response (out of order, the gated first one would end
+    // up last).
+    wait_for("the NDS ACKs in arrival order", DEADLINE, || async {
+        let last = seen.lock().unwrap().last().cloned().unwrap();
+        let c = client_for(&dp, "sotw").await;
+        (c["acked"][type_url::NAME_TABLE] == last.as_str()).then_some(())
+    })
+    .await;
+    // Nothing was NACKed along the way.
+    let c = client_for(&dp, "sotw").await;
+    assert_eq!(c["nacks"], json!({}), "{c:#}");
+}

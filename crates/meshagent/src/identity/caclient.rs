@@ -175,7 +175,7 @@ impl IstioCaClient {
             metadata: Some(Struct { fields }),
         });
         req.set_timeout(Duration::from_secs(30));
-        self.metadata.apply(req.metadata_mut());
+        self.metadata.apply(req.metadata_mut()).await;
         let resp: IstioCertificateResponse = client.create_certificate(req).await?.into_inner();
         Ok(resp.cert_chain)
     }

@@ -10,17 +10,25 @@
 //! "re-read every resource that lives there", debounced by `FILE_DEBOUNCE_DURATION`. Content is
 //! compared, so metadata-only events never push, and a real change is never missed because we
 //! do not try to match event names (istio#59912). If inotify is unavailable we poll once a
-//! second instead.
+//! second instead. Only content events count (create, write, rename, remove — the mask of
+//! Istio's fsnotify watcher, `pkg/filewatcher`): our own reads raise open/access events, and
+//! reacting to those re-read every file ten times a second, forever.
+//!
+//! Reading: the files are chosen by whoever writes a DestinationRule, so each load runs on
+//! the blocking pool with a timeout and reads only regular files of at most
+//! [`MAX_FILE_BYTES`] ([`crate::fsio`]: a FIFO or `/proc/self/fd/1` would block forever,
+//! `/dev/zero` never ends). A stuck or failing file affects only its own resource.
 
 use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
-use notify::{RecursiveMode, Watcher as _};
+use notify::{EventKind, RecursiveMode, Watcher as _};
 use rustls_pki_types::pem::PemObject;
 use rustls_pki_types::{CertificateDer, PrivateKeyDer};
 use tokio::sync::mpsc;
+use tokio::task::JoinSet;
 use tokio::time::{Instant, sleep_until};
 use tokio_util::sync::CancellationToken;
 
@@ -30,6 +38,14 @@ use crate::control_plane::SYSTEM_ROOT_PATHS;
 
 /// Istio's CRL file, attached to roots when present.
 pub const CRL_PATH: &str = "/var/run/secrets/istio/crl/ca-crl.pem";
+
+/// Largest certificate, key or bundle file read (an OS bundle is ~200 KiB; Istio has no cap,
+/// so one huge file costs it its memory on every reload).
+pub const MAX_FILE_BYTES: u64 = 4 * 1024 * 1024;
+
+/// How long one load may take before its resource is reported failed (the read itself may
+/// stay stuck on the blocking pool; nothing waits for it).
+pub const LOAD_TIMEOUT: Duration = Duration::from_secs(5);
 
 #[derive(Debug, Clone, thiserror::Error, PartialEq, Eq)]
 pub enum FileSecretError {
@@ -51,13 +67,22 @@ pub enum FileSecretError {
     },
     #[error("no OS trust bundle found (looked in {0})")]
     NoSystemRoots(String),
+    #[error(transparent)]
+    File(#[from] crate::fsio::ReadError),
 }
 
 /// What a file resource reads.
 #[derive(Debug, Clone, PartialEq, Eq)]
 enum Source {
-    Cert { cert: PathBuf, key: PathBuf },
-    Root { path: PathBuf },
+    Cert {
+        cert: PathBuf,
+        key: PathBuf,
+    },
+    Root {
+        path: PathBuf,
+    },
+    /// `file-root:system`: the first OS bundle found, looked up at each load.
+    SystemRoot,
 }
 
 fn parse_name(name: &str, cwd: &Path) -> Result<Source, FileSecretError> {
@@ -74,13 +99,7 @@ fn parse_name(name: &str, cwd: &Path) -> Result<Source, FileSecretError> {
     }
     let rest = name.strip_prefix(FILE_ROOT_PREFIX).ok_or_else(bad)?;
     if rest == "system" {
-        let found = SYSTEM_ROOT_PATHS
-            .iter()
-            .map(PathBuf::from)
-            .find(|p| p.is_file());
-        return found
-            .map(|path| Source::Root { path })
-            .ok_or_else(|| FileSecretError::NoSystemRoots(SYSTEM_ROOT_PATHS.join(", ")));
+        return Ok(Source::SystemRoot);
     }
     if rest.is_empty() {
         return Err(bad());
@@ -90,11 +109,17 @@ fn parse_name(name: &str, cwd: &Path) -> Result<Source, FileSecretError> {
     })
 }
 
+fn system_roots() -> Result<PathBuf, FileSecretError> {
+    SYSTEM_ROOT_PATHS
+        .iter()
+        .map(PathBuf::from)
+        .find(|p| p.is_file())
+        .ok_or_else(|| FileSecretError::NoSystemRoots(SYSTEM_ROOT_PATHS.join(", ")))
+}
+
+/// Blocking: loads run on the blocking pool ([`load_off_reactor`]).
 fn read(path: &Path) -> Result<Vec<u8>, FileSecretError> {
-    std::fs::read(path).map_err(|e| FileSecretError::Read {
-        path: path.display().to_string(),
-        reason: e.to_string(),
-    })
+    Ok(crate::fsio::read_bounded(path, MAX_FILE_BYTES)?)
 }
 
 /// Loads a cert/key pair, checking that the key belongs to the leaf.
@@ -151,9 +176,99 @@ pub fn load_root(path: &Path, crl: Option<PathBuf>) -> Result<SecretData, FileSe
 }
 
 fn load(source: &Source, crl: &Option<PathBuf>) -> Result<SecretData, FileSecretError> {
+    let crl = || crl.clone().filter(|p| p.is_file());
     match source {
         Source::Cert { cert, key } => load_cert_pair(cert, key),
-        Source::Root { path } => load_root(path, crl.clone().filter(|p| p.is_file())),
+        Source::Root { path } => load_root(path, crl()),
+        Source::SystemRoot => load_root(&system_roots()?, crl()),
+    }
+}
+
+/// The files a source reads, as named (system roots: the bundle found now, if any).
+fn source_files(source: &Source) -> Vec<PathBuf> {
+    match source {
+        Source::Cert { cert, key } => vec![cert.clone(), key.clone()],
+        Source::Root { path } => vec![path.clone()],
+        Source::SystemRoot => system_roots().into_iter().collect(),
+    }
+}
+
+/// The directories to watch for a source: each file's own, and its resolved target's
+/// (kubelet's `..data` indirection). Blocking (canonicalize, stat).
+fn source_dirs(source: &Source) -> HashSet<PathBuf> {
+    let mut dirs = HashSet::new();
+    for f in source_files(source) {
+        if let Some(p) = f.parent() {
+            dirs.insert(p.to_path_buf());
+        }
+        if let Some(p) = std::fs::canonicalize(&f)
+            .ok()
+            .and_then(|c| c.parent().map(Path::to_path_buf))
+        {
+            dirs.insert(p);
+        }
+    }
+    dirs.retain(|d| d.is_dir());
+    dirs
+}
+
+/// Only content changes trigger a reload (Istio's fsnotify mask: create, write, rename,
+/// remove); open/read/close-without-write and metadata events are our own reads or noise.
+fn is_content_event(kind: &EventKind) -> bool {
+    use notify::event::{AccessKind, AccessMode, ModifyKind};
+    match kind {
+        EventKind::Create(_) | EventKind::Remove(_) => true,
+        EventKind::Modify(ModifyKind::Metadata(_)) => false,
+        EventKind::Modify(_) => true,
+        EventKind::Access(AccessKind::Close(AccessMode::Write)) => true,
+        EventKind::Access(_) | EventKind::Any | EventKind::Other => false,
+    }
+}
+
+/// One finished load: the resource name, what it read, and the directories to watch.
+type Loaded = (
+    String,
+    Result<SecretData, FileSecretError>,
+    HashSet<PathBuf>,
+);
+
+/// Loads running at once. Loading is CPU work too (PEM, X.509, key match); with one at a time
+/// a directory of 2,000 resources re-verifies in about a second, and the other core stays
+/// free for the runtime thread (tests/runtime_policy.rs measures the status port meanwhile).
+const CONCURRENT_LOADS: usize = 1;
+
+/// Loads `source` on the blocking pool, giving up after [`LOAD_TIMEOUT`].
+async fn load_off_reactor(
+    name: String,
+    source: Source,
+    crl: Option<PathBuf>,
+    limit: Arc<tokio::sync::Semaphore>,
+) -> Loaded {
+    // The permit is held while the load runs, or until it times out (a stuck read then holds
+    // a blocking thread, not the others' turn).
+    let _permit = limit.acquire_owned().await;
+    let path = source_files(&source)
+        .first()
+        .map_or_else(|| name.clone(), |p| p.display().to_string());
+    let job = tokio::task::spawn_blocking(move || (load(&source, &crl), source_dirs(&source)));
+    match tokio::time::timeout(LOAD_TIMEOUT, job).await {
+        Ok(Ok((result, dirs))) => (name, result, dirs),
+        Ok(Err(e)) => (
+            name,
+            Err(FileSecretError::Read {
+                path,
+                reason: format!("load task failed: {e}"),
+            }),
+            HashSet::new(),
+        ),
+        Err(_) => (
+            name,
+            Err(FileSecretError::File(crate::fsio::ReadError::Timeout {
+                path,
+                timeout: LOAD_TIMEOUT,
+            })),
+            HashSet::new(),
+        ),
     }
 }
 
@@ -163,15 +278,6 @@ struct Resource {
     /// First failure of the current failing streak (load retried until `load_wait` passes).
     failing_since: Option<Instant>,
     loaded_once: bool,
-}
-
-impl Resource {
-    fn files(&self) -> Vec<&Path> {
-        match &self.source {
-            Source::Cert { cert, key } => vec![cert, key],
-            Source::Root { path } => vec![path],
-        }
-    }
 }
 
 /// The file-secret task. Owns the watcher and every file resource.
@@ -191,7 +297,9 @@ impl FileSecrets {
     pub async fn run(mut self, cancel: CancellationToken) {
         let (ev_tx, mut events) = mpsc::unbounded_channel::<PathBuf>();
         let watcher = notify::recommended_watcher(move |res: notify::Result<notify::Event>| {
-            if let Ok(ev) = res {
+            if let Ok(ev) = res
+                && is_content_event(&ev.kind)
+            {
                 for p in ev.paths {
                     let _ = ev_tx.send(p);
                 }
@@ -211,27 +319,38 @@ impl FileSecrets {
         let mut reload_at: Option<Instant> = None;
         let poll = Duration::from_secs(1);
         let mut next_poll = Instant::now() + poll;
+        // Loads in flight (at most one per resource) and those asked for again meanwhile.
+        let mut loads: JoinSet<Loaded> = JoinSet::new();
+        let mut in_flight: HashSet<String> = HashSet::new();
+        let mut again: HashSet<String> = HashSet::new();
+        let limit = Arc::new(tokio::sync::Semaphore::new(CONCURRENT_LOADS));
 
         loop {
-            // Event arms only mark work; reloading happens at one debounced deadline, so a burst
+            // Event arms only mark work; loading starts at one debounced deadline, so a burst
             // of kubelet events (create dir, rename symlink, delete old dir) costs one read.
+            // Loads run on the blocking pool and report back in their own arm, so a slow file
+            // never holds up requests, events or other resources.
             tokio::select! {
                 _ = cancel.cancelled() => return,
                 Some(name) = self.requests.recv() => {
                     match parse_name(&name, &self.cwd) {
                         Ok(source) => {
                             resources.insert(name.clone(), Resource { source, dirs: HashSet::new(), failing_since: None, loaded_once: false });
-                            self.reload(&name, &mut resources);
-                            self.watch_dirs(&name, &mut resources, watcher.as_mut(), &mut watched);
-                            if resources.get(&name).is_some_and(|r| r.failing_since.is_some()) {
-                                dirty.insert(name);
-                                reload_at.get_or_insert(Instant::now() + self.debounce);
-                            }
+                            self.start_load(&name, &resources, &limit, &mut loads, &mut in_flight, &mut again);
                         }
                         Err(e) => {
                             self.metrics.file_secret_failures.inc();
                             self.store.set(&name, SecretState::Failed(e.to_string().into()));
                         }
+                    }
+                }
+                Some(done) = loads.join_next(), if !loads.is_empty() => {
+                    let Ok((name, result, dirs)) = done else { continue };
+                    in_flight.remove(&name);
+                    self.loaded(&name, result, dirs, &mut resources, watcher.as_mut(), &mut watched);
+                    if again.remove(&name) || resources.get(&name).is_some_and(|r| r.failing_since.is_some()) {
+                        dirty.insert(name);
+                        reload_at.get_or_insert(Instant::now() + self.debounce);
                     }
                 }
                 Some(path) = events.recv() => {
@@ -248,14 +367,7 @@ impl FileSecrets {
                 _ = sleep_until(reload_at.unwrap_or_else(far_future)), if reload_at.is_some() => {
                     reload_at = None;
                     for name in std::mem::take(&mut dirty) {
-                        self.reload(&name, &mut resources);
-                        self.watch_dirs(&name, &mut resources, watcher.as_mut(), &mut watched);
-                        if resources.get(&name).is_some_and(|r| r.failing_since.is_some()) {
-                            dirty.insert(name);
-                        }
-                    }
-                    if !dirty.is_empty() {
-                        reload_at = Some(Instant::now() + self.debounce);
+                        self.start_load(&name, &resources, &limit, &mut loads, &mut in_flight, &mut again);
                     }
                 }
                 _ = sleep_until(next_poll), if watcher.is_none() => {
@@ -267,11 +379,51 @@ impl FileSecrets {
         }
     }
 
-    fn reload(&self, name: &str, resources: &mut HashMap<String, Resource>) {
+    /// Starts loading `name` unless a load of it is already running (then it runs again after).
+    fn start_load(
+        &self,
+        name: &str,
+        resources: &HashMap<String, Resource>,
+        limit: &Arc<tokio::sync::Semaphore>,
+        loads: &mut JoinSet<Loaded>,
+        in_flight: &mut HashSet<String>,
+        again: &mut HashSet<String>,
+    ) {
+        let Some(r) = resources.get(name) else {
+            return;
+        };
+        if !in_flight.insert(name.to_owned()) {
+            again.insert(name.to_owned());
+            return;
+        }
+        self.metrics.file_secret_loads.inc();
+        let span = tracing::debug_span!("file_secret_load", resource = name);
+        loads.spawn(tracing::Instrument::instrument(
+            load_off_reactor(
+                name.to_owned(),
+                r.source.clone(),
+                self.crl.clone(),
+                limit.clone(),
+            ),
+            span,
+        ));
+    }
+
+    /// Applies a finished load: publish the secret or track the failure streak, and watch
+    /// the directories it lives in.
+    fn loaded(
+        &self,
+        name: &str,
+        result: Result<SecretData, FileSecretError>,
+        dirs: HashSet<PathBuf>,
+        resources: &mut HashMap<String, Resource>,
+        watcher: Option<&mut notify::RecommendedWatcher>,
+        watched: &mut HashSet<PathBuf>,
+    ) {
         let Some(r) = resources.get_mut(name) else {
             return;
         };
-        match load(&r.source, &self.crl) {
+        match result {
             Ok(data) => {
                 if r.failing_since.take().is_some() && r.loaded_once {
                     tracing::info!(resource = name, "file secret readable again");
@@ -281,7 +433,9 @@ impl FileSecrets {
             }
             Err(e) => {
                 let since = *r.failing_since.get_or_insert_with(Instant::now);
-                if since.elapsed() >= self.load_wait {
+                // Errors that no rewrite of the same path fixes soon are reported at once.
+                let permanent = matches!(&e, FileSecretError::File(f) if f.is_permanent());
+                if permanent || since.elapsed() >= self.load_wait {
                     // Give up on this streak: report once, and wait for the next file event.
                     r.failing_since = None;
                     self.metrics.file_secret_failures.inc();
@@ -293,36 +447,14 @@ impl FileSecrets {
                 }
             }
         }
-    }
-
-    fn watch_dirs(
-        &self,
-        name: &str,
-        resources: &mut HashMap<String, Resource>,
-        watcher: Option<&mut notify::RecommendedWatcher>,
-        watched: &mut HashSet<PathBuf>,
-    ) {
-        let Some(r) = resources.get_mut(name) else {
-            return;
-        };
-        let mut dirs = HashSet::new();
-        for f in r.files() {
-            if let Some(p) = f.parent() {
-                dirs.insert(p.to_path_buf());
-            }
-            if let Some(p) = std::fs::canonicalize(f)
-                .ok()
-                .and_then(|c| c.parent().map(Path::to_path_buf))
-            {
-                dirs.insert(p);
-            }
-        }
         r.dirs.extend(dirs.iter().cloned());
         let Some(w) = watcher else { return };
         for d in dirs {
-            if watched.contains(&d) || !d.is_dir() {
+            if watched.contains(&d) {
                 continue;
             }
+            // inotify_add_watch: a syscall on a directory that was just stat'ed; it does not
+            // read file contents.
             match w.watch(&d, RecursiveMode::NonRecursive) {
                 Ok(()) => {
                     watched.insert(d);
@@ -386,6 +518,31 @@ mod tests {
         std::fs::write(&p, junk).unwrap();
         let e = load_root(&p, None).unwrap_err();
         assert!(e.to_string().contains("roots.pem"), "{e}");
+    }
+
+    #[test]
+    fn only_content_events_trigger_reloads() {
+        use notify::event::{
+            AccessKind, AccessMode, CreateKind, DataChange, MetadataKind, ModifyKind, RemoveKind,
+            RenameMode,
+        };
+        for k in [
+            EventKind::Create(CreateKind::File),
+            EventKind::Modify(ModifyKind::Data(DataChange::Any)),
+            EventKind::Modify(ModifyKind::Name(RenameMode::To)),
+            EventKind::Remove(RemoveKind::File),
+            EventKind::Access(AccessKind::Close(AccessMode::Write)),
+        ] {
+            assert!(is_content_event(&k), "{k:?}");
+        }
+        for k in [
+            EventKind::Access(AccessKind::Open(AccessMode::Any)),
+            EventKind::Access(AccessKind::Close(AccessMode::Read)),
+            EventKind::Access(AccessKind::Read),
+            EventKind::Modify(ModifyKind::Metadata(MetadataKind::AccessTime)),
+        ] {
+            assert!(!is_content_event(&k), "{k:?}");
+        }
     }
 
     #[test]

@@ -144,8 +144,45 @@ pub struct SecretManager {
     pub crl: Option<std::path::PathBuf>,
 }
 
-fn spawn_key(spec: KeySpec) -> tokio::task::JoinHandle<Result<WorkloadKey, super::keys::KeyError>> {
+type KeyJob = tokio::task::JoinHandle<Result<WorkloadKey, super::keys::KeyError>>;
+
+fn spawn_key(spec: KeySpec) -> KeyJob {
     tokio::task::spawn_blocking(move || WorkloadKey::generate(spec))
+}
+
+/// The first key is on the sidecar's start-up path, and RSA generation time is a random
+/// prime search (p50 ~60 ms, long tail on 2 cores): with a spare CPU, two generations race and
+/// the first one wins (the loser finishes in the background and is dropped). ECDSA takes
+/// well under a millisecond and is never raced. BENCHMARKS.md, sidecar startup, has the
+/// numbers.
+fn spawn_first_key(spec: KeySpec) -> KeyJob {
+    let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let racers = match spec.kind {
+        super::keys::KeyKind::Rsa(_) if cpus > 1 => 2,
+        _ => 1,
+    };
+    if racers == 1 {
+        return spawn_key(spec);
+    }
+    tokio::spawn(async move {
+        let (tx, mut rx) = tokio::sync::mpsc::channel(racers);
+        for _ in 0..racers {
+            let tx = tx.clone();
+            tokio::task::spawn_blocking(move || {
+                let _ = tx.blocking_send(WorkloadKey::generate(spec));
+            });
+        }
+        drop(tx);
+        let mut failed = None;
+        while let Some(r) = rx.recv().await {
+            match r {
+                Ok(k) => return Ok(k),
+                Err(e) => failed = Some(e),
+            }
+        }
+        Err(failed
+            .unwrap_or_else(|| super::keys::KeyError::Generate("key generation task ended".into())))
+    })
 }
 
 /// Leaf `NotAfter` of a PEM chain.
@@ -194,7 +231,7 @@ impl SecretManager {
     /// Runs until `cancel`.
     pub async fn run(mut self, cancel: CancellationToken) {
         let mut key: Option<WorkloadKey> = None;
-        let mut next = Some(spawn_key(self.key_spec));
+        let mut next = Some(spawn_first_key(self.key_spec));
         let mut current: Option<Issued> = None;
         let mut logged_error: Option<String> = None;
         let mut anchors_open = true;
@@ -242,7 +279,7 @@ impl SecretManager {
                     let root = chain.last().cloned().unwrap_or_default();
                     let chain_pem: String = chain.concat();
                     if let Some(out) = &self.output {
-                        out.write_workload(k.pem(), &chain_pem, &root);
+                        out.write_workload(k.pem(), &chain_pem, &root).await;
                     }
                     self.store.set(
                         WORKLOAD,

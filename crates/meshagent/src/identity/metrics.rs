@@ -19,6 +19,9 @@ pub struct Metrics {
     pub file_watcher_failures: Counter,
     /// `num_file_secret_failures_total`
     pub file_secret_failures: Counter,
+    /// `file_secret_loads_total` (no Istio equivalent): file-secret loads started, so a reload
+    /// loop shows up on a dashboard.
+    pub file_secret_loads: Counter,
     /// Feeds `cert_expiry_seconds{resource_name="default"}` at scrape time.
     pub expiry: Arc<Mutex<Option<SystemTime>>>,
 }
@@ -70,6 +73,10 @@ impl Metrics {
             file_secret_failures: r.counter(
                 "num_file_secret_failures_total",
                 "Number of times secret generation failed for files",
+            )?,
+            file_secret_loads: r.counter(
+                "file_secret_loads_total",
+                "Number of times a file-backed secret was read (initial loads and reloads).",
             )?,
             expiry,
         })

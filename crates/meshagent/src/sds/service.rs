@@ -311,7 +311,10 @@ impl SecretDiscoveryService for SdsService {
         request: Request<Streaming<DiscoveryRequest>>,
     ) -> Result<Response<Self::StreamSecretsStream>, Status> {
         let (tx, rx) = mpsc::channel(4);
-        tokio::spawn(self.clone().run_sotw(request.into_inner(), tx));
+        tokio::spawn(tracing::Instrument::instrument(
+            self.clone().run_sotw(request.into_inner(), tx),
+            tracing::info_span!("sds_stream", api = "sotw"),
+        ));
         Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
     }
 
@@ -320,7 +323,10 @@ impl SecretDiscoveryService for SdsService {
         request: Request<Streaming<DeltaDiscoveryRequest>>,
     ) -> Result<Response<Self::DeltaSecretsStream>, Status> {
         let (tx, rx) = mpsc::channel(4);
-        tokio::spawn(self.clone().run_delta(request.into_inner(), tx));
+        tokio::spawn(tracing::Instrument::instrument(
+            self.clone().run_delta(request.into_inner(), tx),
+            tracing::info_span!("sds_stream", api = "delta"),
+        ));
         Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
     }
 

@@ -5,10 +5,17 @@
 //! control plane fall out of sync). So an [`Interceptor`] is consulted only for responses of
 //! its own type URL and for the moment Envoy sends its first LDS request; every other message
 //! passes through as bytes.
+//!
+//! Interceptors are **asynchronous**: [`Interceptor::on_response`] returns a future, and the
+//! stream task keeps forwarding other types and reading Envoy's requests while it is pending
+//! (a Wasm download must not hold back a CDS push: Istio converts ECDS in its own goroutine,
+//! `pkg/istio-agent/xds_proxy.go` `handleUpstreamResponse`). Responses of one type are handed
+//! on in the order they arrived, whatever order their futures finish in (`xds/stream.rs`).
 
 use std::sync::Arc;
 
 use bytes::Bytes;
+use futures::future::BoxFuture;
 use meshagent_proto::envoy::pb::envoy::service::discovery::v3::{
     DeltaDiscoveryRequest, DeltaDiscoveryResponse, DiscoveryRequest, DiscoveryResponse,
 };
@@ -56,6 +63,43 @@ pub enum Verdict {
     Consume(Option<Bytes>),
 }
 
+/// Why an interceptor refused a response: the stream NACKs it upstream with this message
+/// (gRPC `Internal`, as Istio) and Envoy sees nothing.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum InterceptError {
+    #[error("{0}")]
+    Rejected(String),
+}
+
+/// What an interceptor's future resolves to.
+pub type Outcome = BoxFuture<'static, Result<Verdict, InterceptError>>;
+
+/// The fields of a response an interceptor needs after the stream has moved on (owned, so a
+/// pending future does not borrow the stream's buffers).
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Meta {
+    pub type_url: String,
+    pub nonce: String,
+    /// `version_info` (SotW) or `system_version_info` (Delta).
+    pub version: String,
+}
+
+impl Meta {
+    pub fn of(p: &wire::Peek<'_>) -> Meta {
+        Meta {
+            type_url: p.type_url.to_owned(),
+            nonce: p.nonce.to_owned(),
+            version: p.version.to_owned(),
+        }
+    }
+
+    /// The NACK the stream sends when an interceptor fails: no version (the agent keeps no
+    /// record of the last accepted one, and istiod keys NACKs on the nonce).
+    pub fn nack(&self, api: Api, e: &InterceptError) -> Bytes {
+        request(api, &self.type_url, "", &self.nonce, Some(&e.to_string()))
+    }
+}
+
 /// A per-type hook. Implementations are shared by all streams, so per-stream state must not
 /// live in them (the only state Istio keeps is what they publish, e.g. the DNS table).
 pub trait Interceptor: Send + Sync {
@@ -68,8 +112,9 @@ pub trait Interceptor: Send + Sync {
         Vec::new()
     }
 
-    /// Handles one response of [`Interceptor::type_url`].
-    fn on_response(&self, api: Api, msg: Bytes, peek: &wire::Peek<'_>) -> Verdict;
+    /// Handles one response of [`Interceptor::type_url`]. The future may take as long as it
+    /// needs (a download); it is dropped if the stream ends first.
+    fn on_response(&self, api: Api, msg: Bytes, meta: Meta) -> Outcome;
 }
 
 // === request building ===
@@ -121,32 +166,27 @@ fn first_resource(api: Api, msg: &[u8]) -> Result<Option<Any>, prost::DecodeErro
 fn consume(
     api: Api,
     msg: &[u8],
-    peek: &wire::Peek<'_>,
+    meta: &Meta,
     what: &str,
     apply: impl FnOnce(&Any) -> Result<(), String>,
-) -> Verdict {
+) -> Result<Verdict, InterceptError> {
     let result = match first_resource(api, msg) {
-        Ok(None) => return Verdict::Consume(None),
+        Ok(None) => return Ok(Verdict::Consume(None)),
         Ok(Some(any)) => apply(&any),
         Err(e) => Err(format!("decoding the {what} response: {e}")),
     };
-    let error = match &result {
-        Ok(()) => None,
+    match result {
+        Ok(()) => Ok(Verdict::Consume(Some(ack(api, meta)))),
         Err(e) => {
-            tracing::error!(type_url = peek.type_url, nonce = peek.nonce, error = %e, "rejecting {what} from upstream (NACK)");
-            Some(e.as_str())
+            tracing::error!(type_url = %meta.type_url, nonce = %meta.nonce, error = %e, "rejecting {what} from upstream (NACK)");
+            Err(InterceptError::Rejected(e))
         }
-    };
-    // A NACK carries no version: the agent keeps no per-stream record of the last accepted
-    // one, and istiod keys NACKs on the nonce.
-    let version = if error.is_some() { "" } else { peek.version };
-    Verdict::Consume(Some(request(
-        api,
-        peek.type_url,
-        version,
-        peek.nonce,
-        error,
-    )))
+    }
+}
+
+/// The ACK of a consumed response: SotW carries version and nonce, Delta the nonce.
+pub fn ack(api: Api, meta: &Meta) -> Bytes {
+    request(api, &meta.type_url, &meta.version, &meta.nonce, None)
 }
 
 /// A subscription request with no names (wildcard), as Istio sends for NDS and PCDS.
@@ -171,14 +211,15 @@ impl Interceptor for Nds {
         vec![subscribe(api, type_url::NAME_TABLE)]
     }
 
-    fn on_response(&self, api: Api, msg: Bytes, peek: &wire::Peek<'_>) -> Verdict {
-        consume(api, &msg, peek, "NDS name table", |any| {
+    fn on_response(&self, api: Api, msg: Bytes, meta: Meta) -> Outcome {
+        let v = consume(api, &msg, &meta, "NDS name table", |any| {
             let table = NameTable::decode(any.value.as_slice())
                 .map_err(|e| format!("invalid NameTable: {e}"))?;
             tracing::debug!(names = table.table.len(), "NDS name table updated");
             self.table.send_replace(Some(Arc::new(table)));
             Ok(())
-        })
+        });
+        Box::pin(std::future::ready(v))
     }
 }
 
@@ -204,32 +245,33 @@ impl Interceptor for Pcds {
         vec![subscribe(api, type_url::PROXY_CONFIG)]
     }
 
-    fn on_response(&self, api: Api, msg: Bytes, peek: &wire::Peek<'_>) -> Verdict {
-        consume(api, &msg, peek, "ProxyConfig", |any| {
+    fn on_response(&self, api: Api, msg: Bytes, meta: Meta) -> Outcome {
+        let v = consume(api, &msg, &meta, "ProxyConfig", |any| {
             let pems = wire::repeated_strings(&any.value, PROXY_CONFIG_CA_CERTIFICATES_PEM)
                 .map_err(|e| format!("invalid ProxyConfig: {e}"))?;
             tracing::info!(certificates = pems.len(), "PCDS trust bundle updated");
             self.bundle.send_replace(pems);
             Ok(())
-        })
+        });
+        Box::pin(std::future::ready(v))
     }
 }
 
 // === ECDS ===
 
-/// The hook the Wasm module fills: rewrite an ECDS response before it reaches Envoy, or
-/// refuse it (the proxy NACKs upstream and Envoy sees nothing).
+/// The hook the Wasm module fills: rewrite an ECDS response before it reaches Envoy (it may
+/// download first), or refuse it (the proxy NACKs upstream and Envoy sees nothing).
 pub trait EcdsRewrite: Send + Sync {
-    /// `Ok(bytes)` is forwarded to Envoy; `Err(message)` is NACKed upstream.
-    fn rewrite(&self, api: Api, msg: Bytes) -> Result<Bytes, String>;
+    /// `Ok(bytes)` is forwarded to Envoy; `Err` is NACKed upstream.
+    fn rewrite(&self, api: Api, msg: Bytes) -> BoxFuture<'static, Result<Bytes, InterceptError>>;
 }
 
 /// The default: ECDS passes through untouched (no decode).
 pub struct PassThrough;
 
 impl EcdsRewrite for PassThrough {
-    fn rewrite(&self, _api: Api, msg: Bytes) -> Result<Bytes, String> {
-        Ok(msg)
+    fn rewrite(&self, _api: Api, msg: Bytes) -> BoxFuture<'static, Result<Bytes, InterceptError>> {
+        Box::pin(std::future::ready(Ok(msg)))
     }
 }
 
@@ -241,14 +283,13 @@ impl Interceptor for Ecds {
         type_url::EXTENSION_CONFIG
     }
 
-    fn on_response(&self, api: Api, msg: Bytes, peek: &wire::Peek<'_>) -> Verdict {
-        match self.0.rewrite(api, msg) {
-            Ok(b) => Verdict::Forward(b),
-            Err(e) => {
-                tracing::error!(nonce = peek.nonce, error = %e, "ECDS rewrite failed; NACK upstream");
-                Verdict::Consume(Some(request(api, peek.type_url, "", peek.nonce, Some(&e))))
-            }
-        }
+    fn on_response(&self, api: Api, msg: Bytes, meta: Meta) -> Outcome {
+        let rewrite = self.0.rewrite(api, msg);
+        Box::pin(async move {
+            rewrite.await.map(Verdict::Forward).inspect_err(|e| {
+                tracing::error!(nonce = %meta.nonce, error = %e, "ECDS rewrite failed; NACK upstream");
+            })
+        })
     }
 }
 
@@ -289,9 +330,9 @@ impl Interceptor for HealthReplay {
             .collect()
     }
 
-    fn on_response(&self, _api: Api, _msg: Bytes, _peek: &wire::Peek<'_>) -> Verdict {
+    fn on_response(&self, _api: Api, _msg: Bytes, _meta: Meta) -> Outcome {
         // istiod does not answer health reports; should it, Envoy must not see the type.
-        Verdict::Consume(None)
+        Box::pin(std::future::ready(Ok(Verdict::Consume(None))))
     }
 }
 
@@ -335,8 +376,12 @@ mod tests {
 
     fn run(i: &dyn Interceptor, api: Api, msg: Bytes) -> Verdict {
         let m = msg.clone();
-        let p = wire::peek(api.response_kind(), &m).unwrap();
-        i.on_response(api, msg, &p)
+        let meta = Meta::of(&wire::peek(api.response_kind(), &m).unwrap());
+        match futures::executor::block_on(i.on_response(api, msg, meta.clone())) {
+            Ok(v) => v,
+            // What the stream does with a failure: NACK upstream.
+            Err(e) => Verdict::Consume(Some(meta.nack(api, &e))),
+        }
     }
 
     fn sent(v: Verdict, api: Api) -> (String, String, Option<Status>) {
@@ -458,8 +503,12 @@ mod tests {
 
         struct Refuse;
         impl EcdsRewrite for Refuse {
-            fn rewrite(&self, _: Api, _: Bytes) -> Result<Bytes, String> {
-                Err("wasm fetch failed".into())
+            fn rewrite(
+                &self,
+                _: Api,
+                _: Bytes,
+            ) -> BoxFuture<'static, Result<Bytes, InterceptError>> {
+                Box::pin(async { Err(InterceptError::Rejected("wasm fetch failed".into())) })
             }
         }
         let (_, nonce, err) = sent(run(&Ecds(Arc::new(Refuse)), Api::Sotw, msg), Api::Sotw);

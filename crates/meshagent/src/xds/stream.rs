@@ -12,6 +12,12 @@
 //! (OK for a graceful upstream end), so Envoy's logs and `control_plane.connected_state` show
 //! istiod's own error (e.g. `Unauthenticated`). A failed dial ends it with `Unavailable` naming
 //! the address, which is more useful to an operator than Istio's bare dial error.
+//!
+//! **Intercepted types** ([`Interceptor`]) are handled by futures that may wait (a Wasm
+//! download). They queue per type URL in [`Pending`]: the loop keeps reading Envoy's requests
+//! and forwarding every other type meanwhile, and each type's verdicts are applied in arrival
+//! order. At most [`MAX_PENDING`] may wait per pair; beyond that istiod's stream is not read
+//! (backpressure, bounded memory), as for a slow Envoy.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -20,6 +26,9 @@ use tokio::time::Instant;
 
 use bytes::Bytes;
 use futures::FutureExt;
+use futures::StreamExt;
+use futures::future::BoxFuture;
+use futures::stream::FuturesOrdered;
 use http::uri::PathAndQuery;
 use tokio::sync::{mpsc, watch};
 use tokio_stream::wrappers::ReceiverStream;
@@ -27,7 +36,7 @@ use tokio_util::sync::CancellationToken;
 use tonic::{Status, Streaming};
 
 use super::codec::RawCodec;
-use super::intercept::{self, Api, Health, Interceptor, Verdict};
+use super::intercept::{self, Api, Health, InterceptError, Interceptor, Meta, Verdict};
 use super::{Metrics, wire};
 use crate::control_plane::{self, CallMetadata, Keepalive, Target};
 
@@ -36,6 +45,9 @@ use crate::control_plane::{self, CallMetadata, Keepalive, Target};
 /// stays bounded.
 const UPSTREAM_QUEUE: usize = 64;
 const AGENT_HEADROOM: usize = 8;
+
+/// Intercepted responses that may wait for their verdict at once, per stream pair.
+const MAX_PENDING: usize = 32;
 
 /// Istio warns when a push to Envoy takes longer than this (it never times it out: PR #31167).
 const SLOW_PUSH: Duration = Duration::from_secs(10);
@@ -126,7 +138,12 @@ pub async fn run(
     // When the last response was handed over, to warn about slow pushes as Istio does.
     let mut handed_over: Option<Instant> = None;
 
+    let mut pending = Pending::default();
+
     let end = loop {
+        // Arm order: stop first; then the dial; then the slot toward Envoy; then finished
+        // interceptions before new upstream reads, so a verdict is handed over before more of
+        // istiod's stream is taken in.
         tokio::select! {
             biased;
             () = stop.cancelled() => break End::Stopped,
@@ -148,8 +165,16 @@ pub async fn run(
                 }
                 Err(_) => break End::Downstream(Some(Status::cancelled("Envoy stream closed"))),
             },
-            m = async { upstream.as_mut()?.message().await.transpose() }, if upstream.is_some() && permit.is_some() => match m {
-                Some(Ok(msg)) => match on_response(&shared, api, id, msg, &up_tx) {
+            (meta, verdict) = pending.next(), if !pending.is_empty() && permit.is_some() => {
+                if let Some(out) = apply_verdict(api, id, &meta, verdict, &up_tx)
+                    && let Some(p) = permit.take()
+                {
+                    p.send(Ok(out));
+                    handed_over = Some(Instant::now());
+                }
+            },
+            m = async { upstream.as_mut()?.message().await.transpose() }, if upstream.is_some() && permit.is_some() && pending.len() < MAX_PENDING => match m {
+                Some(Ok(msg)) => match on_response(&shared, api, id, msg, &mut pending) {
                     Ok(Some(out)) => {
                         if let Some(p) = permit.take() {
                             p.send(Ok(out));
@@ -219,8 +244,7 @@ pub async fn run(
                 }
             }
             // End Envoy's stream with istiod's status (Istio's choice); a graceful upstream end
-            // closes it with OK. The slot may hold a response Envoy has not read yet; wait for
-            // it (or for Envoy to go away) so the status follows it.
+            // closes it with OK.
             if let Some(s) = s {
                 // Without a reservation the slot holds a response Envoy has not read yet; wait
                 // for it (or for Envoy to go away) so the status follows it.
@@ -282,7 +306,7 @@ async fn connect(
         .max_decoding_message_size(usize::MAX)
         .max_encoding_message_size(usize::MAX);
     let mut req = tonic::Request::new(ReceiverStream::new(up_rx));
-    shared.metadata.apply(req.metadata_mut());
+    shared.metadata.apply(req.metadata_mut()).await;
     grpc.ready()
         .await
         .map_err(|e| Status::unavailable(e.to_string()))?;
@@ -334,14 +358,85 @@ fn on_request(
     }
 }
 
-/// Handles one upstream response: `Ok(Some(bytes))` goes to Envoy, `Ok(None)` was consumed
-/// or dropped, `Err(end)` ends the pair.
+/// A response whose interceptor is still deciding.
+type Job = BoxFuture<'static, (Meta, Result<Verdict, InterceptError>)>;
+
+/// Pending interceptions, one ordered queue per type URL: futures of one type run
+/// concurrently but complete in arrival order; different types do not wait for each other.
+#[derive(Default)]
+struct Pending {
+    queues: Vec<(&'static str, FuturesOrdered<Job>)>,
+    len: usize,
+}
+
+impl Pending {
+    fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    fn len(&self) -> usize {
+        self.len
+    }
+
+    fn push(&mut self, type_url: &'static str, job: Job) {
+        self.len += 1;
+        match self.queues.iter_mut().find(|(t, _)| *t == type_url) {
+            Some((_, q)) => q.push_back(job),
+            None => {
+                let mut q = FuturesOrdered::new();
+                q.push_back(job);
+                self.queues.push((type_url, q));
+            }
+        }
+    }
+
+    /// The next verdict of any type; pending forever when empty (the loop guards the arm).
+    async fn next(&mut self) -> (Meta, Result<Verdict, InterceptError>) {
+        std::future::poll_fn(|cx| {
+            for (_, q) in &mut self.queues {
+                if let std::task::Poll::Ready(Some(done)) = q.poll_next_unpin(cx) {
+                    self.len -= 1;
+                    return std::task::Poll::Ready(done);
+                }
+            }
+            std::task::Poll::Pending
+        })
+        .await
+    }
+}
+
+/// Applies an interceptor's verdict: bytes for Envoy, or a request upstream (ACK, NACK).
+fn apply_verdict(
+    api: Api,
+    id: u64,
+    meta: &Meta,
+    verdict: Result<Verdict, InterceptError>,
+    up: &mpsc::Sender<Bytes>,
+) -> Option<Bytes> {
+    match verdict {
+        Ok(Verdict::Forward(b)) => Some(b),
+        Ok(Verdict::Consume(reply)) => {
+            if let Some(r) = reply {
+                send_up(up, r);
+            }
+            None
+        }
+        Err(e) => {
+            tracing::warn!(id, type_url = %meta.type_url, nonce = %meta.nonce, error = %e, "intercepted response rejected; NACK upstream");
+            send_up(up, meta.nack(api, &e));
+            None
+        }
+    }
+}
+
+/// Handles one upstream response: `Ok(Some(bytes))` goes to Envoy, `Ok(None)` was queued for
+/// its interceptor or dropped, `Err(end)` ends the pair.
 fn on_response(
     shared: &Shared,
     api: Api,
     id: u64,
     msg: Bytes,
-    up: &mpsc::Sender<Bytes>,
+    pending: &mut Pending,
 ) -> Result<Option<Bytes>, End> {
     let m = &shared.metrics;
     m.responses.inc();
@@ -362,15 +457,12 @@ fn on_response(
         .iter()
         .find(|i| i.type_url() == p.type_url)
     {
-        Some(i) => match i.on_response(api, msg, &p) {
-            Verdict::Forward(b) => Ok(Some(b)),
-            Verdict::Consume(reply) => {
-                if let Some(r) = reply {
-                    send_up(up, r);
-                }
-                Ok(None)
-            }
-        },
+        Some(i) => {
+            let meta = Meta::of(&p);
+            let verdict = i.on_response(api, msg, meta.clone());
+            pending.push(i.type_url(), Box::pin(verdict.map(move |v| (meta, v))));
+            Ok(None)
+        }
         None if intercept::forwarded_to_envoy(p.type_url) => Ok(Some(msg)),
         None => {
             tracing::error!(

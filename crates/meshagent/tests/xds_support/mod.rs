@@ -37,6 +37,17 @@ impl Agent {
         token: Option<&str>,
         extra_env: &[(&str, &str)],
     ) -> Agent {
+        Agent::start_with(cwd, discovery, token, extra_env, |_| {})
+    }
+
+    /// [`Agent::start`] with the proxy's options adjusted by `tweak` (e.g. extra interceptors).
+    pub fn start_with(
+        cwd: &Path,
+        discovery: &str,
+        token: Option<&str>,
+        extra_env: &[(&str, &str)],
+        tweak: impl FnOnce(&mut xds::XdsOptions),
+    ) -> Agent {
         if let Some(t) = token {
             let p = cwd.join("var/run/secrets/tokens/istio-token");
             std::fs::create_dir_all(p.parent().unwrap()).unwrap();
@@ -61,7 +72,9 @@ impl Agent {
         let cfg = config::load(&ProxyFlags::default(), &MapEnv::from_pairs(env), cwd).unwrap();
         let registry = Registry::new();
         let shutdown = CancellationToken::new();
-        let handle = xds::start(&cfg, cwd, &registry, shutdown.clone()).unwrap();
+        let mut opts = xds::XdsOptions::from_config(&cfg, cwd).unwrap();
+        tweak(&mut opts);
+        let handle = xds::start_with(opts, cwd, &registry, shutdown.clone()).unwrap();
         Agent {
             handle,
             registry,
@@ -82,11 +95,21 @@ impl Agent {
 
 /// Starts the agent against devplane's TLS port, with a devplane token for `default/a`.
 pub async fn agent_for(dp: &Devplane, cwd: &Path, extra_env: &[(&str, &str)]) -> Agent {
+    agent_for_with(dp, cwd, extra_env, |_| {}).await
+}
+
+/// [`agent_for`] with the proxy's options adjusted by `tweak`.
+pub async fn agent_for_with(
+    dp: &Devplane,
+    cwd: &Path,
+    extra_env: &[(&str, &str)],
+    tweak: impl FnOnce(&mut xds::XdsOptions),
+) -> Agent {
     let token = dp.token("default", "a", 3600).await;
     let root = dp.root_cert_path();
     let mut env = vec![("XDS_ROOT_CA", root.to_str().unwrap())];
     env.extend_from_slice(extra_env);
-    Agent::start(cwd, &dp.grpc_addr.to_string(), Some(&token), &env)
+    Agent::start_with(cwd, &dp.grpc_addr.to_string(), Some(&token), &env, tweak)
 }
 
 /// A real Envoy whose `xds-grpc` is the agent's socket, once it has devplane's config. Its

@@ -1,0 +1,260 @@
+//! The one rule for the agent's internal servers (SDS, the xDS proxy, later DNS): a server
+//! that dies is restarted with jittered exponential backoff, and until it is serving again
+//! the agent is not ready, with a reason naming it. Istio's agent only logs such a failure
+//! (or exits), so a dead SDS or xDS server leaves a pod "ready" that can no longer get
+//! certificates or config.
+//!
+//! Unix-socket servers also count as dead when their socket file is removed or replaced:
+//! the listener would keep running but no client could ever reach it again.
+
+use std::collections::BTreeMap;
+use std::future::Future;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use futures::future::BoxFuture;
+use tokio_util::sync::CancellationToken;
+
+/// Which supervised servers are down, and why. Cheap to clone; clones share the state.
+#[derive(Clone, Default, Debug)]
+pub struct Servers {
+    down: Arc<Mutex<BTreeMap<&'static str, String>>>,
+}
+
+impl Servers {
+    pub fn new() -> Servers {
+        Servers::default()
+    }
+
+    /// The first down server's reason (for readiness), if any.
+    pub fn not_ready(&self) -> Option<String> {
+        lock(&self.down)
+            .iter()
+            .next()
+            .map(|(name, why)| format!("{name} server is down: {why}"))
+    }
+
+    fn set_down(&self, name: &'static str, why: String) {
+        lock(&self.down).insert(name, why);
+    }
+
+    fn set_up(&self, name: &'static str) {
+        lock(&self.down).remove(name);
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Restart backoff: 100 ms doubling to 30 s, ±20 % jitter, reset after a minute of serving.
+#[derive(Debug, Clone, Copy)]
+pub struct Backoff {
+    pub initial: Duration,
+    pub max: Duration,
+}
+
+impl Default for Backoff {
+    fn default() -> Backoff {
+        Backoff {
+            initial: Duration::from_millis(100),
+            max: Duration::from_secs(30),
+        }
+    }
+}
+
+/// How long a server must serve before its backoff resets.
+const HEALTHY_AFTER: Duration = Duration::from_secs(60);
+/// How often a unix socket's file is checked.
+const SOCKET_CHECK: Duration = Duration::from_secs(1);
+
+/// A bound server: the future that serves until it ends, and (for unix sockets) the socket
+/// file that must keep existing with the inode bound.
+pub struct Serving {
+    pub serve: BoxFuture<'static, Result<(), String>>,
+    pub socket: Option<PathBuf>,
+}
+
+/// Runs `start` (bind, then serve) until `stop`, restarting it under the rule above.
+pub async fn run<F, Fut>(
+    name: &'static str,
+    servers: Servers,
+    backoff: Backoff,
+    stop: CancellationToken,
+    mut start: F,
+) where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Result<Serving, String>>,
+{
+    let mut delay = backoff.initial;
+    loop {
+        let why = match start().await {
+            Err(e) => format!("cannot start: {e}"),
+            Ok(Serving { serve, socket }) => {
+                servers.set_up(name);
+                let inode = match &socket {
+                    Some(p) => inode_of(p).await,
+                    None => None,
+                };
+                let started = tokio::time::Instant::now();
+                let why = tokio::select! {
+                    () = stop.cancelled() => return,
+                    r = serve => match r {
+                        Ok(()) if stop.is_cancelled() => return,
+                        Ok(()) => "stopped unexpectedly".to_owned(),
+                        Err(e) => e,
+                    },
+                    why = socket_lost(socket.clone(), inode) => why,
+                };
+                if started.elapsed() >= HEALTHY_AFTER {
+                    delay = backoff.initial;
+                }
+                why
+            }
+        };
+        if stop.is_cancelled() {
+            return;
+        }
+        let wait = jittered(delay);
+        tracing::error!(server = name, error = %why, restart_in = ?wait, "server down; restarting");
+        servers.set_down(name, format!("{why}; restarting"));
+        tokio::select! {
+            () = stop.cancelled() => return,
+            () = tokio::time::sleep(wait) => {}
+        }
+        delay = (delay * 2).min(backoff.max);
+    }
+}
+
+fn jittered(d: Duration) -> Duration {
+    d.mul_f64(crate::identity::jitter_factor(0.2))
+}
+
+async fn inode_of(p: &std::path::Path) -> Option<u64> {
+    use std::os::unix::fs::MetadataExt as _;
+    tokio::fs::symlink_metadata(p).await.ok().map(|m| m.ino())
+}
+
+/// Resolves when the socket file is gone or is another file than the one bound; never for
+/// servers without a socket file.
+async fn socket_lost(socket: Option<PathBuf>, inode: Option<u64>) -> String {
+    let (Some(path), Some(inode)) = (socket, inode) else {
+        return std::future::pending().await;
+    };
+    loop {
+        tokio::time::sleep(SOCKET_CHECK).await;
+        match inode_of(&path).await {
+            Some(i) if i == inode => {}
+            Some(_) => return format!("socket {} was replaced", path.display()),
+            None => return format!("socket {} was removed", path.display()),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+    use std::sync::atomic::{AtomicU32, Ordering};
+
+    #[tokio::test(start_paused = true)]
+    async fn a_dead_server_is_restarted_and_not_ready_meanwhile() {
+        let servers = Servers::new();
+        let stop = CancellationToken::new();
+        let starts = Arc::new(AtomicU32::new(0));
+        let (die_tx, die_rx) = tokio::sync::watch::channel(0u32);
+        let s = starts.clone();
+        let task = tokio::spawn(run(
+            "sds",
+            servers.clone(),
+            Backoff::default(),
+            stop.clone(),
+            move || {
+                let n = s.fetch_add(1, Ordering::SeqCst) + 1;
+                let mut die = die_rx.clone();
+                async move {
+                    if n == 2 {
+                        return Err("address in use".to_owned());
+                    }
+                    Ok(Serving {
+                        serve: Box::pin(async move {
+                            let _ = die.wait_for(|d| *d >= n).await;
+                            Err(format!("accept failed ({n})"))
+                        }),
+                        socket: None,
+                    })
+                }
+            },
+        ));
+        tokio::task::yield_now().await;
+        assert_eq!(starts.load(Ordering::SeqCst), 1);
+        assert_eq!(servers.not_ready(), None);
+
+        die_tx.send_replace(1);
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        let r = servers.not_ready().unwrap();
+        assert!(
+            r.contains("sds server is down: accept failed (1); restarting"),
+            "{r}"
+        );
+        // First restart fails to bind; the second (after a doubled delay) serves again.
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        assert_eq!(starts.load(Ordering::SeqCst), 3);
+        assert_eq!(servers.not_ready(), None);
+
+        stop.cancel();
+        task.await.unwrap();
+    }
+
+    #[tokio::test]
+    async fn a_removed_socket_counts_as_dead() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("sock");
+        let servers = Servers::new();
+        let stop = CancellationToken::new();
+        let starts = Arc::new(AtomicU32::new(0));
+        let (s, p) = (starts.clone(), path.clone());
+        let task = tokio::spawn(run(
+            "xds-proxy",
+            servers.clone(),
+            Backoff::default(),
+            stop.clone(),
+            move || {
+                s.fetch_add(1, Ordering::SeqCst);
+                let p = p.clone();
+                async move {
+                    let _ = std::fs::remove_file(&p);
+                    let l = tokio::net::UnixListener::bind(&p).map_err(|e| e.to_string())?;
+                    Ok(Serving {
+                        serve: Box::pin(async move {
+                            let _l = l;
+                            std::future::pending().await
+                        }),
+                        socket: Some(p),
+                    })
+                }
+            },
+        ));
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+        while starts.load(Ordering::SeqCst) < 1 {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        std::fs::remove_file(&path).unwrap();
+        while starts.load(Ordering::SeqCst) < 2 {
+            assert!(tokio::time::Instant::now() < deadline, "not restarted");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        // Bound again: the socket is back.
+        while !path.exists() {
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "socket not re-created"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        stop.cancel();
+        task.await.unwrap();
+    }
+}
