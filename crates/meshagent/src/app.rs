@@ -325,29 +325,33 @@ fn probe_destination(cfg: &Config, localhost: std::net::IpAddr) -> std::net::IpA
     cfg.pod.instance_ip.unwrap_or(localhost)
 }
 
+/// The `ISTIO_BOOTSTRAP_OVERRIDE` file as JSON for Envoy's `--config-yaml`, `$(HOST_IP)`
+/// substituted. Also run when the config is loaded (`config::startup`), so a bad file fails
+/// `--dump-config` as it fails a start.
+pub(crate) fn bootstrap_override(cfg: &Config, cwd: &Path) -> Result<Option<String>, AppError> {
+    let Some(p) = &cfg.bootstrap.bootstrap_override else {
+        return Ok(None);
+    };
+    let path = cwd.join(p);
+    let text = std::fs::read_to_string(&path).map_err(|e| AppError::Override {
+        path: path.clone(),
+        reason: e.to_string(),
+    })?;
+    let text = text.replace("$(HOST_IP)", &cfg.pod.host_ip);
+    let value: serde_json::Value = serde_yaml::from_str(&text).map_err(|e| AppError::Override {
+        path: path.clone(),
+        reason: format!("not YAML/JSON: {e}"),
+    })?;
+    Ok(Some(value.to_string()))
+}
+
 fn envoy_args(
     cfg: &Config,
     node: &Node,
     cwd: &Path,
     config: PathBuf,
 ) -> Result<EnvoyArgs, AppError> {
-    let config_yaml = match &cfg.bootstrap.bootstrap_override {
-        None => None,
-        Some(p) => {
-            let path = cwd.join(p);
-            let text = std::fs::read_to_string(&path).map_err(|e| AppError::Override {
-                path: path.clone(),
-                reason: e.to_string(),
-            })?;
-            let text = text.replace("$(HOST_IP)", &cfg.pod.host_ip);
-            let value: serde_json::Value =
-                serde_yaml::from_str(&text).map_err(|e| AppError::Override {
-                    path: path.clone(),
-                    reason: format!("not YAML/JSON: {e}"),
-                })?;
-            Some(value.to_string())
-        }
-    };
+    let config_yaml = bootstrap_override(cfg, cwd)?;
     Ok(EnvoyArgs {
         binary: cfg.proxy_config.binary_path.clone(),
         config,

@@ -1,12 +1,13 @@
 //! The checks a start makes on its configuration before anything runs, made at load time
 //! instead, so `proxy --dump-config` fails exactly as `proxy` would: these call the same
-//! functions the start calls (bootstrap template, node metadata, CA provider, key size, CA
-//! and xDS endpoints) and keep their messages (each error type reaches `main` through
+//! functions the start calls (bootstrap template, node metadata, the bootstrap override
+//! file, CA provider, key size, CA and xDS endpoints) and keep their messages (each error type reaches `main` through
 //! `#[error(transparent)]` wrappers, so its text is what a start prints).
 //!
-//! File existence and sockets are not judged here (they can change after load), except
-//! where the start's choice of identity mode depends on them: the CA checks only apply when
-//! the start would use the CA, as in `identity::start_with`.
+//! Files are judged only where the start reads them itself (the bootstrap override) or its
+//! choice of identity mode depends on them: the CA checks only apply when the start would
+//! use the CA, as in `identity::start_with`. Certificates and roots, read per connection,
+//! are not checked here.
 
 use std::fmt::Display;
 use std::path::Path;
@@ -21,6 +22,11 @@ pub(crate) fn check(cfg: &Config, base_dir: &Path) -> Vec<ConfigError> {
         fail(&e);
     }
     if let Err(e) = crate::bootstrap::Node::from_config(cfg) {
+        fail(&e);
+    }
+    if !cfg.lifecycle.disable_envoy
+        && let Err(e) = crate::app::bootstrap_override(cfg, base_dir)
+    {
         fail(&e);
     }
     if uses_ca(cfg, base_dir) {

@@ -762,6 +762,19 @@ fn start_time_checks_run_at_load() {
         }
         assert_contains(&f.err(), &[want]);
     }
+    // The bootstrap override file is read as Envoy's start reads it.
+    let f = Fixture::new().env("ISTIO_BOOTSTRAP_OVERRIDE", "override.yaml");
+    assert_contains(
+        &f.err(),
+        &["cannot read ISTIO_BOOTSTRAP_OVERRIDE file", "override.yaml"],
+    );
+    let f = f.file("override.yaml", "a: [b");
+    assert_contains(&f.err(), &["override.yaml: not YAML/JSON"]);
+    let f = f.file("override.yaml", "stats_flush_interval: 5s");
+    f.ok();
+    f.env("DISABLE_ENVOY", "true")
+        .file("override.yaml", "a: [b")
+        .ok();
     // The CA checks apply only when the start would use the CA.
     let c = Fixture::new()
         .env("CA_PROVIDER", "GkeWorkloadCertificate")
