@@ -118,6 +118,16 @@ impl Agent {
             let reason = servers.not_ready();
             Box::pin(async move { reason.map_or(Ok(()), Err) })
         }));
+        // The identity probe comes next (root causes before their effects); it is armed once
+        // identity has started.
+        let identity_slot: Arc<
+            std::sync::OnceLock<tokio::sync::watch::Receiver<crate::identity::IdentityStatus>>,
+        > = Arc::default();
+        let slot = identity_slot.clone();
+        self.readiness.add(Arc::new(move || {
+            let reason = slot.get().and_then(|s| s.borrow().not_ready.clone());
+            Box::pin(async move { reason.map_or(Ok(()), Err) })
+        }));
         if envoy_enabled {
             self.readiness.add_envoy(status::EnvoyProbe::new(
                 admin,
@@ -199,13 +209,11 @@ impl Agent {
         .await?;
         // Certificates gate readiness where something depends on them: Envoy's SDS, or the
         // files proxyless gRPC reads (OUTPUT_CERTS). Istio does not check them at all, so an
-        // expired certificate stays "ready" there; here it does not.
+        // expired certificate stays "ready" there; here it does not. The probe was registered
+        // before Envoy's, so a CA failure is reported rather than its consequence (Envoy's
+        // "config not fully received").
         if envoy_enabled || cfg.identity.output_certs.is_some() {
-            let identity_status = identity.status();
-            self.readiness.add(Arc::new(move || {
-                let reason = identity_status.borrow().not_ready.clone();
-                Box::pin(async move { reason.map_or(Ok(()), Err) })
-            }));
+            let _ = identity_slot.set(identity.status());
         }
         let mut xds_opts = crate::xds::XdsOptions::from_config(cfg, &self.cwd)?;
         xds_opts.servers = self.servers.clone();

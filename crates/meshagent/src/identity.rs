@@ -35,6 +35,7 @@ pub mod manager;
 pub mod metrics;
 pub mod output;
 pub mod store;
+pub mod verify;
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;

@@ -103,14 +103,25 @@ fn signal(pid: u32, sig: &str) {
 async fn not_ready_without_config_then_sigterm_drains_and_exits() {
     let mut a = start_agent("sidecar", &[]);
     let status = a.status;
-    let reason = wait_for("readiness 503 with a reason", DEADLINE, || async move {
-        match http_get(status, "/healthz/ready").await {
-            Ok((503, body)) if body.contains("config not received") => Some(body),
-            _ => None,
-        }
-    })
+    // Nothing answers at the discovery address, which is also the CA: readiness reports the
+    // root cause (no certificate from the CA, naming it) before its consequence (Envoy has no
+    // config) — defect D12.
+    let reason = wait_for(
+        "readiness 503 with the CA failure",
+        DEADLINE,
+        || async move {
+            match http_get(status, "/healthz/ready").await {
+                Ok((503, body)) if body.contains("no workload certificate yet:") => Some(body),
+                _ => None,
+            }
+        },
+    )
     .await;
-    assert!(reason.contains("is Istiod running"), "{reason}");
+    assert!(
+        reason.contains("127.0.0.1:"),
+        "the CA address is named: {reason}"
+    );
+    assert!(!reason.contains("config not received"), "{reason}");
 
     // `wait` fails on timeout while the proxy is not ready.
     let out = Command::new(env!("CARGO_BIN_EXE_meshagent"))

@@ -185,19 +185,6 @@ fn spawn_first_key(spec: KeySpec) -> KeyJob {
     })
 }
 
-/// Leaf `NotAfter` of a PEM chain.
-pub fn leaf_expiry(chain_pem: &str) -> Result<SystemTime, String> {
-    let der = CertificateDer::pem_slice_iter(chain_pem.as_bytes())
-        .next()
-        .ok_or("no certificate in chain")?
-        .map_err(|e| format!("chain PEM: {e}"))?;
-    let (_, cert) =
-        x509_parser::parse_x509_certificate(der.as_ref()).map_err(|e| format!("leaf: {e}"))?;
-    let secs = cert.validity().not_after.timestamp();
-    let secs = u64::try_from(secs).map_err(|_| "leaf NotAfter before 1970".to_owned())?;
-    Ok(SystemTime::UNIX_EPOCH + Duration::from_secs(secs))
-}
-
 /// Trust-bundle merge (spec §4.4): the set of PEM certificates from all bundles, deduplicated,
 /// sorted, concatenated.
 pub fn merge_roots<'a>(bundles: impl IntoIterator<Item = &'a str>) -> String {
@@ -268,13 +255,18 @@ impl SecretManager {
                 Err(e) => Err(CaError::InvalidResponse(e.to_string())),
             };
             let now = self.clock.now();
+            // Expired, foreign or unverifiable chains are CA failures (see `verify`).
             let result = result.and_then(|chain| {
-                let expire = leaf_expiry(chain.first().map_or("", String::as_str))
+                let issued = super::verify::verify_chain(&chain, &self.spiffe_id, now)
                     .map_err(CaError::InvalidResponse)?;
-                Ok((chain, expire))
+                Ok((chain, issued))
             });
             let deadline = match result {
-                Ok((chain, expire)) => {
+                Ok((chain, issued)) => {
+                    let expire = issued.expiry;
+                    if issued.spiffe_id != self.spiffe_id {
+                        tracing::warn!(requested = %self.spiffe_id, issued = %issued.spiffe_id, "the CA issued another SPIFFE ID than requested (its trust domain or the token's identity)");
+                    }
                     let Some(k) = key.take() else { continue };
                     let root = chain.last().cloned().unwrap_or_default();
                     let chain_pem: String = chain.concat();
@@ -308,7 +300,7 @@ impl SecretManager {
                         rand::random::<bool>(),
                     );
                     tracing::info!(
-                        spiffe_id = %self.spiffe_id,
+                        spiffe_id = %issued.spiffe_id,
                         expires_in = ?expire.duration_since(now).unwrap_or_default(),
                         rotate_in = ?delay,
                         "workload certificate issued"

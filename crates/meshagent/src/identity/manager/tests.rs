@@ -17,6 +17,8 @@ struct FakeCa {
     clock: Clock,
     calls: Mutex<Vec<(Instant, bool)>>,
     fail: Mutex<Option<Code>>,
+    /// Issue certificates that expired long ago (a broken or malicious CA).
+    expired: Mutex<bool>,
 }
 
 impl FakeCa {
@@ -30,6 +32,7 @@ impl FakeCa {
             clock,
             calls: Mutex::default(),
             fail: Mutex::default(),
+            expired: Mutex::default(),
         })
     }
     fn set_fail(&self, code: Option<Code>) {
@@ -68,10 +71,11 @@ impl CertificateAuthority for FakeCa {
                 namespace: "ns".into(),
                 service_account: "sa".into(),
             };
-            let issued = self
-                .ca
-                .sign_detailed(&csr, &id, ttl, self.clock.now())
-                .unwrap();
+            let mut at = self.clock.now();
+            if *self.expired.lock().unwrap() {
+                at -= ttl * 10;
+            }
+            let issued = self.ca.sign_detailed(&csr, &id, ttl, at).unwrap();
             Ok(issued.chain)
         })
     }
@@ -212,6 +216,28 @@ async fn failures_keep_the_old_cert_back_off_and_recover() {
         (0.39..=0.51).contains(&gap),
         "first retry after reset {gap}s"
     );
+    r.cancel.cancel();
+}
+
+/// Defect D5: an expired certificate from the CA used to count as success (resetting the
+/// backoff: a CSR hot loop) and was served while the pod reported ready.
+#[tokio::test(start_paused = true)]
+async fn an_expired_certificate_from_the_ca_is_a_failure_with_backoff() {
+    let r = start(Duration::from_secs(100), 0.0);
+    *r.ca.expired.lock().unwrap() = true;
+    // Each response is refused; attempts back off (0.5, 1, 2 … s), never a hot loop.
+    let calls = until_calls(&r.ca, 5).await;
+    let span = secs(calls[4].0 - calls[0].0);
+    assert!(
+        span >= (0.5 + 1.0 + 2.0 + 4.0) * 0.8 - 0.01,
+        "5 CSRs in {span}s"
+    );
+    assert!(
+        r.store.ready(WORKLOAD).is_none(),
+        "an expired certificate was served"
+    );
+    let reason = r.status.borrow().not_ready.clone().unwrap();
+    assert!(reason.contains("already expired"), "{reason}");
     r.cancel.cancel();
 }
 
