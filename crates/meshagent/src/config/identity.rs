@@ -114,6 +114,18 @@ impl IdentityConfig {
         let jwt_path = matches!(jwt_policy.as_str(), "third-party-jwt" | "first-party-jwt")
             .then(|| PathBuf::from(ISTIO_TOKEN_PATH));
 
+        // Istio builds a credential fetcher for any other type at start (and fails on an
+        // unknown one); meshagent has only the token-file one, so another type is an error
+        // rather than a CA call without the expected credential.
+        let credential_fetcher_type = r.string("CREDENTIAL_FETCHER_TYPE", "JWT");
+        if !matches!(credential_fetcher_type.as_str(), "JWT" | "") {
+            r.invalid(
+                "CREDENTIAL_FETCHER_TYPE",
+                &credential_fetcher_type,
+                "JWT (the token file; the GoogleComputeEngine and Mock fetchers are not supported)",
+            );
+        }
+
         let workload_identity_socket_file = r.string("WORKLOAD_IDENTITY_SOCKET_FILE", "socket");
         if workload_identity_socket_file.is_empty() || workload_identity_socket_file.contains('/') {
             r.invalid(
@@ -151,7 +163,7 @@ impl IdentityConfig {
             file_mounted_certs: r.bool("FILE_MOUNTED_CERTS", false),
             jwt_policy,
             jwt_path,
-            credential_fetcher_type: r.string("CREDENTIAL_FETCHER_TYPE", "JWT"),
+            credential_fetcher_type,
             credential_identity_provider: r
                 .string("CREDENTIAL_IDENTITY_PROVIDER", "GoogleComputeEngine"),
             cluster_id: r.string("ISTIO_META_CLUSTER_ID", ""),

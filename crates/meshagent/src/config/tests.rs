@@ -715,6 +715,7 @@ fn bad_env_values() {
         ("INSTANCE_IP", "10.0.0", &["IPv4 or IPv6"]),
         ("ISTIO_METAJSON_LABELS", "\"str\"", &["JSON object"]),
         ("BLOCKED_CIDRS_IN_WASM_FETCH", "10.0.0.0/33", &["CIDR"]),
+        ("CREDENTIAL_FETCHER_TYPE", "GoogleComputeEngine", &["JWT"]),
     ];
     for (name, value, expected) in cases {
         let err = Fixture::new().env(name, value).err();
