@@ -50,6 +50,8 @@ lint:
 test: envoy peers lint build
 ifeq ($(NEXTEST),yes)
 	cargo nextest run --workspace --no-fail-fast
+	# nextest does not run doctests (metrics: a label-count mismatch must not compile).
+	cargo test --workspace --doc
 else
 	cargo test --workspace --no-fail-fast
 endif

@@ -134,10 +134,10 @@ fn main() {
         let envoy = SocketAddr::from(([127, 0, 0, 1], ports[0]));
         let app = SocketAddr::from(([127, 0, 0, 1], ports[1]));
         let registry = Registry::new();
-        register_process_metrics(&registry);
+        register_process_metrics(&registry).unwrap();
         let merger = Merger::new(
             registry.clone(),
-            MergeMetrics::register(&registry),
+            MergeMetrics::register(&registry).unwrap(),
             Some(envoy),
             vec![ScrapeTarget {
                 port: app.port(),

@@ -45,6 +45,8 @@ pub enum AppError {
     Xds(#[from] crate::xds::XdsError),
     #[error("cannot set up TLS for application probes: {0}")]
     ProbeTls(#[source] rustls::Error),
+    #[error(transparent)]
+    Metrics(#[from] crate::metrics::MetricsError),
 }
 
 /// The running agent's shared pieces; tests drive an agent in-process through this.
@@ -67,12 +69,10 @@ pub struct Agent {
 
 impl Agent {
     pub fn new(config: Config, cwd: &Path) -> Agent {
-        let registry = Registry::new();
-        crate::metrics::register_process_metrics(&registry);
         Agent {
             config,
             cwd: cwd.to_path_buf(),
-            registry,
+            registry: Registry::new(),
             shutdown: CancellationToken::new(),
             drain: Arc::default(),
             readiness: status::Readiness::default(),
@@ -106,6 +106,7 @@ impl Agent {
     async fn run_inner(self) -> Result<u8, AppError> {
         raise_fd_limit();
         let cfg = &self.config;
+        crate::metrics::register_process_metrics(&self.registry)?;
         bootstrap::check_template(cfg)?;
         let node = Node::from_config(cfg)?;
         tracing::info!(node = %node.id, ips = ?node.ips, "proxy node");
@@ -134,12 +135,15 @@ impl Agent {
                 self.started,
                 &self.registry,
                 self.drain.clone(),
-            ));
+            )?);
         }
         // Istio's order (spec §7.2): Envoy, gRPC bootstrap, DNS table.
         // Nothing writes the gRPC bootstrap yet, so a missing file does not block readiness.
-        self.readiness
-            .add_grpc_bootstrap(self.cwd.join(&cfg.grpc.xds_bootstrap), false);
+        // GRPC_XDS_BOOTSTRAP="" turns the gRPC bootstrap (and this check) off, as in Istio.
+        if !cfg.grpc.xds_bootstrap.as_os_str().is_empty() {
+            self.readiness
+                .add_grpc_bootstrap(self.cwd.join(&cfg.grpc.xds_bootstrap), false);
+        }
         let dns_enabled = (cfg.dns.capture && cfg.proxy_type == crate::config::ProxyType::Sidecar)
             || cfg.dns.enable_server;
         if dns_enabled {
@@ -159,7 +163,7 @@ impl Agent {
                 shutdown: self.shutdown.clone(),
                 envoy_admin: envoy_enabled.then_some(admin),
                 proxy_type: cfg.proxy_type,
-                merger: merger(cfg, &self.registry, node.localhost, envoy_enabled),
+                merger: merger(cfg, &self.registry, node.localhost, envoy_enabled)?,
                 probes: status::AppProbes::new(
                     cfg.status.kube_app_probers.clone(),
                     probe_destination(cfg, node.localhost),
@@ -303,7 +307,7 @@ fn merger(
     registry: &Registry,
     localhost: std::net::IpAddr,
     envoy_enabled: bool,
-) -> status::Merger {
+) -> Result<status::Merger, crate::metrics::MetricsError> {
     let envoy =
         (envoy_enabled && cfg.status.merge_envoy_stats && cfg.bootstrap.envoy_prometheus_port != 0)
             .then(|| std::net::SocketAddr::new(localhost, cfg.bootstrap.envoy_prometheus_port));
@@ -313,12 +317,12 @@ fn merger(
         }
         _ => Vec::new(),
     };
-    status::Merger::new(
+    Ok(status::Merger::new(
         registry.clone(),
-        status::MergeMetrics::register(registry),
+        status::MergeMetrics::register(registry)?,
         envoy,
         targets,
-    )
+    ))
 }
 
 /// `INSTANCE_IP` (apps bound only to the pod IP, #25177), or loopback with
@@ -330,29 +334,33 @@ fn probe_destination(cfg: &Config, localhost: std::net::IpAddr) -> std::net::IpA
     cfg.pod.instance_ip.unwrap_or(localhost)
 }
 
+/// The `ISTIO_BOOTSTRAP_OVERRIDE` file as JSON for Envoy's `--config-yaml`, `$(HOST_IP)`
+/// substituted. Also run when the config is loaded (`config::startup`), so a bad file fails
+/// `--dump-config` as it fails a start.
+pub(crate) fn bootstrap_override(cfg: &Config, cwd: &Path) -> Result<Option<String>, AppError> {
+    let Some(p) = &cfg.bootstrap.bootstrap_override else {
+        return Ok(None);
+    };
+    let path = cwd.join(p);
+    let text = std::fs::read_to_string(&path).map_err(|e| AppError::Override {
+        path: path.clone(),
+        reason: e.to_string(),
+    })?;
+    let text = text.replace("$(HOST_IP)", &cfg.pod.host_ip);
+    let value: serde_json::Value = serde_yaml::from_str(&text).map_err(|e| AppError::Override {
+        path: path.clone(),
+        reason: format!("not YAML/JSON: {e}"),
+    })?;
+    Ok(Some(value.to_string()))
+}
+
 fn envoy_args(
     cfg: &Config,
     node: &Node,
     cwd: &Path,
     config: PathBuf,
 ) -> Result<EnvoyArgs, AppError> {
-    let config_yaml = match &cfg.bootstrap.bootstrap_override {
-        None => None,
-        Some(p) => {
-            let path = cwd.join(p);
-            let text = std::fs::read_to_string(&path).map_err(|e| AppError::Override {
-                path: path.clone(),
-                reason: e.to_string(),
-            })?;
-            let text = text.replace("$(HOST_IP)", &cfg.pod.host_ip);
-            let value: serde_json::Value =
-                serde_yaml::from_str(&text).map_err(|e| AppError::Override {
-                    path: path.clone(),
-                    reason: format!("not YAML/JSON: {e}"),
-                })?;
-            Some(value.to_string())
-        }
-    };
+    let config_yaml = bootstrap_override(cfg, cwd)?;
     Ok(EnvoyArgs {
         binary: cfg.proxy_config.binary_path.clone(),
         config,

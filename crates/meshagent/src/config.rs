@@ -5,8 +5,10 @@
 //! and `proxy` flags, in Istio's order (spec §6.1). This is the only module
 //! that reads the environment; everything else receives a `Config`.
 //!
-//! Unlike Istio, which logs a bad value and carries on with the default, every
-//! bad value here is an error, so a typo cannot silently change behaviour.
+//! Environment variables follow Istio's parsing rules (see `env::Reader`): a scalar
+//! that does not parse is a warning and the default, as in Istio. Every other bad
+//! value is an error, and so is everything a start would reject (`startup`): loading
+//! runs the start's own checks, so `proxy --dump-config` fails exactly as `proxy` does.
 
 use std::collections::BTreeMap;
 use std::fmt;
@@ -21,6 +23,7 @@ mod identity;
 mod parse;
 pub mod probers;
 mod proxy_config;
+mod startup;
 mod vars;
 
 #[cfg(test)]
@@ -59,6 +62,9 @@ pub enum ConfigError {
         value: String,
         expected: String,
     },
+    /// An environment variable the agent reads is set to bytes that are not UTF-8.
+    #[error("environment variable {name} is not valid UTF-8")]
+    NotUnicode { name: String },
     /// A pod annotation has a bad value.
     #[error("invalid annotation {name}={value:?}: expected {expected}")]
     InvalidAnnotation {
@@ -91,6 +97,9 @@ pub enum ConfigError {
         value: String,
         expected: &'static str,
     },
+    /// A value the start itself would reject; the message is the one a start prints.
+    #[error("{0}")]
+    Startup(String),
     /// Several of the above.
     #[error("{} configuration errors: {}", .0.len(), join(.0))]
     Multiple(Vec<ConfigError>),
@@ -280,6 +289,7 @@ pub fn load(
     let mut errors = Vec::new();
     let mut warnings = Vec::new();
     let mut pc = ProxyConfig::default();
+    let mut r = Reader::new(env);
 
     let mut apply = |pc: &mut ProxyConfig, origin: &str, layer: serde_json::Value| {
         let unknown = pc.apply_layer(origin, layer, &mut errors);
@@ -293,7 +303,7 @@ pub fn load(
 
     let mesh_origin = format!("{} (defaultConfig)", files::mesh_origin(&flags.mesh_config));
     let mesh = files::mesh_default_config(base_dir, &flags.mesh_config);
-    let proxy_config_env = env
+    let proxy_config_env = r
         .get("PROXY_CONFIG")
         .filter(|s| !s.trim().is_empty())
         .map(|text| files::yaml_to_json("PROXY_CONFIG", &text));
@@ -327,7 +337,6 @@ pub fn load(
     });
     errors.extend(layer_errors);
 
-    let mut r = Reader::new(env);
     let pod = PodConfig::from_env(&mut r);
 
     if pc.concurrency.is_none() && pod.cpu_limit != 0 {
@@ -376,10 +385,12 @@ pub fn load(
     let bootstrap = BootstrapConfig::from_env(&mut r);
     let lifecycle = LifecycleConfig::from_env(&mut r);
     let status = StatusConfig::from_env(&mut r, pc.status_port);
-    let dns = DnsConfig::from_env(&mut r);
+    let dns = DnsConfig::from_env(&mut r, flags.proxy_type == ProxyType::Sidecar);
     let wasm = WasmConfig::from_env(&mut r);
     let grpc = GrpcConfig::from_env(&r);
+    errors.extend(r.not_unicode_errors());
     errors.extend(r.errors);
+    warnings.extend(r.warnings);
 
     if !errors.is_empty() {
         return Err(ConfigError::from_many(errors));
@@ -387,7 +398,7 @@ pub fn load(
     for w in &warnings {
         tracing::warn!("{w}");
     }
-    Ok(Config {
+    let config = Config {
         proxy_type: flags.proxy_type,
         domain,
         flags: flags.clone(),
@@ -405,7 +416,12 @@ pub fn load(
         wasm,
         grpc,
         warnings,
-    })
+    };
+    let startup = startup::check(&config, base_dir);
+    if !startup.is_empty() {
+        return Err(ConfigError::from_many(startup));
+    }
+    Ok(config)
 }
 
 /// A subset of Istio's `ValidateMeshConfigProxyConfig`, on the merged result.
@@ -451,6 +467,23 @@ fn is_host_port(addr: &str) -> bool {
         return false;
     };
     !host.is_empty() && port.parse::<u16>().is_ok_and(|p| p != 0)
+}
+
+/// Serializes a header map (`CA_HEADER_*`, `XDS_HEADER_*`) with its names and every value
+/// replaced: the values are often credentials, and the config is logged at INFO
+/// ("Effective config") and served on `/debug/config_dump`.
+mod serde_redacted {
+    use serde::Serializer;
+    use std::collections::BTreeMap;
+
+    pub(crate) const REDACTED: &str = "<redacted>";
+
+    pub(crate) fn serialize<S: Serializer>(
+        m: &BTreeMap<String, String>,
+        s: S,
+    ) -> Result<S::Ok, S::Error> {
+        s.collect_map(m.keys().map(|k| (k, REDACTED)))
+    }
 }
 
 /// Serializes `std::time::Duration` the way Go prints durations (`24h0m0s`).

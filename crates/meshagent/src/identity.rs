@@ -77,6 +77,8 @@ pub const ETC_CERTS_DIR: &str = "etc/certs";
 
 #[derive(Debug, thiserror::Error)]
 pub enum IdentityError {
+    #[error(transparent)]
+    Metrics(#[from] crate::metrics::MetricsError),
     #[error("configured for non-default SDS socket path {0} but no healthy socket found there")]
     NoExternalSocket(PathBuf),
     #[error("cannot remove unhealthy SDS socket {path}: {source}")]
@@ -254,7 +256,7 @@ pub async fn start_with(
     opts: Options,
 ) -> Result<IdentityHandle, IdentityError> {
     let id = &cfg.identity;
-    let metrics = metrics::Metrics::register(registry);
+    let metrics = metrics::Metrics::register(registry)?;
     let cwd = if cwd.is_absolute() {
         cwd.to_path_buf()
     } else {

@@ -13,6 +13,7 @@ pub mod config;
 pub mod control_plane;
 pub mod envoy;
 pub mod fsio;
+pub mod http_client;
 pub mod identity;
 pub mod logging;
 pub mod metrics;

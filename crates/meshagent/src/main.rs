@@ -39,9 +39,11 @@ fn main() -> ExitCode {
         Command::Version(args) => exit_with(cli::version_output(&args), |out| print!("{out}")),
         Command::Proxy(args) => proxy(&args, log.as_json),
         Command::Wait(args) => exit_with(on_runtime(meshagent::wait::run(&args)), |()| {}),
-        Command::Request(args) => exit_with(on_runtime(meshagent::request::run(&args)), |body| {
-            print!("{body}")
-        }),
+        // The body streams to stdout as it arrives (a config dump can be hundreds of MiB).
+        Command::Request(args) => exit_with(
+            on_runtime(async { meshagent::request::run(&args, &mut tokio::io::stdout()).await }),
+            |()| {},
+        ),
     }
 }
 

@@ -14,6 +14,36 @@ use std::sync::{Arc, Mutex, MutexGuard};
 /// Prefix of every agent metric, as Istio exports them.
 pub const PREFIX: &str = "istio_agent_";
 
+/// A registration the registry refuses. Nothing is registered when one is returned, so a
+/// module cannot end up exporting a half-defined or silently shadowed family.
+///
+/// A label-count mismatch cannot happen at run time: label names and values are arrays of
+/// one length `N` ([`CounterVec<N>`], [`Registry::gauge_fn`]), so a child with the wrong
+/// number of values does not compile:
+///
+/// ```compile_fail
+/// let r = meshagent::metrics::Registry::new();
+/// let v = r.counter_vec("terminations", "help", &["type"]).unwrap();
+/// v.with(&["error", "extra"]).inc(); // expected an array of 1 value
+/// ```
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum MetricsError {
+    /// Two families would expose the same series name (a histogram also owns its
+    /// `_bucket`, `_sum` and `_count` series).
+    #[error("metric {0} is already registered")]
+    Duplicate(String),
+    #[error("invalid metric name {0:?}: expected [a-zA-Z_:][a-zA-Z0-9_:]*")]
+    InvalidName(String),
+    #[error(
+        "metric {metric}: invalid label name {label:?}: expected [a-zA-Z_][a-zA-Z0-9_]*, not starting with __"
+    )]
+    InvalidLabel { metric: String, label: String },
+    #[error("metric {metric}: label {label} is declared twice")]
+    DuplicateLabel { metric: String, label: String },
+    #[error("histogram {0}: bucket bounds must be finite and strictly increasing")]
+    Buckets(String),
+}
+
 #[derive(Clone, Default)]
 pub struct Registry {
     families: Arc<Mutex<Vec<Family>>>,
@@ -23,17 +53,12 @@ struct Family {
     name: String,
     help: String,
     kind: &'static str,
-    source: Source,
+    source: Box<dyn Collect>,
 }
 
-enum Source {
-    Counter(CounterVec),
-    Gauge(GaugeVec),
-    GaugeFn(
-        Box<dyn Fn() -> Vec<(Vec<String>, f64)> + Send + Sync>,
-        Vec<String>,
-    ),
-    Histogram(Histogram),
+/// A family's current series in the text format.
+trait Collect: Send + Sync {
+    fn encode(&self, name: &str, out: &mut String);
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -41,76 +66,170 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
+fn valid_metric_name(s: &str) -> bool {
+    let mut chars = s.chars();
+    chars
+        .next()
+        .is_some_and(|c| c.is_ascii_alphabetic() || c == '_' || c == ':')
+        && chars.all(|c| c.is_ascii_alphanumeric() || c == '_' || c == ':')
+}
+
+fn valid_label_name(s: &str) -> bool {
+    let mut chars = s.chars();
+    !s.starts_with("__")
+        && chars
+            .next()
+            .is_some_and(|c| c.is_ascii_alphabetic() || c == '_')
+        && chars.all(|c| c.is_ascii_alphanumeric() || c == '_')
+}
+
+/// The series names a family of this kind writes.
+fn series(kind: &str, name: &str) -> Vec<String> {
+    if kind == "histogram" {
+        ["", "_bucket", "_sum", "_count"]
+            .iter()
+            .map(|s| format!("{name}{s}"))
+            .collect()
+    } else {
+        vec![name.to_owned()]
+    }
+}
+
 impl Registry {
     pub fn new() -> Registry {
         Registry::default()
     }
 
-    fn add(&self, name: &str, help: &str, kind: &'static str, source: Source) {
-        let mut f = lock(&self.families);
+    /// Adds a family after checking its name, its labels and every series name it would
+    /// write against the families already registered.
+    fn add(
+        &self,
+        name: &str,
+        help: &str,
+        kind: &'static str,
+        labels: &[&str],
+        source: Box<dyn Collect>,
+    ) -> Result<(), MetricsError> {
         let name = format!("{PREFIX}{name}");
-        // Registering twice (e.g. two agents in one test process) keeps the first family.
-        if f.iter().any(|x| x.name == name) {
-            return;
+        if !valid_metric_name(&name) {
+            return Err(MetricsError::InvalidName(name));
         }
-        f.push(Family {
+        for (i, l) in labels.iter().enumerate() {
+            if !valid_label_name(l) || (kind == "histogram" && *l == "le") {
+                return Err(MetricsError::InvalidLabel {
+                    metric: name,
+                    label: (*l).to_owned(),
+                });
+            }
+            if labels[..i].contains(l) {
+                return Err(MetricsError::DuplicateLabel {
+                    metric: name,
+                    label: (*l).to_owned(),
+                });
+            }
+        }
+        let mut families = lock(&self.families);
+        let new = series(kind, &name);
+        for f in families.iter() {
+            if let Some(clash) = series(f.kind, &f.name)
+                .into_iter()
+                .find(|s| new.contains(s))
+            {
+                return Err(MetricsError::Duplicate(clash));
+            }
+        }
+        families.push(Family {
             name,
             help: help.to_owned(),
             kind,
             source,
         });
+        Ok(())
+    }
+
+    /// Every registered family name (with [`PREFIX`]), in registration order.
+    pub fn names(&self) -> Vec<String> {
+        lock(&self.families)
+            .iter()
+            .map(|f| f.name.clone())
+            .collect()
     }
 
     /// A counter without labels.
-    pub fn counter(&self, name: &str, help: &str) -> Counter {
-        let v = self.counter_vec(name, help, &[]);
-        v.with(&[])
+    pub fn counter(&self, name: &str, help: &str) -> Result<Counter, MetricsError> {
+        Ok(self.counter_vec(name, help, &[])?.with(&[]))
     }
 
     /// A counter with the given label names; children are created on first use (or
     /// pre-created with [`CounterVec::with`]).
-    pub fn counter_vec(&self, name: &str, help: &str, labels: &[&str]) -> CounterVec {
-        let v = CounterVec::new(labels);
-        self.add(name, help, "counter", Source::Counter(v.clone()));
-        v
-    }
-
-    pub fn gauge(&self, name: &str, help: &str) -> Gauge {
-        self.gauge_vec(name, help, &[]).with(&[])
-    }
-
-    pub fn gauge_vec(&self, name: &str, help: &str, labels: &[&str]) -> GaugeVec {
-        let v = GaugeVec(CounterVec::new(labels));
-        self.add(name, help, "gauge", Source::Gauge(v.clone()));
-        v
-    }
-
-    /// A gauge computed at scrape time (e.g. seconds until a certificate expires).
-    pub fn gauge_fn(
+    pub fn counter_vec<const N: usize>(
         &self,
         name: &str,
         help: &str,
-        labels: &[&str],
-        f: impl Fn() -> Vec<(Vec<String>, f64)> + Send + Sync + 'static,
-    ) {
-        let labels = labels.iter().map(|s| s.to_string()).collect();
-        self.add(name, help, "gauge", Source::GaugeFn(Box::new(f), labels));
+        labels: &[&str; N],
+    ) -> Result<CounterVec<N>, MetricsError> {
+        let v = CounterVec::new(labels);
+        self.add(name, help, "counter", labels, Box::new(v.clone()))?;
+        Ok(v)
+    }
+
+    pub fn gauge(&self, name: &str, help: &str) -> Result<Gauge, MetricsError> {
+        Ok(self.gauge_vec(name, help, &[])?.with(&[]))
+    }
+
+    pub fn gauge_vec<const N: usize>(
+        &self,
+        name: &str,
+        help: &str,
+        labels: &[&str; N],
+    ) -> Result<GaugeVec<N>, MetricsError> {
+        let v = GaugeVec(CounterVec::new(labels));
+        self.add(name, help, "gauge", labels, Box::new(v.clone()))?;
+        Ok(v)
+    }
+
+    /// A gauge computed at scrape time (e.g. seconds until a certificate expires): `f`
+    /// returns the label values (one per label name) and value of each series.
+    pub fn gauge_fn<const N: usize>(
+        &self,
+        name: &str,
+        help: &str,
+        labels: &[&str; N],
+        f: impl Fn() -> Vec<([String; N], f64)> + Send + Sync + 'static,
+    ) -> Result<(), MetricsError> {
+        let source = FnSource {
+            labels: labels.map(str::to_owned),
+            f,
+        };
+        self.add(name, help, "gauge", labels, Box::new(source))
     }
 
     /// A counter whose value is read at scrape time (e.g. CPU seconds from `/proc`).
-    pub fn counter_fn(&self, name: &str, help: &str, f: impl Fn() -> f64 + Send + Sync + 'static) {
-        self.add(
-            name,
-            help,
-            "counter",
-            Source::GaugeFn(Box::new(move || vec![(Vec::new(), f())]), Vec::new()),
-        );
+    pub fn counter_fn(
+        &self,
+        name: &str,
+        help: &str,
+        f: impl Fn() -> f64 + Send + Sync + 'static,
+    ) -> Result<(), MetricsError> {
+        let source = FnSource {
+            labels: [],
+            f: move || vec![([], f())],
+        };
+        self.add(name, help, "counter", &[], Box::new(source))
     }
 
-    pub fn histogram(&self, name: &str, help: &str, buckets: &[f64]) -> Histogram {
+    pub fn histogram(
+        &self,
+        name: &str,
+        help: &str,
+        buckets: &[f64],
+    ) -> Result<Histogram, MetricsError> {
+        if buckets.iter().any(|b| !b.is_finite()) || buckets.windows(2).any(|w| w[0] >= w[1]) {
+            return Err(MetricsError::Buckets(format!("{PREFIX}{name}")));
+        }
         let h = Histogram::new(buckets);
-        self.add(name, help, "histogram", Source::Histogram(h.clone()));
-        h
+        self.add(name, help, "histogram", &[], Box::new(h.clone()))?;
+        Ok(h)
     }
 
     /// Prometheus text format 0.0.4.
@@ -119,19 +238,25 @@ impl Registry {
         for f in lock(&self.families).iter() {
             let _ = writeln!(out, "# HELP {} {}", f.name, escape_help(&f.help));
             let _ = writeln!(out, "# TYPE {} {}", f.name, f.kind);
-            match &f.source {
-                Source::Counter(v) => v.encode(&f.name, &mut out, |x| x as f64),
-                Source::Gauge(v) => v.0.encode(&f.name, &mut out, f64::from_bits),
-                Source::GaugeFn(func, labels) => {
-                    for (values, x) in func() {
-                        let _ =
-                            writeln!(out, "{}{} {}", f.name, label_str(labels, &values), fmt(x));
-                    }
-                }
-                Source::Histogram(h) => h.encode(&f.name, &mut out),
-            }
+            f.source.encode(&f.name, &mut out);
         }
         out
+    }
+}
+
+struct FnSource<const N: usize, F> {
+    labels: [String; N],
+    f: F,
+}
+
+impl<const N: usize, F> Collect for FnSource<N, F>
+where
+    F: Fn() -> Vec<([String; N], f64)> + Send + Sync,
+{
+    fn encode(&self, name: &str, out: &mut String) {
+        for (values, x) in (self.f)() {
+            let _ = writeln!(out, "{name}{} {}", label_str(&self.labels, &values), fmt(x));
+        }
     }
 }
 
@@ -145,8 +270,8 @@ fn escape_value(s: &str) -> String {
         .replace('"', "\\\"")
 }
 
-fn label_str(names: &[String], values: &[String]) -> String {
-    if names.is_empty() {
+fn label_str<const N: usize>(names: &[String; N], values: &[String; N]) -> String {
+    if N == 0 {
         return String::new();
     }
     let parts: Vec<String> = names
@@ -177,44 +302,44 @@ fn fmt(x: f64) -> String {
 
 /// Go's process collector, as Istio exports it (`istio_agent_process_*`), read from `/proc/self`.
 /// Linux only; on read errors the family is simply empty for that scrape.
-pub fn register_process_metrics(registry: &Registry) {
+pub fn register_process_metrics(registry: &Registry) -> Result<(), MetricsError> {
     registry.counter_fn(
         "process_cpu_seconds_total",
         "Total user and system CPU time spent in seconds.",
         || proc_stat().map_or(0.0, |s| s.cpu_seconds),
-    );
+    )?;
     registry.gauge_fn(
         "process_open_fds",
         "Number of open file descriptors.",
         &[],
         || {
             std::fs::read_dir("/proc/self/fd")
-                .map(|d| vec![(Vec::new(), d.count() as f64)])
+                .map(|d| vec![([], d.count() as f64)])
                 .unwrap_or_default()
         },
-    );
+    )?;
     registry.gauge_fn(
         "process_max_fds",
         "Maximum number of open file descriptors.",
         &[],
         || {
             nix::sys::resource::getrlimit(nix::sys::resource::Resource::RLIMIT_NOFILE)
-                .map(|(soft, _)| vec![(Vec::new(), soft as f64)])
+                .map(|(soft, _)| vec![([], soft as f64)])
                 .unwrap_or_default()
         },
-    );
+    )?;
     registry.gauge_fn(
         "process_virtual_memory_bytes",
         "Virtual memory size in bytes.",
         &[],
-        || status_kib("VmSize:").map_or_else(Vec::new, |v| vec![(Vec::new(), v * 1024.0)]),
-    );
+        || status_kib("VmSize:").map_or_else(Vec::new, |v| vec![([], v * 1024.0)]),
+    )?;
     registry.gauge_fn(
         "process_resident_memory_bytes",
         "Resident memory size in bytes.",
         &[],
-        || status_kib("VmRSS:").map_or_else(Vec::new, |v| vec![(Vec::new(), v * 1024.0)]),
-    );
+        || status_kib("VmRSS:").map_or_else(Vec::new, |v| vec![([], v * 1024.0)]),
+    )?;
     registry.gauge_fn(
         "process_start_time_seconds",
         "Start time of the process since unix epoch in seconds.",
@@ -222,9 +347,10 @@ pub fn register_process_metrics(registry: &Registry) {
         || {
             proc_stat()
                 .and_then(|s| s.start_time_seconds)
-                .map_or_else(Vec::new, |t| vec![(Vec::new(), t)])
+                .map_or_else(Vec::new, |t| vec![([], t)])
         },
-    );
+    )?;
+    Ok(())
 }
 
 struct ProcStat {
@@ -267,28 +393,29 @@ pub fn status_kib(key: &str) -> Option<f64> {
 
 // === counters and gauges ===
 
+/// A counter family with `N` labels; children are keyed by `N` label values.
 #[derive(Clone)]
-pub struct CounterVec {
-    labels: Arc<Vec<String>>,
-    children: Arc<Mutex<BTreeMap<Vec<String>, Arc<AtomicU64>>>>,
+pub struct CounterVec<const N: usize> {
+    labels: Arc<[String; N]>,
+    children: Arc<Mutex<BTreeMap<[String; N], Arc<AtomicU64>>>>,
 }
 
-impl CounterVec {
-    fn new(labels: &[&str]) -> CounterVec {
+impl<const N: usize> CounterVec<N> {
+    fn new(labels: &[&str; N]) -> CounterVec<N> {
         CounterVec {
-            labels: Arc::new(labels.iter().map(|s| s.to_string()).collect()),
+            labels: Arc::new(labels.map(str::to_owned)),
             children: Arc::default(),
         }
     }
 
     /// The child for these label values (in label-name order).
-    pub fn with(&self, values: &[&str]) -> Counter {
-        let key: Vec<String> = values.iter().map(|s| s.to_string()).collect();
+    pub fn with(&self, values: &[&str; N]) -> Counter {
+        let key = values.map(str::to_owned);
         let cell = lock(&self.children).entry(key).or_default().clone();
         Counter(cell)
     }
 
-    fn encode(&self, name: &str, out: &mut String, conv: impl Fn(u64) -> f64) {
+    fn encode_with(&self, name: &str, out: &mut String, conv: impl Fn(u64) -> f64) {
         for (values, cell) in lock(&self.children).iter() {
             let _ = writeln!(
                 out,
@@ -297,6 +424,12 @@ impl CounterVec {
                 fmt(conv(cell.load(Ordering::Relaxed)))
             );
         }
+    }
+}
+
+impl<const N: usize> Collect for CounterVec<N> {
+    fn encode(&self, name: &str, out: &mut String) {
+        self.encode_with(name, out, |x| x as f64);
     }
 }
 
@@ -315,13 +448,20 @@ impl Counter {
     }
 }
 
+/// A gauge family with `N` labels.
 #[derive(Clone)]
-pub struct GaugeVec(CounterVec);
+pub struct GaugeVec<const N: usize>(CounterVec<N>);
 
-impl GaugeVec {
-    pub fn with(&self, values: &[&str]) -> Gauge {
+impl<const N: usize> GaugeVec<N> {
+    pub fn with(&self, values: &[&str; N]) -> Gauge {
         let c = self.0.with(values);
         Gauge(c.0)
+    }
+}
+
+impl<const N: usize> Collect for GaugeVec<N> {
+    fn encode(&self, name: &str, out: &mut String) {
+        self.0.encode_with(name, out, f64::from_bits);
     }
 }
 
@@ -377,7 +517,9 @@ impl Histogram {
         s.1 += v;
         s.2 += 1;
     }
+}
 
+impl Collect for Histogram {
     fn encode(&self, name: &str, out: &mut String) {
         let s = lock(&self.state);
         let mut cumulative = 0;
@@ -398,22 +540,29 @@ mod tests {
     #[test]
     fn istio_names_without_total_suffix() {
         let r = Registry::new();
-        let c = r.counter("xds_proxy_requests", "requests forwarded");
+        let c = r
+            .counter("xds_proxy_requests", "requests forwarded")
+            .unwrap();
         c.inc();
         c.inc();
-        let t = r.counter_vec("istiod_connection_terminations", "ends", &["type"]);
+        let t = r
+            .counter_vec("istiod_connection_terminations", "ends", &["type"])
+            .unwrap();
         t.with(&["error"]).inc();
-        let g = r.gauge("pilot_xds_recv_max", "largest");
+        let g = r.gauge("pilot_xds_recv_max", "largest").unwrap();
         g.set_max(10.0);
         g.set_max(5.0);
         r.gauge_fn("cert_expiry_seconds", "ttl", &["resource_name"], || {
-            vec![(vec!["default".into()], 42.5)]
-        });
-        let h = r.histogram(
-            "dns_upstream_request_duration_seconds",
-            "lat",
-            &[0.001, 1.0],
-        );
+            vec![(["default".into()], 42.5)]
+        })
+        .unwrap();
+        let h = r
+            .histogram(
+                "dns_upstream_request_duration_seconds",
+                "lat",
+                &[0.001, 1.0],
+            )
+            .unwrap();
         h.observe(0.5);
         let out = r.encode();
         assert!(
@@ -435,7 +584,7 @@ mod tests {
     #[test]
     fn process_metrics_from_proc() {
         let r = Registry::new();
-        register_process_metrics(&r);
+        register_process_metrics(&r).unwrap();
         let out = r.encode();
         for name in [
             "istio_agent_process_cpu_seconds_total ",
@@ -452,7 +601,145 @@ mod tests {
     #[test]
     fn label_values_are_escaped() {
         let r = Registry::new();
-        r.counter_vec("x", "h", &["l"]).with(&["a\"b\\c\nd"]).inc();
+        r.counter_vec("x", "h", &["l"])
+            .unwrap()
+            .with(&["a\"b\\c\nd"])
+            .inc();
         assert!(r.encode().contains(r#"istio_agent_x{l="a\"b\\c\nd"} 1"#));
+    }
+
+    #[test]
+    fn registering_a_name_twice_is_an_error_and_keeps_the_first() {
+        let r = Registry::new();
+        let first = r.counter("xds_proxy_requests", "first").unwrap();
+        first.inc();
+        // Any kind, any labels: one name is one family.
+        let dup = "istio_agent_xds_proxy_requests".to_owned();
+        assert_eq!(
+            r.counter("xds_proxy_requests", "again").err(),
+            Some(MetricsError::Duplicate(dup.clone()))
+        );
+        assert_eq!(
+            r.gauge_vec("xds_proxy_requests", "again", &["type"]).err(),
+            Some(MetricsError::Duplicate(dup.clone()))
+        );
+        assert_eq!(
+            r.gauge_fn("xds_proxy_requests", "again", &[], Vec::new)
+                .err(),
+            Some(MetricsError::Duplicate(dup))
+        );
+        // A histogram owns its _bucket/_sum/_count series too.
+        r.histogram("lat", "h", &[1.0]).unwrap();
+        assert_eq!(
+            r.counter("lat_count", "clash").err(),
+            Some(MetricsError::Duplicate("istio_agent_lat_count".into()))
+        );
+        r.counter("other_count", "fine").unwrap();
+        assert_eq!(
+            r.histogram("other", "h", &[1.0]).err(),
+            Some(MetricsError::Duplicate("istio_agent_other_count".into()))
+        );
+        let out = r.encode();
+        assert_eq!(
+            out.matches("# TYPE istio_agent_xds_proxy_requests ")
+                .count(),
+            1
+        );
+        assert!(
+            out.contains("# HELP istio_agent_xds_proxy_requests first\n"),
+            "{out}"
+        );
+        assert!(out.contains("istio_agent_xds_proxy_requests 1\n"), "{out}");
+    }
+
+    #[test]
+    fn bad_names_labels_and_buckets_are_errors() {
+        let r = Registry::new();
+        assert!(matches!(
+            r.counter("bad-name", "h"),
+            Err(MetricsError::InvalidName(n)) if n == "istio_agent_bad-name"
+        ));
+        assert!(matches!(
+            r.counter_vec("a", "h", &["type", "type"]),
+            Err(MetricsError::DuplicateLabel { label, .. }) if label == "type"
+        ));
+        for bad in ["__reserved", "1st", "with space", ""] {
+            assert!(
+                matches!(
+                    r.gauge_vec("b", "h", &[bad]),
+                    Err(MetricsError::InvalidLabel { .. })
+                ),
+                "{bad:?}"
+            );
+        }
+        assert!(matches!(
+            r.histogram("c", "h", &[1.0, 1.0]),
+            Err(MetricsError::Buckets(_))
+        ));
+        assert!(matches!(
+            r.histogram("c", "h", &[f64::NAN]),
+            Err(MetricsError::Buckets(_))
+        ));
+        // Nothing half-registered: the names are still free.
+        assert!(r.names().is_empty());
+        r.counter_vec("a", "h", &["type"]).unwrap();
+        r.histogram("c", "h", &[0.5, 1.0]).unwrap();
+    }
+
+    /// Every metric the agent exports, registered by each module's own registration code
+    /// into one registry (as one agent does): no clashes, and exactly Istio's names.
+    #[test]
+    fn every_agent_metric_registers_in_one_registry() {
+        let r = Registry::new();
+        register_process_metrics(&r).unwrap();
+        crate::identity::metrics::Metrics::register(&r).unwrap();
+        crate::xds::Metrics::new(&r).unwrap();
+        crate::status::EnvoyProbe::new(
+            std::net::SocketAddr::from(([127, 0, 0, 1], 15000)),
+            tokio::time::Instant::now(),
+            &r,
+            Arc::default(),
+        )
+        .unwrap();
+        crate::status::MergeMetrics::register(&r).unwrap();
+        let mut names = r.names();
+        names.sort();
+        let mut want: Vec<String> = [
+            "cert_expiry_seconds",
+            "envoy_connection_terminations",
+            "istiod_connection_failures",
+            "istiod_connection_terminations",
+            "num_failed_outgoing_requests",
+            "num_file_secret_failures_total",
+            "file_secret_loads_total",
+            "file_secret_resources",
+            "num_file_watcher_failures_total",
+            "num_outgoing_requests",
+            "num_outgoing_retries",
+            "outgoing_latency",
+            "pilot_xds_recv_max",
+            "process_cpu_seconds_total",
+            "process_max_fds",
+            "process_open_fds",
+            "process_resident_memory_bytes",
+            "process_start_time_seconds",
+            "process_virtual_memory_bytes",
+            "scrape_failures_total",
+            "scrapes_total",
+            "startup_duration_seconds",
+            "xds_proxy_requests",
+            "xds_proxy_responses",
+            "xds_proxy_upstream_recv_max",
+        ]
+        .iter()
+        .map(|n| format!("{PREFIX}{n}"))
+        .collect();
+        want.sort();
+        assert_eq!(names, want);
+        // A second agent's worth of registrations in the same registry is refused.
+        assert!(matches!(
+            crate::xds::Metrics::new(&r),
+            Err(MetricsError::Duplicate(_))
+        ));
     }
 }

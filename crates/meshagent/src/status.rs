@@ -345,7 +345,7 @@ mod tests {
             readiness: Readiness::default(),
             merger: Merger::new(
                 registry.clone(),
-                MergeMetrics::register(&registry),
+                MergeMetrics::register(&registry).unwrap(),
                 None,
                 Vec::new(),
             ),

@@ -58,7 +58,7 @@ pub use intercept::{Api, EcdsRewrite, Health, PassThrough};
 
 use crate::config::{Config, ProxyType};
 use crate::control_plane::{self, CallMetadata, DialError, Keepalive, Target, TokenSource};
-use crate::metrics::{Counter, CounterVec, Gauge, Registry};
+use crate::metrics::{Counter, CounterVec, Gauge, MetricsError, Registry};
 use crate::supervise;
 
 /// The socket's file name inside `configPath`.
@@ -71,6 +71,8 @@ const MAX_MESSAGE: usize = u32::MAX as usize;
 
 #[derive(Debug, thiserror::Error)]
 pub enum XdsError {
+    #[error(transparent)]
+    Metrics(#[from] MetricsError),
     #[error("xDS upstream: {0}")]
     Upstream(#[from] DialError),
     #[error("cannot create the xDS socket directory {path}: {source}")]
@@ -93,8 +95,8 @@ pub struct Metrics {
     pub requests: Counter,
     pub responses: Counter,
     pub istiod_connection_failures: Counter,
-    pub istiod_connection_terminations: CounterVec,
-    pub envoy_connection_terminations: CounterVec,
+    pub istiod_connection_terminations: CounterVec<1>,
+    pub envoy_connection_terminations: CounterVec<1>,
     /// `pilot_xds_recv_max`: Istio's gauge of the largest message received on the socket.
     pub downstream_max: Gauge,
     /// Largest response received from the control plane (no Istio equivalent).
@@ -105,47 +107,47 @@ pub struct Metrics {
 }
 
 impl Metrics {
-    pub fn new(r: &Registry) -> Metrics {
+    pub fn new(r: &Registry) -> Result<Metrics, MetricsError> {
         let istiod_terminations = r.counter_vec(
             "istiod_connection_terminations",
             "Upstream xDS streams that ended, by type (cancelled or error).",
             &["type"],
-        );
+        )?;
         let envoy_terminations = r.counter_vec(
             "envoy_connection_terminations",
             "Downstream (Envoy) xDS streams that ended, by type (cancelled or error).",
             &["type"],
-        );
+        )?;
         // Pre-create the children so both series exist from the start, as in Istio.
         for t in ["cancelled", "error"] {
             istiod_terminations.with(&[t]);
             envoy_terminations.with(&[t]);
         }
-        Metrics {
+        Ok(Metrics {
             requests: r.counter(
                 "xds_proxy_requests",
                 "Requests forwarded to the control plane (from Envoy or the agent).",
-            ),
+            )?,
             responses: r.counter(
                 "xds_proxy_responses",
                 "Responses received from the control plane.",
-            ),
+            )?,
             istiod_connection_failures: r.counter(
                 "istiod_connection_failures",
                 "Failed attempts to connect to the control plane.",
-            ),
+            )?,
             istiod_connection_terminations: istiod_terminations,
             envoy_connection_terminations: envoy_terminations,
             downstream_max: r.gauge(
                 "pilot_xds_recv_max",
                 "Largest message received from Envoy on the xDS socket, in bytes.",
-            ),
+            )?,
             upstream_max: r.gauge(
                 "xds_proxy_upstream_recv_max",
                 "Largest message received from the control plane, in bytes.",
-            ),
+            )?,
             response_bytes: Counter::default(),
-        }
+        })
     }
 }
 
@@ -294,7 +296,7 @@ pub fn start_with(
     shutdown: CancellationToken,
 ) -> Result<XdsProxyHandle, XdsError> {
     let listener = bind(&opts.socket)?;
-    let metrics = Metrics::new(registry);
+    let metrics = Metrics::new(registry)?;
     let (table_tx, name_table) = watch::channel(None);
     let (bundle_tx, pcds_bundle) = watch::channel(Vec::new());
     let (health, health_rx) = watch::channel(None);

@@ -3,8 +3,12 @@
 
 #![allow(clippy::unwrap_used)] // tests fail loudly by design
 
+use std::net::SocketAddr;
 use std::path::Path;
 use std::process::{Command, Output};
+use std::time::Duration;
+
+use meshagent_testkit::{Proc, free_port, http_get, wait_for};
 
 fn run(cwd: &Path, exe: &Path, args: &[&str], env: &[(&str, &str)]) -> Output {
     Command::new(exe)
@@ -64,14 +68,105 @@ fn bad_value_exits_nonzero_naming_the_variable() {
         dir.path(),
         meshagent(),
         &["proxy", "--dump-config"],
-        &[("SECRET_TTL", "tomorrow")],
+        &[("ENVOY_STATUS_PORT", "70000")],
     );
     assert_eq!(out.status.code(), Some(1));
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(
-        err.contains("SECRET_TTL") && err.contains("tomorrow"),
+        err.contains("ENVOY_STATUS_PORT") && err.contains("70000"),
         "{err}"
     );
+}
+
+#[test]
+fn unparsable_scalar_warns_and_uses_the_default() {
+    // Istio's rule: a duration that does not parse is a warning, not a failed start.
+    let dir = tempfile::tempdir().unwrap();
+    let out = run(
+        dir.path(),
+        meshagent(),
+        &["proxy", "--dump-config"],
+        &[("SECRET_TTL", "tomorrow")],
+    );
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{err}");
+    assert!(
+        err.contains(r#"Invalid environment variable value SECRET_TTL="tomorrow""#)
+            && err.contains("defaulting to 24h0m0s"),
+        "{err}"
+    );
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["identity"]["secretTtl"], "24h0m0s");
+}
+
+/// Item 7: what a start rejects, `--dump-config` rejects too, with the very same message
+/// (exit 1 both ways; the start gets no further than loading its config).
+#[test]
+fn dump_config_fails_as_a_start_fails() {
+    let cases: &[(&str, &str, &str)] = &[
+        (
+            "CA_PROVIDER",
+            "GoogleCA",
+            "CA_PROVIDER GoogleCA is not supported",
+        ),
+        (
+            "WORKLOAD_RSA_KEY_SIZE",
+            "3000",
+            "unsupported WORKLOAD_RSA_KEY_SIZE 3000",
+        ),
+        (
+            "ISTIO_BOOTSTRAP",
+            "/t.json",
+            "custom bootstrap templates are not supported",
+        ),
+        ("CA_ADDR", "ca:xyz", "invalid control plane address"),
+    ];
+    for (name, value, want) in cases {
+        let dir = tempfile::tempdir().unwrap();
+        let env = [(*name, *value), ("DISABLE_ENVOY", "true")];
+        let dump = run(dir.path(), meshagent(), &["proxy", "--dump-config"], &env);
+        let start = run_with_deadline(dir.path(), &["proxy"], &env);
+        let (dump_err, start_err) = (
+            String::from_utf8_lossy(&dump.stderr),
+            String::from_utf8_lossy(&start.stderr),
+        );
+        assert_eq!(dump.status.code(), Some(1), "{name}: {dump_err}");
+        assert_eq!(start.status.code(), Some(1), "{name}: {start_err}");
+        let line = |text: &str| {
+            text.lines()
+                .find(|l| l.starts_with("error: "))
+                .map(str::to_owned)
+                .unwrap_or_else(|| panic!("{name}: no error line in {text}"))
+        };
+        assert_eq!(line(&dump_err), line(&start_err), "{name}");
+        assert!(line(&dump_err).contains(want), "{name}: {dump_err}");
+    }
+}
+
+/// Runs the binary; kills it (and fails the test) if it is still running after 20 s.
+fn run_with_deadline(cwd: &Path, args: &[&str], env: &[(&str, &str)]) -> Output {
+    let mut child = Command::new(meshagent())
+        .args(args)
+        .current_dir(cwd)
+        .env_clear()
+        .envs(env.iter().copied())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    while child.try_wait().unwrap().is_none() {
+        if tokio::time::Instant::now() > deadline {
+            child.kill().unwrap();
+            let out = child.wait_with_output().unwrap();
+            panic!(
+                "{args:?} with {env:?} still running after 20 s: {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    child.wait_with_output().unwrap()
 }
 
 #[test]
@@ -86,4 +181,87 @@ fn answers_as_pilot_agent() {
     let bad = run(dir.path(), &link, &["proxy", "gateway"], &[]);
     assert!(!bad.status.success());
     assert!(String::from_utf8_lossy(&bad.stderr).contains("invalid proxy Type"));
+}
+
+/// D8: `CA_HEADER_*` / `XDS_HEADER_*` values are often credentials. The names show in the
+/// INFO "Effective config" line and on `/debug/config_dump`; the values never do.
+#[tokio::test]
+async fn header_values_never_reach_the_log_or_config_dump() {
+    let cwd = tempfile::tempdir().unwrap();
+    let status = free_port();
+    let pc = serde_json::json!({
+        "binaryPath": "/nonexistent/envoy",
+        "statusPort": status,
+        "discoveryAddress": format!("127.0.0.1:{}", free_port()),
+    });
+    let mut cmd = Command::new(meshagent());
+    cmd.args(["proxy", "sidecar"])
+        .current_dir(cwd.path())
+        .env_clear()
+        .env("POD_NAMESPACE", "default")
+        .env("DISABLE_ENVOY", "true")
+        .env("PROXY_CONFIG", pc.to_string())
+        .env("CA_HEADER_Authorization", "Bearer ca-credential-1")
+        .env("XDS_HEADER_X-Api-Key", "xds-credential-2");
+    let agent = Proc::spawn("agent", cmd, cwd.path());
+    let addr = SocketAddr::from(([127, 0, 0, 1], status));
+    let dump = wait_for(
+        "/debug/config_dump",
+        Duration::from_secs(30),
+        || async move {
+            match http_get(addr, "/debug/config_dump").await {
+                Ok((200, body)) => Some(body),
+                _ => None,
+            }
+        },
+    )
+    .await;
+    assert!(
+        dump.contains("Authorization") && dump.contains("X-Api-Key"),
+        "{dump}"
+    );
+    assert!(!dump.contains("credential-"), "{dump}");
+    let log = agent.log_text();
+    assert!(log.contains("Effective config"), "{log}");
+    assert!(log.contains("X-Api-Key"), "{log}");
+    assert!(!log.contains("credential-"), "{log}");
+}
+
+/// D10: a non-UTF-8 value of a variable the agent reads is a startup error naming it, not
+/// "unset" (a non-UTF-8 PROXY_CONFIG used to be ignored and the agent ran on defaults).
+#[test]
+fn non_utf8_env_value_exits_nonzero_naming_the_variable() {
+    use std::ffi::OsStr;
+    use std::os::unix::ffi::OsStrExt;
+
+    let dir = tempfile::tempdir().unwrap();
+    let bad = OsStr::from_bytes(b"concurrency: 2\n# caf\xe9\n");
+    let out = Command::new(meshagent())
+        .args(["proxy", "--dump-config"])
+        .current_dir(dir.path())
+        .env_clear()
+        .env("PROXY_CONFIG", bad)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("environment variable PROXY_CONFIG is not valid UTF-8"),
+        "{err}"
+    );
+    assert!(out.stdout.is_empty());
+
+    // A non-UTF-8 variable the agent does not read changes nothing.
+    let out = Command::new(meshagent())
+        .args(["proxy", "--dump-config"])
+        .current_dir(dir.path())
+        .env_clear()
+        .env("UNRELATED", OsStr::from_bytes(b"\xff"))
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
 }

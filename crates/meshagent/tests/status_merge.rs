@@ -100,10 +100,11 @@ impl Drop for Agent {
 
 async fn start_status(envoy: Option<SocketAddr>, targets: Vec<ScrapeTarget>) -> Agent {
     let registry = Registry::new();
-    meshagent::metrics::register_process_metrics(&registry);
-    let metrics = MergeMetrics::register(&registry);
+    meshagent::metrics::register_process_metrics(&registry).unwrap();
+    let metrics = MergeMetrics::register(&registry).unwrap();
     registry
         .counter("xds_proxy_requests", "Requests forwarded.")
+        .unwrap()
         .inc();
     let state = StatusState {
         readiness: Readiness::default(),

@@ -147,7 +147,11 @@ where
 
 // === HTTP ===
 
-/// Minimal HTTP/1.1 client (one request per connection) for admin and debug endpoints.
+/// Largest body the harness reads (Envoy config dumps of test meshes are far smaller).
+const HTTP_BODY_CAP: usize = 256 * 1024 * 1024;
+
+/// One HTTP/1.1 request to an admin or debug endpoint, through the agent's own client
+/// ([`meshagent::http_client`]); a body cut short is an error.
 pub async fn http(method: &str, addr: SocketAddr, path: &str) -> std::io::Result<(u16, String)> {
     http_with_body(method, addr, path, &[]).await
 }
@@ -159,62 +163,20 @@ pub async fn http_with_body(
     path: &str,
     body: &[u8],
 ) -> std::io::Result<(u16, String)> {
-    let fut = async {
-        let mut s = tokio::net::TcpStream::connect(addr).await?;
-        let req = format!(
-            "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\nContent-Length: {}\r\n\r\n",
-            body.len()
-        );
-        s.write_all(req.as_bytes()).await?;
-        s.write_all(body).await?;
-        let mut buf = Vec::new();
-        s.read_to_end(&mut buf).await?;
-        parse_response(&buf)
+    use meshagent::http_client::{self, Call, Method};
+    let method = Method::from_bytes(method.as_bytes()).map_err(std::io::Error::other)?;
+    let call = Call {
+        body: bytes::Bytes::copy_from_slice(body),
+        ..Call::new(method, addr, path, Duration::from_secs(10))
     };
-    tokio::time::timeout(Duration::from_secs(10), fut)
+    let (status, text) = http_client::text(&call, HTTP_BODY_CAP)
         .await
-        .unwrap_or_else(|_| Err(std::io::Error::other("HTTP request timed out")))
+        .map_err(std::io::Error::other)?;
+    Ok((status.as_u16(), text))
 }
 
 pub async fn http_get(addr: SocketAddr, path: &str) -> std::io::Result<(u16, String)> {
     http("GET", addr, path).await
-}
-
-fn parse_response(buf: &[u8]) -> std::io::Result<(u16, String)> {
-    let text = String::from_utf8_lossy(buf);
-    let (head, body) = text
-        .split_once("\r\n\r\n")
-        .ok_or_else(|| std::io::Error::other("no HTTP header end"))?;
-    let status: u16 = head
-        .split_whitespace()
-        .nth(1)
-        .and_then(|s| s.parse().ok())
-        .ok_or_else(|| std::io::Error::other("bad status line"))?;
-    let chunked = head.lines().any(|l| {
-        l.to_ascii_lowercase()
-            .starts_with("transfer-encoding: chunked")
-    });
-    let body = if chunked {
-        dechunk(body)
-    } else {
-        body.to_owned()
-    };
-    Ok((status, body))
-}
-
-fn dechunk(mut s: &str) -> String {
-    let mut out = String::new();
-    while let Some((size, rest)) = s.split_once("\r\n") {
-        let Ok(n) = usize::from_str_radix(size.trim(), 16) else {
-            break;
-        };
-        if n == 0 || rest.len() < n {
-            break;
-        }
-        out.push_str(&rest[..n]);
-        s = rest[n..].trim_start_matches("\r\n");
-    }
-    out
 }
 
 // === processes ===

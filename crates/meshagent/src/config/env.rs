@@ -3,20 +3,29 @@
 //! Everything goes through [`EnvSource`] so tests can hand in a [`MapEnv`]
 //! instead of mutating the process environment.
 
-use std::collections::{BTreeMap, HashMap};
+use std::cell::RefCell;
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::fmt::Display;
-use std::str::FromStr;
 use std::time::Duration;
 
 use super::ConfigError;
-use super::parse::{EXPECT_BOOL, EXPECT_DURATION, parse_go_bool, parse_go_duration};
+use super::parse::{
+    EXPECT_BOOL, EXPECT_DURATION, go_duration_string, parse_go_bool, parse_go_duration,
+};
 
 /// A source of environment variables.
 pub trait EnvSource {
-    /// The value of `key`, or `None` if it is not set (or not valid UTF-8).
+    /// The value of `key`, or `None` if it is not set (or not valid UTF-8; see
+    /// [`EnvSource::not_unicode`]).
     fn get(&self, key: &str) -> Option<String>;
-    /// Every variable, for prefix families such as `ISTIO_META_*`.
+    /// Every variable with a UTF-8 name and value, for prefix families such as `ISTIO_META_*`.
     fn vars(&self) -> Vec<(String, String)>;
+    /// Names (lossily decoded) of the variables whose name or value is not valid UTF-8, which
+    /// [`EnvSource::get`] and [`EnvSource::vars`] leave out. The loader turns those the agent
+    /// reads into errors instead of treating them as unset.
+    fn not_unicode(&self) -> Vec<String> {
+        Vec::new()
+    }
 }
 
 /// The real process environment.
@@ -29,9 +38,16 @@ impl EnvSource for ProcessEnv {
     }
 
     fn vars(&self) -> Vec<(String, String)> {
-        // `std::env::vars` panics on non-UTF-8 entries; skip those instead.
+        // `std::env::vars` panics on non-UTF-8 entries; `not_unicode` reports those.
         std::env::vars_os()
             .filter_map(|(k, v)| Some((k.into_string().ok()?, v.into_string().ok()?)))
+            .collect()
+    }
+
+    fn not_unicode(&self) -> Vec<String> {
+        std::env::vars_os()
+            .filter(|(k, v)| k.to_str().is_none() || v.to_str().is_none())
+            .map(|(k, _)| k.to_string_lossy().into_owned())
             .collect()
     }
 }
@@ -64,15 +80,26 @@ impl EnvSource for MapEnv {
     }
 }
 
-/// Typed reads over an [`EnvSource`] that collect every bad value instead of
-/// stopping at the first one.
+/// Typed reads over an [`EnvSource`], with Istio's rules (`pkg/env/var.go`, `Lookup`):
 ///
-/// A variable that is set but empty counts as unset for typed values
-/// (Kubernetes manifests often render `value: ""`); string values keep the
-/// empty string, as Istio does.
+/// * a string that is set but empty is `""`, not the default ([`Reader::string`]); a few
+///   callers treat `""` as unset where Istio's consumer does ([`Reader::non_empty`]);
+/// * a bool, integer, float or duration that does not parse — `""` included — logs a
+///   warning and the default is used ([`Reader::scalar`], the one place that rule lives);
+/// * a value that parses but that the agent cannot run with (an integer out of range, a
+///   socket name with a `/`) is an error; every error is collected instead of stopping at
+///   the first one, and loading fails with all of them.
+///
+/// It also remembers which variables and prefix families were read, so that
+/// [`Reader::not_unicode_errors`] reports exactly the non-UTF-8 variables the agent would
+/// otherwise have mistaken for unset (D10), and none it does not use.
 pub(crate) struct Reader<'a> {
     env: &'a dyn EnvSource,
     pub(crate) errors: Vec<ConfigError>,
+    /// "Invalid environment variable value …, defaulting to …" lines, logged by the loader.
+    pub(crate) warnings: Vec<String>,
+    read: RefCell<BTreeSet<String>>,
+    prefixes: RefCell<BTreeSet<String>>,
 }
 
 impl<'a> Reader<'a> {
@@ -80,16 +107,38 @@ impl<'a> Reader<'a> {
         Self {
             env,
             errors: Vec::new(),
+            warnings: Vec::new(),
+            read: RefCell::default(),
+            prefixes: RefCell::default(),
         }
     }
 
+    /// The raw value; every read goes through here.
+    pub(crate) fn get(&self, key: &str) -> Option<String> {
+        self.read.borrow_mut().insert(key.to_owned());
+        self.env.get(key)
+    }
+
     pub(crate) fn string(&self, key: &str, default: &str) -> String {
-        self.env.get(key).unwrap_or_else(|| default.to_owned())
+        self.get(key).unwrap_or_else(|| default.to_owned())
     }
 
     /// The value if set and non-empty.
     pub(crate) fn non_empty(&self, key: &str) -> Option<String> {
-        self.env.get(key).filter(|v| !v.is_empty())
+        self.get(key).filter(|v| !v.is_empty())
+    }
+
+    /// One error per variable read so far (alone or through a prefix family) whose name or
+    /// value is not valid UTF-8.
+    pub(crate) fn not_unicode_errors(&self) -> Vec<ConfigError> {
+        let read = self.read.borrow();
+        let prefixes = self.prefixes.borrow();
+        self.env
+            .not_unicode()
+            .into_iter()
+            .filter(|name| read.contains(name) || prefixes.iter().any(|p| name.starts_with(p)))
+            .map(|name| ConfigError::NotUnicode { name })
+            .collect()
     }
 
     pub(crate) fn invalid(&mut self, key: &str, value: &str, expected: impl Into<String>) {
@@ -100,9 +149,34 @@ impl<'a> Reader<'a> {
         });
     }
 
-    /// Parses `key` with `parse`, recording an error (and returning `default`)
-    /// when the value does not parse.
-    pub(crate) fn parse<T>(
+    /// Istio's rule for scalar variables: unset → `default`; set to something `parse`
+    /// rejects (`""` included) → a warning and `default` (`shown` is how the warning
+    /// prints it).
+    pub(crate) fn scalar<T>(
+        &mut self,
+        key: &str,
+        default: T,
+        shown: &str,
+        expected: &str,
+        parse: impl FnOnce(&str) -> Option<T>,
+    ) -> T {
+        let Some(raw) = self.get(key) else {
+            return default;
+        };
+        match parse(&raw) {
+            Some(v) => v,
+            None => {
+                self.warnings.push(format!(
+                    "Invalid environment variable value {key}={raw:?}, expecting {expected}, defaulting to {shown}"
+                ));
+                default
+            }
+        }
+    }
+
+    /// A value of a type Istio reads as a string and checks later (e.g. an IP address): unset
+    /// or empty → `default`; not accepted by `parse` → an error.
+    pub(crate) fn validated<T>(
         &mut self,
         key: &str,
         default: T,
@@ -122,45 +196,77 @@ impl<'a> Reader<'a> {
     }
 
     pub(crate) fn bool(&mut self, key: &str, default: bool) -> bool {
-        self.parse(key, default, EXPECT_BOOL, parse_go_bool)
+        self.scalar(
+            key,
+            default,
+            &default.to_string(),
+            EXPECT_BOOL,
+            parse_go_bool,
+        )
     }
 
     pub(crate) fn opt_bool(&mut self, key: &str) -> Option<bool> {
-        self.parse(key, None, EXPECT_BOOL, |s| parse_go_bool(s).map(Some))
+        self.scalar(key, None, "unset", EXPECT_BOOL, |s| {
+            parse_go_bool(s).map(Some)
+        })
     }
 
     pub(crate) fn duration(&mut self, key: &str, default: Duration) -> Duration {
-        self.parse(key, default, EXPECT_DURATION, parse_go_duration)
+        let shown = go_duration_string(default);
+        self.scalar(key, default, &shown, EXPECT_DURATION, parse_go_duration)
     }
 
-    /// An integer within `min..=max`.
+    /// An integer within `min..=max`: not an integer → warning and default; an integer out
+    /// of range → error.
     pub(crate) fn int<T>(&mut self, key: &str, default: T, min: T, max: T) -> T
     where
-        T: FromStr + PartialOrd + Copy + Display,
+        T: TryFrom<i128> + PartialOrd + Copy + Display,
     {
-        let expected = format!("an integer between {min} and {max}");
-        self.parse(key, default, &expected, |s| {
-            s.parse::<T>().ok().filter(|v| *v >= min && *v <= max)
-        })
+        let Some(n) = self.scalar(key, None, &default.to_string(), "an integer", |s| {
+            s.parse::<i128>().ok().map(Some)
+        }) else {
+            return default;
+        };
+        match T::try_from(n).ok().filter(|v| *v >= min && *v <= max) {
+            Some(v) => v,
+            None => {
+                self.invalid(
+                    key,
+                    &n.to_string(),
+                    format!("an integer between {min} and {max}"),
+                );
+                default
+            }
+        }
     }
 
     pub(crate) fn port(&mut self, key: &str, default: u16) -> u16 {
-        self.parse(key, default, "a port number between 0 and 65535", |s| {
-            s.parse().ok()
-        })
+        self.int(key, default, 0, u16::MAX)
     }
 
-    /// A finite float within `min..=max`.
+    /// A finite float within `min..=max`: not a number → warning and default; a number out
+    /// of range (or NaN) → error.
     pub(crate) fn float(&mut self, key: &str, default: f64, min: f64, max: f64) -> f64 {
-        let expected = format!("a number between {min} and {max}");
-        self.parse(key, default, &expected, |s| {
-            s.parse::<f64>().ok().filter(|v| (min..=max).contains(v))
-        })
+        let Some(x) = self.scalar(key, None, &default.to_string(), "a number", |s| {
+            s.parse::<f64>().ok().map(Some)
+        }) else {
+            return default;
+        };
+        if (min..=max).contains(&x) {
+            x
+        } else {
+            self.invalid(
+                key,
+                &x.to_string(),
+                format!("a number between {min} and {max}"),
+            );
+            default
+        }
     }
 
     /// A comma-separated list; blank items are dropped.
     pub(crate) fn list(&self, key: &str, default: &[&str]) -> Vec<String> {
-        match self.env.get(key) {
+        match self.get(key) {
             Some(v) => split_list(&v),
             None => default.iter().map(|s| (*s).to_owned()).collect(),
         }
@@ -168,6 +274,7 @@ impl<'a> Reader<'a> {
 
     /// Every variable `<prefix><NAME>` with a non-empty NAME, keyed by NAME.
     pub(crate) fn prefixed(&self, prefix: &str) -> BTreeMap<String, String> {
+        self.prefixes.borrow_mut().insert(prefix.to_owned());
         self.env
             .vars()
             .into_iter()

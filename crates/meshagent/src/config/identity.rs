@@ -32,7 +32,9 @@ pub struct IdentityConfig {
     pub ca_provider: String,
     /// `CA_ROOT_CA`: root for the CA TLS connection; `SYSTEM` means OS roots.
     pub ca_root_ca: String,
-    /// `CA_HEADER_<NAME>`: extra gRPC metadata `NAME: value` on CSR calls.
+    /// `CA_HEADER_<NAME>`: extra gRPC metadata `NAME: value` on CSR calls (values redacted
+    /// when serialized).
+    #[serde(with = "super::serde_redacted")]
     pub ca_headers: BTreeMap<String, String>,
     /// `PILOT_CERT_PROVIDER` (default `istiod`): where the istiod root comes from.
     pub pilot_cert_provider: String,
@@ -103,14 +105,26 @@ impl IdentityConfig {
             ca_provider = "GoogleCA".to_owned();
         }
 
-        let rsa_expected = format!("an integer between 2048 and {}", u32::MAX);
-        let workload_rsa_key_size = r.parse("WORKLOAD_RSA_KEY_SIZE", 2048, &rsa_expected, |s| {
-            s.parse::<u32>().ok().filter(|v| *v >= 2048)
-        });
+        // Istio rejects keys under 2048 bits; which larger sizes this build can generate is
+        // the start's check (`identity::keys::KeySpec::from_config`, run at load by
+        // `config::startup`).
+        let workload_rsa_key_size = r.int("WORKLOAD_RSA_KEY_SIZE", 2048, 2048, u32::MAX);
 
         let jwt_policy = r.string("JWT_POLICY", "third-party-jwt");
         let jwt_path = matches!(jwt_policy.as_str(), "third-party-jwt" | "first-party-jwt")
             .then(|| PathBuf::from(ISTIO_TOKEN_PATH));
+
+        // Istio builds a credential fetcher for any other type at start (and fails on an
+        // unknown one); meshagent has only the token-file one, so another type is an error
+        // rather than a CA call without the expected credential.
+        let credential_fetcher_type = r.string("CREDENTIAL_FETCHER_TYPE", "JWT");
+        if !matches!(credential_fetcher_type.as_str(), "JWT" | "") {
+            r.invalid(
+                "CREDENTIAL_FETCHER_TYPE",
+                &credential_fetcher_type,
+                "JWT (the token file; the GoogleComputeEngine and Mock fetchers are not supported)",
+            );
+        }
 
         let workload_identity_socket_file = r.string("WORKLOAD_IDENTITY_SOCKET_FILE", "socket");
         if workload_identity_socket_file.is_empty() || workload_identity_socket_file.contains('/') {
@@ -149,7 +163,7 @@ impl IdentityConfig {
             file_mounted_certs: r.bool("FILE_MOUNTED_CERTS", false),
             jwt_policy,
             jwt_path,
-            credential_fetcher_type: r.string("CREDENTIAL_FETCHER_TYPE", "JWT"),
+            credential_fetcher_type,
             credential_identity_provider: r
                 .string("CREDENTIAL_IDENTITY_PROVIDER", "GoogleComputeEngine"),
             cluster_id: r.string("ISTIO_META_CLUSTER_ID", ""),

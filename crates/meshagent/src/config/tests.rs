@@ -177,6 +177,7 @@ fn env_defaults() {
 
 #[test]
 fn empty_typed_values_mean_default() {
+    // Istio's rule: "" is not a bool, int or duration, so it warns and uses the default.
     let c = Fixture::new()
         .env("SECRET_TTL", "")
         .env("ISTIO_DELTA_XDS", "")
@@ -185,6 +186,75 @@ fn empty_typed_values_mean_default() {
     assert_eq!(c.identity.secret_ttl, Duration::from_secs(24 * 3600));
     assert!(c.xds.delta_xds);
     assert_eq!(c.bootstrap.envoy_status_port, 15021);
+    assert_eq!(c.warnings.len(), 3, "{:?}", c.warnings);
+}
+
+#[test]
+fn empty_strings_are_empty_not_the_default() {
+    // GRPC_XDS_BOOTSTRAP="" turns the gRPC bootstrap off; DNS_PROXY_ADDR="" falls back.
+    let c = Fixture::new()
+        .env("GRPC_XDS_BOOTSTRAP", "")
+        .env("TRUST_DOMAIN", "")
+        .env("DNS_PROXY_ADDR", "")
+        .env("ISTIO_META_DNS_CAPTURE", "true")
+        .ok();
+    assert_eq!(c.grpc.xds_bootstrap, PathBuf::new());
+    assert_eq!(c.identity.trust_domain, "");
+    assert_eq!(c.dns.proxy_addr, "localhost:15053");
+    assert!(!c.dns.proxy_addr_set);
+    assert!(c.warnings.is_empty(), "{:?}", c.warnings);
+}
+
+/// Istio `pkg/env/var.go` `Lookup`: a scalar that does not parse logs "Invalid environment
+/// variable value …, defaulting to …" and the default is used; loading succeeds.
+#[test]
+fn unparsable_scalars_warn_and_use_the_default() {
+    type Field = fn(&Config) -> String;
+    let cases: &[(&str, &str, &str, Field)] = &[
+        ("SECRET_TTL", "abc", "24h0m0s", |c| {
+            format!("{:?}", c.identity.secret_ttl)
+        }),
+        ("SECRET_TTL", "-1h", "24h0m0s", |c| {
+            format!("{:?}", c.identity.secret_ttl)
+        }),
+        ("DNS_FORWARD_TIMEOUT", "5", "5s", |c| {
+            format!("{:?}", c.dns.forward_timeout)
+        }),
+        ("PKCS8_KEY", "yes", "false", |c| {
+            c.identity.pkcs8_key.to_string()
+        }),
+        ("ISTIO_DELTA_XDS", "on", "true", |c| {
+            c.xds.delta_xds.to_string()
+        }),
+        ("PEER_METADATA_DISCOVERY", "maybe", "unset", |c| {
+            format!("{:?}", c.bootstrap.peer_metadata_discovery)
+        }),
+        ("WASM_HTTP_REQUEST_MAX_RETRIES", "x", "5", |c| {
+            c.wasm.http_request_max_retries.to_string()
+        }),
+        ("ENVOY_STATUS_PORT", "http", "15021", |c| {
+            c.bootstrap.envoy_status_port.to_string()
+        }),
+        ("WORKLOAD_RSA_KEY_SIZE", "big", "2048", |c| {
+            c.identity.workload_rsa_key_size.to_string()
+        }),
+        ("SECRET_GRACE_PERIOD_RATIO", "half", "0.5", |c| {
+            c.identity.secret_grace_period_ratio.to_string()
+        }),
+    ];
+    let defaults = Fixture::new().ok();
+    for (name, value, shown, field) in cases {
+        let c = Fixture::new().env(name, value).ok();
+        assert_eq!(field(&c), field(&defaults), "{name}={value}");
+        assert_eq!(c.warnings.len(), 1, "{name}: {:?}", c.warnings);
+        assert_contains(
+            &c.warnings[0],
+            &[
+                &format!("Invalid environment variable value {name}={value:?}"),
+                &format!("defaulting to {shown}"),
+            ],
+        );
+    }
 }
 
 #[test]
@@ -275,9 +345,14 @@ fn ca_addr_derivation() {
     assert!(c.identity.ca_addr_set);
     assert_eq!(c.identity.ca_provider, "Citadel");
 
-    let c = Fixture::new()
-        .env("CA_ADDR", "meshca.googleapis.com:443")
-        .ok();
+    // GoogleCA is selected, and it is not in open-source Istio: a start with a CA fails, so
+    // loading does too; with file-mounted certificates no CA is called and it loads.
+    let f = Fixture::new().env("CA_ADDR", "meshca.googleapis.com:443");
+    assert_eq!(
+        f.err(),
+        "CA_PROVIDER GoogleCA is not supported (only Citadel, as in open-source Istio)"
+    );
+    let c = f.env("FILE_MOUNTED_CERTS", "true").ok();
     assert_eq!(c.identity.ca_provider, "GoogleCA");
 }
 
@@ -312,6 +387,82 @@ fn prefix_families() {
     );
     assert_eq!(c.identity.cluster_id, "Kubernetes");
     assert!(c.dns.capture);
+}
+
+#[test]
+fn header_values_are_redacted_when_serialized() {
+    let c = Fixture::new()
+        .env("CA_HEADER_Authorization", "Bearer ca-credential-1")
+        .env("XDS_HEADER_X-Api-Key", "xds-credential-2")
+        .ok();
+    // The agent itself still has the values ...
+    assert_eq!(
+        c.identity.ca_headers["Authorization"],
+        "Bearer ca-credential-1"
+    );
+    assert_eq!(c.xds.headers["X-Api-Key"], "xds-credential-2");
+    // ... but what is logged and served on /debug/config_dump names them only.
+    let v = serde_json::to_value(&c).unwrap();
+    let text = v.to_string();
+    assert!(!text.contains("credential-"), "{text}");
+    assert_eq!(v["identity"]["caHeaders"]["Authorization"], "<redacted>");
+    assert_eq!(v["xds"]["headers"]["X-Api-Key"], "<redacted>");
+}
+
+/// An environment in which some variables are set to bytes that are not UTF-8.
+struct NotUnicodeEnv {
+    env: MapEnv,
+    bad: Vec<&'static str>,
+}
+
+impl EnvSource for NotUnicodeEnv {
+    fn get(&self, key: &str) -> Option<String> {
+        self.env.get(key)
+    }
+    fn vars(&self) -> Vec<(String, String)> {
+        self.env.vars()
+    }
+    fn not_unicode(&self) -> Vec<String> {
+        self.bad.iter().map(|s| (*s).to_owned()).collect()
+    }
+}
+
+#[test]
+fn non_utf8_values_of_variables_the_agent_reads_are_errors() {
+    let dir = tempfile::tempdir().unwrap();
+    let load_with = |bad: Vec<&'static str>| {
+        let env = NotUnicodeEnv {
+            env: MapEnv::from_pairs([("POD_NAMESPACE", "shop")]),
+            bad,
+        };
+        load(&ProxyFlags::default(), &env, dir.path())
+    };
+    // Single variables, prefix families, and PROXY_CONFIG (read before everything else).
+    for name in [
+        "PROXY_CONFIG",
+        "SECRET_TTL",
+        "POD_NAME",
+        "CA_HEADER_X-Token",
+        "ISTIO_META_\u{fffd}",
+    ] {
+        assert_eq!(
+            load_with(vec![name]).unwrap_err(),
+            ConfigError::NotUnicode {
+                name: name.to_owned()
+            },
+            "{name}"
+        );
+    }
+    let e = load_with(vec!["PROXY_CONFIG", "XDS_HEADER_A"]).unwrap_err();
+    assert_contains(
+        &e.to_string(),
+        &[
+            "environment variable PROXY_CONFIG is not valid UTF-8",
+            "environment variable XDS_HEADER_A is not valid UTF-8",
+        ],
+    );
+    // Variables the agent does not read are none of its business.
+    assert!(load_with(vec!["LS_COLORS", "PROXY_CONFIGX"]).is_ok());
 }
 
 // === layering ===
@@ -426,11 +577,15 @@ fn service_cluster_flag_fills_empty_value() {
 
 #[test]
 fn template_file_flag() {
+    // The flag fills proxyBootstrapTemplatePath, which a start refuses (templates are not
+    // supported), so loading refuses it with the start's message.
     let mut f = Fixture::new();
     f.flags.template_file = PathBuf::from("/t.json");
-    assert_eq!(
-        f.ok().proxy_config.proxy_bootstrap_template_path,
-        Path::new("/t.json")
+    assert_contains(
+        &f.err(),
+        &[
+            "custom bootstrap templates are not supported (--templateFile/proxyBootstrapTemplatePath=/t.json)",
+        ],
     );
 
     let mut f = Fixture::new().env("PROXY_CONFIG", "customConfigFile: /envoy.yaml");
@@ -538,11 +693,9 @@ fn bad_probers_and_prometheus_annotations_name_the_problem() {
 
 #[test]
 fn bad_env_values() {
+    // Values that parse but that the agent cannot run with: errors naming the variable,
+    // the value and what was expected.
     let cases: &[(&str, &str, &[&str])] = &[
-        ("SECRET_TTL", "abc", &["duration such as 24h, 30m or 1.5s"]),
-        ("SECRET_TTL", "-1h", &["duration"]),
-        ("PKCS8_KEY", "yes", &["boolean"]),
-        ("ISTIO_DELTA_XDS", "on", &["boolean"]),
         ("WORKLOAD_RSA_KEY_SIZE", "1024", &["2048"]),
         ("SECRET_GRACE_PERIOD_RATIO", "1.5", &["between 0 and 1"]),
         (
@@ -556,20 +709,92 @@ fn bad_env_values() {
             "dir/socket",
             &["bare file name"],
         ),
-        ("ENVOY_STATUS_PORT", "70000", &["port number"]),
+        ("ENVOY_STATUS_PORT", "70000", &["between 0 and 65535"]),
         ("ISTIO_CPU_LIMIT", "-1", &["integer between 0"]),
         ("ISTIO_GPRC_MAXSTREAMS", "0", &["integer between 1"]),
         ("INSTANCE_IP", "10.0.0", &["IPv4 or IPv6"]),
         ("ISTIO_METAJSON_LABELS", "\"str\"", &["JSON object"]),
         ("BLOCKED_CIDRS_IN_WASM_FETCH", "10.0.0.0/33", &["CIDR"]),
-        ("WASM_HTTP_REQUEST_MAX_RETRIES", "x", &["integer"]),
-        ("DNS_FORWARD_TIMEOUT", "5", &["duration"]),
-        ("PEER_METADATA_DISCOVERY", "maybe", &["boolean"]),
+        ("CREDENTIAL_FETCHER_TYPE", "GoogleComputeEngine", &["JWT"]),
     ];
     for (name, value, expected) in cases {
         let err = Fixture::new().env(name, value).err();
         assert_contains(&err, &[name, &format!("{value:?}")]);
         assert_contains(&err, expected);
+    }
+}
+
+/// What a start would reject fails loading, with the start's own message.
+#[test]
+fn start_time_checks_run_at_load() {
+    let cases: &[(&[(&str, &str)], &str)] = &[
+        (
+            &[("CA_PROVIDER", "GoogleCA")],
+            "CA_PROVIDER GoogleCA is not supported (only Citadel, as in open-source Istio)",
+        ),
+        (
+            &[("WORKLOAD_RSA_KEY_SIZE", "2049")],
+            "unsupported WORKLOAD_RSA_KEY_SIZE 2049: this build generates 2048, 3072 or 4096-bit keys",
+        ),
+        (
+            &[("CA_ADDR", "ca.example")],
+            "invalid control plane address \"ca.example\": expected host:port",
+        ),
+        (
+            &[("PILOT_CERT_PROVIDER", "none")],
+            "TLS is required for the CA but PILOT_CERT_PROVIDER=none gives no root certificate",
+        ),
+        (
+            &[("ISTIO_BOOTSTRAP", "/custom.json")],
+            "custom bootstrap templates are not supported (ISTIO_BOOTSTRAP=/custom.json)",
+        ),
+        (
+            &[
+                ("ISTIO_META_DNS_CAPTURE", "true"),
+                ("DNS_PROXY_ADDR", "localhost"),
+            ],
+            "invalid DNS_PROXY_ADDR=\"localhost\": expected host:port",
+        ),
+    ];
+    for (env, want) in cases {
+        let mut f = Fixture::new();
+        for (k, v) in *env {
+            f = f.env(k, v);
+        }
+        assert_contains(&f.err(), &[want]);
+    }
+    // The bootstrap override file is read as Envoy's start reads it.
+    let f = Fixture::new().env("ISTIO_BOOTSTRAP_OVERRIDE", "override.yaml");
+    assert_contains(
+        &f.err(),
+        &["cannot read ISTIO_BOOTSTRAP_OVERRIDE file", "override.yaml"],
+    );
+    let f = f.file("override.yaml", "a: [b");
+    assert_contains(&f.err(), &["override.yaml: not YAML/JSON"]);
+    let f = f.file("override.yaml", "stats_flush_interval: 5s");
+    f.ok();
+    f.env("DISABLE_ENVOY", "true")
+        .file("override.yaml", "a: [b")
+        .ok();
+    // The CA checks apply only when the start would use the CA.
+    let c = Fixture::new()
+        .env("CA_PROVIDER", "GkeWorkloadCertificate")
+        .env("WORKLOAD_RSA_KEY_SIZE", "2049")
+        .env("FILE_MOUNTED_CERTS", "true")
+        .ok();
+    assert_eq!(c.identity.ca_provider, "GkeWorkloadCertificate");
+    // ECDSA keys: the RSA size is not used.
+    Fixture::new()
+        .env("ECC_SIGNATURE_ALGORITHM", "ECDSA")
+        .env("WORKLOAD_RSA_KEY_SIZE", "2049")
+        .ok();
+    // DNS_PROXY_ADDR only matters when the DNS proxy starts.
+    Fixture::new().env("DNS_PROXY_ADDR", "localhost").ok();
+    for ok in ["localhost:15053", ":53", "[::1]:15053", "127.0.0.1:0"] {
+        Fixture::new()
+            .env("ISTIO_META_DNS_CAPTURE", "true")
+            .env("DNS_PROXY_ADDR", ok)
+            .ok();
     }
 }
 
@@ -678,8 +903,8 @@ fn unreadable_mesh_file_is_an_error() {
 #[test]
 fn all_errors_are_reported_together() {
     let err = Fixture::new()
-        .env("SECRET_TTL", "abc")
-        .env("PKCS8_KEY", "yes")
+        .env("WORKLOAD_RSA_KEY_SIZE", "1024")
+        .env("ISTIO_CPU_LIMIT", "-1")
         .env("PROXY_CONFIG", "drainDuration: 45")
         .load()
         .unwrap_err();
@@ -691,8 +916,8 @@ fn all_errors_are_reported_together() {
         &err.to_string(),
         &[
             "3 configuration errors",
-            "SECRET_TTL",
-            "PKCS8_KEY",
+            "WORKLOAD_RSA_KEY_SIZE",
+            "ISTIO_CPU_LIMIT",
             "drainDuration",
         ],
     );

@@ -14,7 +14,7 @@ use super::env::Reader;
 use super::probers::{
     AppProber, PrometheusScrape, parse_app_probers, parse_prometheus_annotations,
 };
-use super::serde_duration;
+use super::{serde_duration, serde_redacted};
 
 const MIB: u64 = 1024 * 1024;
 
@@ -45,7 +45,7 @@ impl PodConfig {
         Self {
             name: r.string("POD_NAME", ""),
             namespace: r.string("POD_NAMESPACE", ""),
-            instance_ip: r.parse("INSTANCE_IP", None, "an IPv4 or IPv6 address", |s| {
+            instance_ip: r.validated("INSTANCE_IP", None, "an IPv4 or IPv6 address", |s| {
                 s.parse().ok().map(Some)
             }),
             service_account: r.string("SERVICE_ACCOUNT", ""),
@@ -64,7 +64,9 @@ impl PodConfig {
 pub struct XdsConfig {
     /// `XDS_ROOT_CA`: root for istiod TLS; `SYSTEM` means OS roots.
     pub root_ca: String,
-    /// `XDS_HEADER_<NAME>`: extra gRPC metadata on upstream ADS streams.
+    /// `XDS_HEADER_<NAME>`: extra gRPC metadata on upstream ADS streams (values redacted
+    /// when serialized).
+    #[serde(with = "serde_redacted")]
     pub headers: BTreeMap<String, String>,
     /// `PROXY_CONFIG_XDS_AGENT` (default false): subscribe to ProxyConfig (PCDS).
     pub proxy_config_xds_agent: bool,
@@ -282,14 +284,28 @@ pub struct DnsConfig {
 }
 
 impl DnsConfig {
-    pub(crate) fn from_env(r: &mut Reader<'_>) -> Self {
+    /// `sidecar`: whether the proxy type is a sidecar (DNS capture only starts the DNS
+    /// proxy there).
+    pub(crate) fn from_env(r: &mut Reader<'_>, sidecar: bool) -> Self {
+        let capture = r.bool("ISTIO_META_DNS_CAPTURE", false);
+        let enable_server = r.bool("ISTIO_META_ENABLE_DNS_SERVER", false);
+        // "" falls back to the default (Istio pkg/dns/server `NewLocalDNSServer`).
+        let set = r.non_empty("DNS_PROXY_ADDR");
+        let proxy_addr = set.clone().unwrap_or_else(|| "localhost:15053".to_owned());
+        // The DNS proxy's listen address: Go's net.SplitHostPort rules, a numeric port. Only
+        // a DNS proxy that starts can fail on it.
+        if ((capture && sidecar) || enable_server) && !is_listen_addr(&proxy_addr) {
+            r.invalid(
+                "DNS_PROXY_ADDR",
+                &proxy_addr,
+                "host:port with a port number 0-65535, e.g. localhost:15053",
+            );
+        }
         Self {
-            capture: r.bool("ISTIO_META_DNS_CAPTURE", false),
-            enable_server: r.bool("ISTIO_META_ENABLE_DNS_SERVER", false),
-            proxy_addr: r
-                .non_empty("DNS_PROXY_ADDR")
-                .unwrap_or_else(|| "localhost:15053".to_owned()),
-            proxy_addr_set: r.non_empty("DNS_PROXY_ADDR").is_some(),
+            capture,
+            enable_server,
+            proxy_addr,
+            proxy_addr_set: set.is_some(),
             forward_parallel: r.bool("DNS_FORWARD_PARALLEL", false),
             forward_timeout: r.duration("DNS_FORWARD_TIMEOUT", Duration::from_secs(5)),
             auto_allocate: r.bool("ISTIO_META_DNS_AUTO_ALLOCATE", false),
@@ -354,6 +370,22 @@ impl WasmConfig {
     }
 }
 
+/// `host:port` as Go's `net.SplitHostPort` splits it (IPv6 hosts in brackets; the host may
+/// be empty), with a numeric port.
+fn is_listen_addr(s: &str) -> bool {
+    let (host, port) = match s.strip_prefix('[') {
+        Some(rest) => match rest.split_once("]:") {
+            Some((h, p)) => (h, p),
+            None => return false,
+        },
+        None => match s.rsplit_once(':') {
+            Some((h, p)) if !h.contains(':') => (h, p),
+            _ => return false,
+        },
+    };
+    !host.contains(['[', ']']) && !port.is_empty() && port.parse::<u16>().is_ok()
+}
+
 fn is_cidr(s: &str) -> bool {
     let Some((ip, bits)) = s.split_once('/') else {
         return false;
@@ -372,8 +404,10 @@ fn is_cidr(s: &str) -> bool {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "camelCase")]
 pub struct GrpcConfig {
-    /// `GRPC_XDS_BOOTSTRAP` (default `./etc/istio/proxy/grpc-bootstrap.json`):
-    /// where the gRPC xDS bootstrap is always written.
+    /// `GRPC_XDS_BOOTSTRAP` (default `./etc/istio/proxy/grpc-bootstrap.json`): where the
+    /// gRPC xDS bootstrap is written. Set but empty, it is empty: no gRPC bootstrap and no
+    /// gRPC bootstrap readiness check (Istio `pkg/istio-agent/agent.go`:
+    /// `if a.cfg.GRPCBootstrapPath != ""`).
     pub xds_bootstrap: PathBuf,
     /// `ISTIO_META_GENERATOR`: `grpc` for the grpc-agent template.
     pub generator: String,
@@ -382,10 +416,10 @@ pub struct GrpcConfig {
 impl GrpcConfig {
     pub(crate) fn from_env(r: &Reader<'_>) -> Self {
         Self {
-            xds_bootstrap: PathBuf::from(
-                r.non_empty("GRPC_XDS_BOOTSTRAP")
-                    .unwrap_or_else(|| "./etc/istio/proxy/grpc-bootstrap.json".to_owned()),
-            ),
+            xds_bootstrap: PathBuf::from(r.string(
+                "GRPC_XDS_BOOTSTRAP",
+                "./etc/istio/proxy/grpc-bootstrap.json",
+            )),
             generator: r.string("ISTIO_META_GENERATOR", ""),
         }
     }

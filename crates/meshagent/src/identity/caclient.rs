@@ -332,7 +332,7 @@ mod tests {
                     .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener)),
             );
             let registry = crate::metrics::Registry::new();
-            let metrics = Metrics::register(&registry);
+            let metrics = Metrics::register(&registry).unwrap();
             let md = CallMetadata::new("", &Default::default(), TokenSource::new(None));
             let mut client = IstioCaClient::new(
                 Target {

@@ -3,7 +3,7 @@
 use std::sync::{Arc, Mutex};
 use std::time::SystemTime;
 
-use crate::metrics::{Counter, Gauge, Registry};
+use crate::metrics::{Counter, Gauge, MetricsError, Registry};
 
 #[derive(Clone)]
 pub struct Metrics {
@@ -30,9 +30,10 @@ pub struct Metrics {
 }
 
 impl Metrics {
-    pub fn register(r: &Registry) -> Metrics {
-        let csr =
-            |name: &str, help: &str| r.counter_vec(name, help, &["request_type"]).with(&["csr"]);
+    pub fn register(r: &Registry) -> Result<Metrics, MetricsError> {
+        let csr = |name: &str, help: &str| {
+            Ok::<_, MetricsError>(r.counter_vec(name, help, &["request_type"])?.with(&["csr"]))
+        };
         let expiry: Arc<Mutex<Option<SystemTime>>> = Arc::default();
         let e = expiry.clone();
         r.gauge_fn(
@@ -46,45 +47,45 @@ impl Metrics {
                         Ok(d) => d.as_secs_f64(),
                         Err(e) => -e.duration().as_secs_f64(),
                     };
-                    vec![(vec!["default".to_owned()], secs.round())]
+                    vec![(["default".to_owned()], secs.round())]
                 })
                 .unwrap_or_default()
             },
-        );
-        Metrics {
+        )?;
+        Ok(Metrics {
             csr_requests: csr(
                 "num_outgoing_requests",
                 "Number of total outgoing requests (e.g. to a token exchange server, CA, etc.)",
-            ),
+            )?,
             csr_latency_ms: csr(
                 "outgoing_latency",
                 "The latency of outgoing requests (e.g. to a token exchange server, CA, etc.) in milliseconds.",
-            ),
+            )?,
             csr_failures: csr(
                 "num_failed_outgoing_requests",
                 "Number of failed outgoing requests (e.g. to a token exchange server, CA, etc.)",
-            ),
+            )?,
             csr_retries: csr(
                 "num_outgoing_retries",
                 "Number of outgoing retry requests (e.g. to a token exchange server, CA, etc.)",
-            ),
+            )?,
             file_watcher_failures: r.counter(
                 "num_file_watcher_failures_total",
                 "Number of times the file watcher failed to add watches for certificate files.",
-            ),
+            )?,
             file_secret_failures: r.counter(
                 "num_file_secret_failures_total",
                 "Number of times secret generation failed for files",
-            ),
+            )?,
             file_secret_loads: r.counter(
                 "file_secret_loads_total",
                 "Number of times a file-backed secret was read (initial loads and reloads).",
-            ),
+            )?,
             file_secret_resources: r.gauge(
                 "file_secret_resources",
                 "Number of file-backed secrets currently loaded and watched.",
-            ),
+            )?,
             expiry,
-        }
+        })
     }
 }

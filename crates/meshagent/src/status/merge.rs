@@ -24,7 +24,7 @@ use tokio::time::Instant;
 
 use super::lines::{Seen, SourceFilter};
 use crate::config::probers::ScrapeTarget;
-use crate::metrics::{Counter, CounterVec, Registry};
+use crate::metrics::{Counter, CounterVec, MetricsError, Registry};
 
 /// Per-target body cap (Istio's 10 MiB).
 pub const MAX_TARGET_BYTES: u64 = 10 * 1024 * 1024;
@@ -54,23 +54,23 @@ pub enum ScrapeError {
 #[derive(Clone)]
 pub struct MergeMetrics {
     pub scrapes: Counter,
-    failures: CounterVec,
+    failures: CounterVec<1>,
 }
 
 impl MergeMetrics {
-    pub fn register(registry: &Registry) -> MergeMetrics {
+    pub fn register(registry: &Registry) -> Result<MergeMetrics, MetricsError> {
         let failures = registry.counter_vec(
             "scrape_failures_total",
             "The total number of failed scrapes.",
             &["type"],
-        );
+        )?;
         for t in ["envoy", "application", "agent"] {
             failures.with(&[t]);
         }
-        MergeMetrics {
-            scrapes: registry.counter("scrapes_total", "The total number of scrapes."),
+        Ok(MergeMetrics {
+            scrapes: registry.counter("scrapes_total", "The total number of scrapes.")?,
             failures,
-        }
+        })
     }
 
     pub fn failures(&self, kind: &str) -> u64 {

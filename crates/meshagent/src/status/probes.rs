@@ -24,7 +24,7 @@ use crate::config::probers::{AppProber, ProberKind};
 
 /// Body bytes passed back to kubelet (Istio's 10 KiB).
 pub const MAX_BODY: usize = 10 * 1024;
-/// gRPC health responses are a few bytes; anything larger is an error.
+/// gRPC health responses are a few bytes; a larger message is an error.
 const MAX_GRPC_BODY: usize = 64 * 1024;
 const MAX_REDIRECTS: usize = 10;
 
@@ -407,111 +407,49 @@ pub async fn connect(addr: SocketAddr) -> std::io::Result<TcpStream> {
     socket.connect(addr).await
 }
 
-/// `grpc.health.v1.Health/Check` by hand: one unary call with a 5-byte-framed protobuf body.
+/// `grpc.health.v1.Health/Check` with tonic-health's generated client, over one fresh
+/// connection from the probe source address (Istio `pilot/cmd/pilot-agent/status/server.go`,
+/// `handleAppProbeGRPC`: any call error or a status other than SERVING fails the probe).
+/// kubelet's User-Agent is passed on, tonic appending its own as grpc-go does.
 async fn grpc_check(
     addr: SocketAddr,
     service: &str,
     user_agent: Option<HeaderValue>,
 ) -> Result<bool, ProbeError> {
-    let tcp = connect(addr)
-        .await
-        .map_err(|source| ProbeError::Connect { addr, source })?;
-    let (mut sender, conn) =
-        hyper::client::conn::http2::handshake(TokioExecutor::new(), TokioIo::new(tcp))
-            .await
-            .map_err(|e| ProbeError::Http(e.to_string()))?;
-    tokio::spawn(conn);
-    // HealthCheckRequest { string service = 1; }
-    let mut msg = Vec::with_capacity(service.len() + 8);
-    if !service.is_empty() {
-        msg.push(0x0a);
-        put_varint(&mut msg, service.len() as u64);
-        msg.extend_from_slice(service.as_bytes());
-    }
-    let mut frame = Vec::with_capacity(msg.len() + 5);
-    frame.push(0);
-    frame.extend_from_slice(&(msg.len() as u32).to_be_bytes());
-    frame.extend_from_slice(&msg);
-    let mut req = Request::post(format!("http://{addr}/grpc.health.v1.Health/Check"))
-        .header(header::CONTENT_TYPE, "application/grpc")
-        .header(header::TE, "trailers");
+    use tonic_health::pb::health_check_response::ServingStatus;
+    use tonic_health::pb::{HealthCheckRequest, health_client::HealthClient};
+
+    let grpc = |e: &dyn std::error::Error| ProbeError::Grpc(error_chain(e));
+    let mut endpoint =
+        tonic::transport::Endpoint::from_shared(format!("http://{addr}")).map_err(|e| grpc(&e))?;
     if let Some(ua) = user_agent {
-        req = req.header(header::USER_AGENT, ua);
+        endpoint = endpoint.user_agent(ua).map_err(|e| grpc(&e))?;
     }
-    let req = req
-        .body(Full::new(Bytes::from(frame)))
-        .map_err(|e| ProbeError::Http(e.to_string()))?;
-    let resp = sender
-        .send_request(req)
+    let channel = endpoint
+        .connect_with_connector(tower::service_fn(move |_: Uri| async move {
+            connect(addr).await.map(TokioIo::new)
+        }))
         .await
-        .map_err(|e| ProbeError::Http(e.to_string()))?;
-    if resp.status() != StatusCode::OK {
-        return Err(ProbeError::Grpc(format!("HTTP {}", resp.status())));
-    }
-    let head_status = resp.headers().get("grpc-status").cloned();
-    let collected = http_body_util::Limited::new(resp.into_body(), MAX_GRPC_BODY)
-        .collect()
+        .map_err(|e| grpc(&e))?;
+    let mut client = HealthClient::new(channel).max_decoding_message_size(MAX_GRPC_BODY);
+    let resp = client
+        .check(HealthCheckRequest {
+            service: service.to_owned(),
+        })
         .await
-        .map_err(|e| ProbeError::Grpc(e.to_string()))?;
-    let trailer_status = collected
-        .trailers()
-        .and_then(|t| t.get("grpc-status"))
-        .cloned();
-    let code = trailer_status.or(head_status);
-    if code.as_ref().map(|v| v.as_bytes()) != Some(b"0") {
-        return Err(ProbeError::Grpc(format!(
-            "grpc-status {}",
-            code.as_ref()
-                .and_then(|v| v.to_str().ok())
-                .unwrap_or("missing")
-        )));
-    }
-    let body = collected.to_bytes();
-    let payload = body
-        .get(5..)
-        .ok_or_else(|| ProbeError::Grpc("short message".into()))?;
-    // HealthCheckResponse { ServingStatus status = 1; } SERVING = 1.
-    Ok(serving_status(payload) == Some(1))
+        .map_err(|s| ProbeError::Grpc(format!("{}: {}", s.code(), s.message())))?;
+    Ok(resp.into_inner().status() == ServingStatus::Serving)
 }
 
-fn put_varint(out: &mut Vec<u8>, mut v: u64) {
-    while v >= 0x80 {
-        out.push((v as u8) | 0x80);
-        v >>= 7;
+fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut cur = e.source();
+    while let Some(c) = cur {
+        s.push_str(": ");
+        s.push_str(&c.to_string());
+        cur = c.source();
     }
-    out.push(v as u8);
-}
-
-fn serving_status(mut p: &[u8]) -> Option<u64> {
-    let mut status = Some(0); // proto3 default: UNKNOWN
-    while let Some((&tag, rest)) = p.split_first() {
-        p = rest;
-        let (field, wire) = (tag >> 3, tag & 7);
-        match wire {
-            0 => {
-                let mut v: u64 = 0;
-                let mut shift = 0;
-                loop {
-                    let (&b, rest) = p.split_first()?;
-                    p = rest;
-                    v |= u64::from(b & 0x7f) << shift;
-                    shift += 7;
-                    if b & 0x80 == 0 || shift > 63 {
-                        break;
-                    }
-                }
-                if field == 1 {
-                    status = Some(v);
-                }
-            }
-            2 => {
-                let (&len, rest) = p.split_first()?;
-                p = rest.get(usize::from(len)..)?;
-            }
-            _ => return None,
-        }
-    }
-    status
+    s
 }
 
 fn plain(code: StatusCode, body: Bytes) -> Response<Body> {
@@ -574,14 +512,6 @@ impl rustls::client::danger::ServerCertVerifier for NoVerify {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn health_response_decoding() {
-        assert_eq!(serving_status(&[0x08, 0x01]), Some(1));
-        assert_eq!(serving_status(&[0x08, 0x02]), Some(2));
-        assert_eq!(serving_status(&[]), Some(0));
-        assert_eq!(serving_status(&[0x08]), None);
-    }
 
     #[test]
     fn redirect_targets() {

@@ -8,7 +8,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use crate::envoy::{DrainState, admin};
-use crate::metrics::{Gauge, Registry};
+use crate::metrics::{Gauge, MetricsError, Registry};
 
 use super::NameTableWatch;
 
@@ -37,8 +37,8 @@ impl EnvoyProbe {
         started: tokio::time::Instant,
         registry: &Registry,
         drain: Arc<DrainState>,
-    ) -> Arc<EnvoyProbe> {
-        Arc::new(EnvoyProbe {
+    ) -> Result<Arc<EnvoyProbe>, MetricsError> {
+        Ok(Arc::new(EnvoyProbe {
             admin,
             config_received: AtomicBool::new(false),
             live: AtomicBool::new(false),
@@ -46,10 +46,10 @@ impl EnvoyProbe {
             startup_duration: registry.gauge(
                 "startup_duration_seconds",
                 "The time from the process starting to being marked ready.",
-            ),
+            )?,
             drain,
             last_scan: Mutex::new(None),
-        })
+        }))
     }
 
     pub async fn check(&self) -> Result<(), String> {
@@ -349,7 +349,8 @@ mod tests {
             tokio::time::Instant::now(),
             &Registry::new(),
             Arc::default(),
-        );
+        )
+        .unwrap();
         let t = tokio::time::Instant::now();
         for _ in 0..20 {
             let e = probe.check().await.unwrap_err();

@@ -110,7 +110,7 @@ fn start(ttl: Duration, jitter: f64) -> Running {
         status: status_tx,
         anchors,
         output: None,
-        metrics: Metrics::register(&crate::metrics::Registry::new()),
+        metrics: Metrics::register(&crate::metrics::Registry::new()).unwrap(),
         clock,
         backoff: Backoff::default(),
         crl: None,
