@@ -13,6 +13,7 @@ pub mod config;
 pub mod control_plane;
 pub mod envoy;
 pub mod identity;
+pub mod iptables;
 pub mod logging;
 pub mod metrics;
 pub mod request;
