@@ -292,6 +292,23 @@ fn plain_builtin_rules(rules: &[Rule]) -> Vec<&Rule> {
         .collect()
 }
 
+/// Cleanup candidates: the plan's built-in rules plus those the same config would add in
+/// TPROXY mode, so `--cleanup-only` without `-m TPROXY` still removes a TPROXY run's marks.
+pub fn cleanup_candidates(cfg: &Config, v6: bool) -> Vec<Rule> {
+    let mut tproxy = cfg.clone();
+    tproxy.mode = InterceptionMode::Tproxy;
+    tproxy.inbound_ports = super::config::PortSelection::All;
+    tproxy.enable_ipv6 = cfg.enable_ipv6;
+    let pick = |rs: RuleSet| if v6 { rs.v6 } else { rs.v4 };
+    let mut out = pick(rules::build(cfg));
+    for r in pick(rules::build(&tproxy)) {
+        if !out.contains(&r) {
+            out.push(r);
+        }
+    }
+    out
+}
+
 fn rule_exists(sys: &mut System, bin: &Binaries, r: &Rule) -> bool {
     let mut args = vec!["-t", r.table.name(), "-C", r.chain.as_str()];
     args.extend(r.args.iter().map(String::as_str));
@@ -420,6 +437,7 @@ pub fn apply_family(
     cfg: &Config,
     bin: &Binaries,
     plan: &[Rule],
+    candidates: &[Rule],
     saved: &SavedState,
 ) -> Result<FamilyOutcome, ApplyError> {
     let (residue, delta) = if sys.dry_run {
@@ -446,7 +464,7 @@ pub fn apply_family(
     let result = (|| {
         if reconcile || cfg.cleanup_only {
             tracing::info!("Performing cleanup of existing iptables");
-            let text = cleanup_text(sys, bin, saved, plan);
+            let text = cleanup_text(sys, bin, saved, candidates);
             if !text.is_empty() {
                 restore(sys, bin, &text)?;
                 outcome.cleaned = true;
@@ -488,10 +506,24 @@ pub fn apply_iptables(sys: &mut System, cfg: &Config, plan: &RuleSet) -> Result<
         Some(v6) => Some(SavedState::parse(&sys.run(&v6.save, &[], None)?.stdout)),
         None => None,
     };
-    let o4 = apply_family(sys, cfg, &v4, &plan.v4, &saved4)?;
+    let o4 = apply_family(
+        sys,
+        cfg,
+        &v4,
+        &plan.v4,
+        &cleanup_candidates(cfg, false),
+        &saved4,
+    )?;
     tracing::info!("IPv4 ({}): {o4:?}", v4.restore);
     if let (Some(v6), Some(saved6)) = (&v6, &saved6) {
-        let o6 = apply_family(sys, cfg, v6, &plan.v6, saved6)?;
+        let o6 = apply_family(
+            sys,
+            cfg,
+            v6,
+            &plan.v6,
+            &cleanup_candidates(cfg, true),
+            saved6,
+        )?;
         tracing::info!("IPv6 ({}): {o6:?}", v6.restore);
     }
     // Istio logs the final state; that is one more process per family, so only at debug.

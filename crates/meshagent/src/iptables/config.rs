@@ -100,9 +100,10 @@ pub struct Config {
     pub owner_groups: OwnerGroups,
     /// Filled by [`Config::detect`] (or set directly in tests): IPv6 rules are generated.
     pub enable_ipv6: bool,
-    /// resolv.conf name servers (filled when DNS capture is on and not capture-all).
-    pub dns_servers_v4: Vec<IpAddr>,
-    pub dns_servers_v6: Vec<IpAddr>,
+    /// resolv.conf name servers, spelled as written there (Istio appends `/32` or `/128` to
+    /// the text): filled when DNS capture is on and not capture-all.
+    pub dns_servers_v4: Vec<String>,
+    pub dns_servers_v6: Vec<String>,
     /// `DRY_RUN_FILE_PATH`: where `--dry-run` also writes what it would run.
     pub dry_run_file: Option<String>,
 }
@@ -777,7 +778,7 @@ fn detect_ipv6(dual_stack: bool) -> Result<bool, DetectError> {
 
 /// `nameserver` lines of resolv.conf, split into v4 and v6 (Istio uses miekg/dns
 /// `ClientConfigFromFile`, then `IPsSplitV4V6`).
-pub fn resolv_conf_servers(text: &str) -> (Vec<IpAddr>, Vec<IpAddr>) {
+pub fn resolv_conf_servers(text: &str) -> (Vec<String>, Vec<String>) {
     let mut v4 = Vec::new();
     let mut v6 = Vec::new();
     for line in text.lines() {
@@ -790,10 +791,10 @@ pub fn resolv_conf_servers(text: &str) -> (Vec<IpAddr>, Vec<IpAddr>) {
             continue;
         };
         match addr.parse::<IpAddr>() {
-            Ok(ip @ IpAddr::V4(_)) => v4.push(ip),
+            Ok(IpAddr::V4(_)) => v4.push(addr.to_owned()),
             Ok(IpAddr::V6(ip)) => match ip.to_ipv4_mapped() {
-                Some(m) => v4.push(IpAddr::V4(m)),
-                None => v6.push(IpAddr::V6(ip)),
+                Some(m) => v4.push(m.to_string()),
+                None => v6.push(addr.to_owned()),
             },
             Err(_) => tracing::warn!("ignoring unparseable nameserver {addr:?} in resolv.conf"),
         }
@@ -1025,7 +1026,7 @@ mod tests {
         assert_eq!(parse_go_duration("5"), None);
         let (v4, v6) =
             resolv_conf_servers("# x\nnameserver 10.96.0.10\nsearch a\nnameserver fd00::10\n");
-        assert_eq!(v4, vec!["10.96.0.10".parse::<IpAddr>().unwrap()]);
-        assert_eq!(v6, vec!["fd00::10".parse::<IpAddr>().unwrap()]);
+        assert_eq!(v4, vec!["10.96.0.10"]);
+        assert_eq!(v6, vec!["fd00::10"]);
     }
 }
