@@ -1129,3 +1129,908 @@ fn iptables_golden() {
         check(name, &case.iptables(), want);
     }
 }
+
+// ---------------------------------------------------------------------------------------
+// nftables (tools/istio-nftables/pkg/capture): the same logic as nft rules in inet tables.
+
+fn rule(table: &str, chain: &str, body: &str) -> String {
+    format!("add rule inet istio-proxy-{table} {chain} {body}\n")
+}
+fn n(chain: &str, body: &str) -> String {
+    rule("nat", chain, body)
+}
+fn m(chain: &str, body: &str) -> String {
+    rule("mangle", chain, body)
+}
+fn w(chain: &str, body: &str) -> String {
+    rule("raw", chain, body)
+}
+fn ins(table: &str, chain: &str, index: u32, body: &str) -> String {
+    format!("insert rule inet istio-proxy-{table} {chain} index {index} {body}\n")
+}
+
+/// `add table` + `flush table`: every run replaces the table's content.
+fn table(t: &str) -> String {
+    format!("add table inet istio-proxy-{t}\nflush table inet istio-proxy-{t}\n")
+}
+fn chain(t: &str, c: &str) -> String {
+    format!("add chain inet istio-proxy-{t} {c}\n")
+}
+/// Base chains: nat priority -100, mangle -150 (output as a route chain so a mark change
+/// re-routes), raw -300.
+fn base(t: &str, hook: &str) -> String {
+    let decl = match (t, hook) {
+        ("nat", _) => format!("{{ type nat hook {hook} priority -100 ; }}"),
+        ("mangle", "output") => "{ type route hook output priority -150 ; }".to_owned(),
+        ("mangle", _) => format!("{{ type filter hook {hook} priority -150 ; }}"),
+        _ => format!("{{ type filter hook {hook} priority -300 ; }}"),
+    };
+    format!("add chain inet istio-proxy-{t} {hook} {decl}\n")
+}
+
+/// nat table head when prerouting is used (`pre`) and DNS adds istio-output-dns.
+fn nat_head(pre: bool, dns: bool) -> String {
+    let mut s = table("nat");
+    if pre {
+        s += &base("nat", "prerouting");
+    }
+    s += &base("nat", "output");
+    for c in [
+        "istio-inbound",
+        "istio-redirect",
+        "istio-in-redirect",
+        "istio-output",
+    ] {
+        s += &chain("nat", c);
+    }
+    if dns {
+        s += &chain("nat", "istio-output-dns");
+    }
+    s
+}
+
+fn nft_fixed() -> String {
+    [
+        n(
+            "istio-inbound",
+            "meta l4proto tcp tcp dport 15008 counter return",
+        ),
+        n(
+            "istio-redirect",
+            "meta l4proto tcp counter redirect to :15001",
+        ),
+        n(
+            "istio-in-redirect",
+            "meta l4proto tcp counter redirect to :15006",
+        ),
+    ]
+    .concat()
+}
+
+/// OUTPUT jump and the 127.0.0.6 (and ::6 with IPv6) passthrough RETURN.
+fn nft_out(v6: bool) -> String {
+    let mut s = n("output", "counter jump istio-output");
+    s += &n(
+        "istio-output",
+        "oifname lo ip saddr 127.0.0.6/32 counter return",
+    );
+    if v6 {
+        s += &n(
+            "istio-output",
+            "oifname lo ip6 saddr ::6/128 counter return",
+        );
+    }
+    s
+}
+
+/// The uid then gid triplets for one id each; `v6` adds the ip6 variant of the redirect,
+/// `dns` the DNS forms (uid redirect skips `{ 53, 15008 }`, lo RETURNs are TCP `!= 53`).
+fn nft_owner(uid: &str, gid: &str, v6: bool, dns: bool) -> String {
+    let mut s = String::new();
+    for (key, id) in [("skuid", uid), ("skgid", gid)] {
+        let dport = if dns && key == "skuid" {
+            "tcp dport != { 53, 15008 }"
+        } else {
+            "tcp dport != 15008"
+        };
+        s += &n(
+            "istio-output",
+            &format!(
+                "oifname lo meta l4proto tcp ip daddr != 127.0.0.1/32 {dport} {key} {id} counter jump istio-in-redirect"
+            ),
+        );
+        if v6 {
+            s += &n(
+                "istio-output",
+                &format!(
+                    "oifname lo meta l4proto tcp ip6 daddr != ::1/128 {dport} {key} {id} counter jump istio-in-redirect"
+                ),
+            );
+        }
+        if dns {
+            s += &n(
+                "istio-output",
+                &format!(
+                    "oifname lo meta l4proto tcp tcp dport != 53 {key} != {id} counter return"
+                ),
+            );
+        } else {
+            s += &n(
+                "istio-output",
+                &format!("oifname lo {key} != {id} counter return"),
+            );
+        }
+        s += &n("istio-output", &format!("{key} {id} counter return"));
+    }
+    s
+}
+
+fn nft_loop(v6: bool) -> String {
+    let mut s = n("istio-output", "ip daddr 127.0.0.1/32 counter return");
+    if v6 {
+        s += &n("istio-output", "ip6 daddr ::1/128 counter return");
+    }
+    s
+}
+
+/// TPROXY mark bookkeeping in mangle for uid=gid=1337, and the istio-inbound inserts
+/// (`-I … 1/2/3` → index 0/1/2; with IPv6 the ::6 rule is also inserted at index 1).
+fn nft_tproxy_tail(v6: bool, chain_has_rules: bool) -> String {
+    let mut s = m(
+        "prerouting",
+        "meta l4proto tcp mark 1337 counter ct mark set mark",
+    );
+    s += &m(
+        "output",
+        "oifname lo meta l4proto tcp mark 1337 counter return",
+    );
+    for key in ["skuid", "skgid"] {
+        s += &m(
+            "output",
+            &format!(
+                "oifname lo meta l4proto tcp ip daddr != 127.0.0.1/32 {key} 1337 counter meta mark set 1338"
+            ),
+        );
+        if v6 {
+            s += &m(
+                "output",
+                &format!(
+                    "oifname lo meta l4proto tcp ip6 daddr != ::1/128 {key} 1337 counter meta mark set 1338"
+                ),
+            );
+        }
+    }
+    s += &m(
+        "output",
+        "meta l4proto tcp ct mark 1337 counter meta mark set ct mark",
+    );
+    if chain_has_rules {
+        s += &ins(
+            "mangle",
+            "istio-inbound",
+            0,
+            "meta l4proto tcp mark 1337 counter return",
+        );
+        s += &ins(
+            "mangle",
+            "istio-inbound",
+            1,
+            "iifname lo meta l4proto tcp ip saddr 127.0.0.6/32 counter return",
+        );
+        if v6 {
+            s += &ins(
+                "mangle",
+                "istio-inbound",
+                1,
+                "iifname lo meta l4proto tcp ip6 saddr ::6/128 counter return",
+            );
+        }
+        s += &ins(
+            "mangle",
+            "istio-inbound",
+            2,
+            "iifname lo meta l4proto tcp mark != 1338 counter return",
+        );
+    } else {
+        // Empty chain: each insert beyond the current length becomes an add.
+        s += &m("istio-inbound", "meta l4proto tcp mark 1337 counter return");
+        s += &m(
+            "istio-inbound",
+            "iifname lo meta l4proto tcp ip saddr 127.0.0.6/32 counter return",
+        );
+        s += &m(
+            "istio-inbound",
+            "iifname lo meta l4proto tcp mark != 1338 counter return",
+        );
+    }
+    s
+}
+
+/// mangle head for TPROXY with inbound ports.
+fn mangle_head(divert: bool) -> String {
+    let mut s = table("mangle") + &base("mangle", "prerouting") + &base("mangle", "output");
+    if divert {
+        s += &chain("mangle", "istio-divert");
+        s += &chain("mangle", "istio-tproxy");
+    }
+    s += &chain("mangle", "istio-inbound");
+    s
+}
+
+fn nft_divert(v6: bool) -> String {
+    let mut s = m("istio-divert", "counter meta mark set 1337");
+    s += &m("istio-divert", "counter accept");
+    s += &m(
+        "istio-tproxy",
+        "meta l4proto tcp ip daddr != 127.0.0.1/32 tproxy ip to :15006 meta mark set 1337 counter accept",
+    );
+    if v6 {
+        s += &m(
+            "istio-tproxy",
+            "meta l4proto tcp ip6 daddr != ::1/128 tproxy ip6 to :15006 meta mark set 1337 counter accept",
+        );
+    }
+    s
+}
+
+/// Raw table for DNS capture with uid=gid=1337 and the given servers (`ip`/`ip6`, cidr).
+fn nft_raw(servers: &[(&str, &str)], all: bool) -> String {
+    let mut s = table("raw") + &base("raw", "prerouting") + &base("raw", "output");
+    s += &chain("raw", "istio-inbound");
+    s += &chain("raw", "istio-output-dns");
+    s += &w("output", "counter jump istio-output-dns");
+    for key in ["skuid", "skgid"] {
+        s += &w(
+            "istio-output-dns",
+            &format!("udp dport 53 meta {key} 1337 counter ct zone set 1"),
+        );
+        s += &w(
+            "istio-output-dns",
+            &format!("udp sport 15053 meta {key} 1337 counter ct zone set 2"),
+        );
+    }
+    s += &w("prerouting", "counter jump istio-inbound");
+    if all {
+        s += &w("istio-output-dns", "udp dport 53 counter ct zone set 2");
+        s += &w("istio-inbound", "udp sport 53 counter ct zone set 1");
+    }
+    for (fam, cidr) in servers {
+        s += &w(
+            "istio-output-dns",
+            &format!("udp dport 53 {fam} daddr {cidr} counter ct zone set 2"),
+        );
+        s += &w(
+            "istio-inbound",
+            &format!("udp sport 53 {fam} saddr {cidr} counter ct zone set 1"),
+        );
+    }
+    s
+}
+
+/// DNS redirects in nat for the given servers: TCP then UDP, each to the agent on 15053.
+fn nft_dns_redirects(servers: &[(&str, &str)]) -> String {
+    let mut s = n("istio-output", "counter jump istio-output-dns");
+    for proto in ["tcp", "udp"] {
+        for (fam, cidr) in servers {
+            s += &n(
+                "istio-output-dns",
+                &format!("{fam} daddr {cidr} {proto} dport 53 counter redirect to :15053"),
+            );
+        }
+    }
+    s
+}
+
+const INBOUND_ALL_NFT: [&str; 2] = [
+    "meta l4proto tcp counter jump istio-inbound",
+    "meta l4proto tcp counter jump istio-in-redirect",
+];
+
+fn inbound_all() -> String {
+    n("prerouting", INBOUND_ALL_NFT[0]) + &n("istio-inbound", INBOUND_ALL_NFT[1])
+}
+
+fn nft_cases() -> Vec<(&'static str, Case, String)> {
+    let redirect_all = n("istio-output", "counter jump istio-redirect");
+    vec![
+        (
+            "empty",
+            case(&[
+                "-p", "15001", "-z", "15006", "-e", "15008", "-u", "1337", "-g", "1337",
+            ]),
+            nat_head(false, false)
+                + &nft_fixed()
+                + &nft_out(false)
+                + &nft_owner("1337", "1337", false, false)
+                + &nft_loop(false),
+        ),
+        (
+            // The addendum's sample: the default sidecar golden inbound-ports-wildcard.
+            "inbound-ports-wildcard",
+            case(&["-b", "*"]),
+            nat_head(true, false)
+                + &nft_fixed()
+                + &inbound_all()
+                + &nft_out(false)
+                + &nft_owner("1337", "1337", false, false)
+                + &nft_loop(false),
+        ),
+        (
+            "injected-default",
+            case(&[
+                "-p",
+                "15001",
+                "-z",
+                "15006",
+                "-u",
+                "1337",
+                "-m",
+                "REDIRECT",
+                "-i",
+                "*",
+                "-x",
+                "",
+                "-b",
+                "*",
+                "-d",
+                "15090,15021,15020",
+            ]),
+            nat_head(true, false)
+                + &nft_fixed()
+                + &n("prerouting", "meta l4proto tcp counter jump istio-inbound")
+                + &n(
+                    "istio-inbound",
+                    "meta l4proto tcp tcp dport 15090 counter return",
+                )
+                + &n(
+                    "istio-inbound",
+                    "meta l4proto tcp tcp dport 15021 counter return",
+                )
+                + &n(
+                    "istio-inbound",
+                    "meta l4proto tcp tcp dport 15020 counter return",
+                )
+                + &n(
+                    "istio-inbound",
+                    "meta l4proto tcp counter jump istio-in-redirect",
+                )
+                + &nft_out(false)
+                + &nft_owner("1337", "1337", false, false)
+                + &nft_loop(false)
+                + &redirect_all,
+        ),
+        (
+            "inbound-ports-include",
+            case(&["-b", "32000,31000"]),
+            nat_head(true, false)
+                + &nft_fixed()
+                + &n("prerouting", "meta l4proto tcp counter jump istio-inbound")
+                + &n(
+                    "istio-inbound",
+                    "meta l4proto tcp tcp dport 32000 counter jump istio-in-redirect",
+                )
+                + &n(
+                    "istio-inbound",
+                    "meta l4proto tcp tcp dport 31000 counter jump istio-in-redirect",
+                )
+                + &nft_out(false)
+                + &nft_owner("1337", "1337", false, false)
+                + &nft_loop(false),
+        ),
+        (
+            "inbound-ports-tproxy",
+            case(&["-m", "TPROXY", "-b", "32000,31000"]),
+            nat_head(false, false)
+                + &nft_fixed()
+                + &nft_out(false)
+                + &nft_owner("1337", "1337", false, false)
+                + &nft_loop(false)
+                + "\n"
+                + &mangle_head(true)
+                + &nft_divert(false)
+                + &m("prerouting", "meta l4proto tcp counter jump istio-inbound")
+                + &m(
+                    "istio-inbound",
+                    "meta l4proto tcp tcp dport 32000 ct state related,established counter jump istio-divert",
+                )
+                + &m(
+                    "istio-inbound",
+                    "meta l4proto tcp tcp dport 32000 counter jump istio-tproxy",
+                )
+                + &m(
+                    "istio-inbound",
+                    "meta l4proto tcp tcp dport 31000 ct state related,established counter jump istio-divert",
+                )
+                + &m(
+                    "istio-inbound",
+                    "meta l4proto tcp tcp dport 31000 counter jump istio-tproxy",
+                )
+                + &nft_tproxy_tail(false, true),
+        ),
+        (
+            "inbound-ports-wildcard-tproxy",
+            case(&["-m", "TPROXY", "-b", "*"]),
+            nat_head(false, false)
+                + &nft_fixed()
+                + &nft_out(false)
+                + &nft_owner("1337", "1337", false, false)
+                + &nft_loop(false)
+                + "\n"
+                + &mangle_head(true)
+                + &nft_divert(false)
+                + &m("prerouting", "meta l4proto tcp counter jump istio-inbound")
+                + &m(
+                    "istio-inbound",
+                    "meta l4proto tcp ct state related,established counter jump istio-divert",
+                )
+                + &m(
+                    "istio-inbound",
+                    "meta l4proto tcp counter jump istio-tproxy",
+                )
+                + &nft_tproxy_tail(false, true),
+        ),
+        (
+            // Istio nft golden inbound-ports-empty-tproxy: the inserts land in an empty chain.
+            "inbound-ports-empty-tproxy",
+            case(&["-m", "TPROXY"]),
+            nat_head(false, false)
+                + &nft_fixed()
+                + &nft_out(false)
+                + &nft_owner("1337", "1337", false, false)
+                + &nft_loop(false)
+                + "\n"
+                + &mangle_head(false)
+                + &nft_tproxy_tail(false, false),
+        ),
+        (
+            "tproxy",
+            case(&[
+                "-m",
+                "TPROXY",
+                "-b",
+                "*",
+                "-x",
+                "1.1.0.0/16",
+                "-i",
+                "9.9.0.0/16",
+                "--redirect-dns",
+                "-c",
+                "not-istio-nic",
+            ])
+            .ipv6()
+            .dns(&["127.0.0.53"], &[]),
+            nat_head(true, true)
+                + &n("prerouting", "iifname not-istio-nic counter return")
+                + &n("output", "oifname not-istio-nic counter return")
+                + &nft_fixed()
+                + &nft_out(true)
+                + &nft_owner("1337", "1337", true, true)
+                + &nft_dns_redirects(&[("ip", "127.0.0.53/32")])
+                + &nft_loop(true)
+                + &n("istio-output", "ip daddr 1.1.0.0/16 counter return")
+                + &n(
+                    "istio-output",
+                    "ip daddr 9.9.0.0/16 counter jump istio-redirect",
+                )
+                + "\n"
+                + &mangle_head(true)
+                + &m("prerouting", "iifname not-istio-nic counter return")
+                + &m("output", "oifname not-istio-nic counter return")
+                + &nft_divert(true)
+                + &m("prerouting", "meta l4proto tcp counter jump istio-inbound")
+                + &m(
+                    "istio-inbound",
+                    "meta l4proto tcp ct state related,established counter jump istio-divert",
+                )
+                + &m(
+                    "istio-inbound",
+                    "meta l4proto tcp counter jump istio-tproxy",
+                )
+                + &nft_tproxy_tail(true, true)
+                + "\n"
+                + &nft_raw(&[("ip", "127.0.0.53/32")], false),
+        ),
+        (
+            "basic-exclude-nic",
+            case(&["-c", "not-istio-nic", "-b", "*", "-i", "*"]),
+            nat_head(true, false)
+                + &n("prerouting", "iifname not-istio-nic counter return")
+                + &n("output", "oifname not-istio-nic counter return")
+                + &nft_fixed()
+                + &inbound_all()
+                + &nft_out(false)
+                + &nft_owner("1337", "1337", false, false)
+                + &nft_loop(false)
+                + &redirect_all,
+        ),
+        (
+            // Servers of both families share the inet table: one jump, v4 then v6 rules.
+            "dns-v4-v6",
+            case(&["--redirect-dns"])
+                .ipv6()
+                .dns(&["10.96.0.10"], &["fd00::10"]),
+            nat_head(false, true)
+                + &nft_fixed()
+                + &nft_out(true)
+                + &nft_owner("1337", "1337", true, true)
+                + &nft_dns_redirects(&[("ip", "10.96.0.10/32"), ("ip6", "fd00::10/128")])
+                + &nft_loop(true)
+                + "\n"
+                + &nft_raw(&[("ip", "10.96.0.10/32"), ("ip6", "fd00::10/128")], false),
+        ),
+        (
+            "capture-all-dns",
+            case(&["--redirect-dns", "--capture-all-dns"]),
+            nat_head(false, true)
+                + &nft_fixed()
+                + &nft_out(false)
+                + &nft_owner("1337", "1337", false, true)
+                + &n("istio-output", "counter jump istio-output-dns")
+                + &n(
+                    "istio-output-dns",
+                    "tcp dport 53 counter redirect to :15053",
+                )
+                + &n(
+                    "istio-output-dns",
+                    "udp dport 53 counter redirect to :15053",
+                )
+                + &nft_loop(false)
+                + "\n"
+                + &nft_raw(&[], true),
+        ),
+        (
+            "redirect-dns-no-servers",
+            case(&["--redirect-dns"]),
+            nat_head(false, false)
+                + &nft_fixed()
+                + &nft_out(false)
+                + &nft_owner("1337", "1337", false, false)
+                + &nft_loop(false),
+        ),
+        (
+            // The nft drop-invalid is limited to TCP (a documented difference to iptables).
+            "drop-invalid",
+            case(&["--drop-invalid"]),
+            nat_head(false, false)
+                + &nft_fixed()
+                + &nft_out(false)
+                + &nft_owner("1337", "1337", false, false)
+                + &nft_loop(false)
+                + "\n"
+                + &table("mangle")
+                + &base("mangle", "prerouting")
+                + &chain("mangle", "istio-drop")
+                + &m(
+                    "prerouting",
+                    "meta l4proto tcp ct state invalid counter jump istio-drop",
+                )
+                + &m("istio-drop", "counter drop"),
+        ),
+        (
+            "host-ipv4-loopback-cidr",
+            case(&["-i", "*"]).env(&[("ISTIO_OUTBOUND_IPV4_LOOPBACK_CIDR", "127.1.2.3/32")]),
+            nat_head(false, false)
+                + &nft_fixed()
+                + &nft_out(false)
+                + &n(
+                    "istio-output",
+                    "oifname lo meta l4proto tcp ip daddr != 127.1.2.3/32 tcp dport != 15008 skuid 1337 counter jump istio-in-redirect",
+                )
+                + &n("istio-output", "oifname lo skuid != 1337 counter return")
+                + &n("istio-output", "skuid 1337 counter return")
+                + &n(
+                    "istio-output",
+                    "oifname lo meta l4proto tcp ip daddr != 127.1.2.3/32 tcp dport != 15008 skgid 1337 counter jump istio-in-redirect",
+                )
+                + &n("istio-output", "oifname lo skgid != 1337 counter return")
+                + &n("istio-output", "skgid 1337 counter return")
+                + &n("istio-output", "ip daddr 127.1.2.3/32 counter return")
+                + &redirect_all,
+        ),
+        (
+            "ip-range",
+            case(&["-i", "9.9.0.0/16", "-x", "1.1.0.0/16,2.2.0.0/16"]),
+            nat_head(false, false)
+                + &nft_fixed()
+                + &nft_out(false)
+                + &nft_owner("1337", "1337", false, false)
+                + &nft_loop(false)
+                + &n("istio-output", "ip daddr 1.1.0.0/16 counter return")
+                + &n("istio-output", "ip daddr 2.2.0.0/16 counter return")
+                + &n(
+                    "istio-output",
+                    "ip daddr 9.9.0.0/16 counter jump istio-redirect",
+                ),
+        ),
+        (
+            // Without IPv6, v6 CIDRs produce no rules.
+            "ipnets",
+            case(&[
+                "-i",
+                "10.0.0.0/8,172.16.0.0/16,fd00::/8",
+                "-x",
+                "10.1.0.0/16",
+            ]),
+            nat_head(false, false)
+                + &nft_fixed()
+                + &nft_out(false)
+                + &nft_owner("1337", "1337", false, false)
+                + &nft_loop(false)
+                + &n("istio-output", "ip daddr 10.1.0.0/16 counter return")
+                + &n(
+                    "istio-output",
+                    "ip daddr 10.0.0.0/8 counter jump istio-redirect",
+                )
+                + &n(
+                    "istio-output",
+                    "ip daddr 172.16.0.0/16 counter jump istio-redirect",
+                ),
+        ),
+        (
+            // kube-virt: the first insert into an empty prerouting is an add; the next ones
+            // are inserts at index 0.
+            "ipnets-with-kube-virt-interfaces",
+            case(&["-i", "10.0.0.0/8", "-k", "eth1,eth2"]),
+            nat_head(true, false)
+                + &n("prerouting", "iifname eth1 counter return")
+                + &ins("nat", "prerouting", 0, "iifname eth2 counter return")
+                + &nft_fixed()
+                + &nft_out(false)
+                + &nft_owner("1337", "1337", false, false)
+                + &nft_loop(false)
+                + &ins(
+                    "nat",
+                    "prerouting",
+                    0,
+                    "iifname eth1 ip daddr 10.0.0.0/8 counter jump istio-redirect",
+                )
+                + &ins(
+                    "nat",
+                    "prerouting",
+                    0,
+                    "iifname eth2 ip daddr 10.0.0.0/8 counter jump istio-redirect",
+                )
+                + &n(
+                    "istio-output",
+                    "ip daddr 10.0.0.0/8 counter jump istio-redirect",
+                ),
+        ),
+        (
+            "kube-virt-interfaces",
+            case(&["-i", "*", "-k", "eth1,eth2", "-b", "*"]),
+            nat_head(true, false)
+                + &n("prerouting", "iifname eth1 counter return")
+                + &ins("nat", "prerouting", 0, "iifname eth2 counter return")
+                + &nft_fixed()
+                + &inbound_all()
+                + &nft_out(false)
+                + &nft_owner("1337", "1337", false, false)
+                + &nft_loop(false)
+                + &redirect_all
+                + &ins(
+                    "nat",
+                    "prerouting",
+                    0,
+                    "iifname eth1 counter jump istio-redirect",
+                )
+                + &ins(
+                    "nat",
+                    "prerouting",
+                    0,
+                    "iifname eth2 counter jump istio-redirect",
+                ),
+        ),
+        (
+            "loopback-outbound-iprange",
+            case(&["-i", "127.1.2.3/32"]),
+            nat_head(false, false)
+                + &nft_fixed()
+                + &nft_out(false)
+                + &n(
+                    "istio-output",
+                    "oifname lo meta l4proto tcp ip daddr != 127.0.0.1/32 tcp dport != 15008 skuid 1337 counter jump istio-in-redirect",
+                )
+                + &n("istio-output", "skuid 1337 counter return")
+                + &n(
+                    "istio-output",
+                    "oifname lo meta l4proto tcp ip daddr != 127.0.0.1/32 tcp dport != 15008 skgid 1337 counter jump istio-in-redirect",
+                )
+                + &n("istio-output", "skgid 1337 counter return")
+                + &nft_loop(false)
+                + &n(
+                    "istio-output",
+                    "ip daddr 127.1.2.3/32 counter jump istio-redirect",
+                ),
+        ),
+        (
+            "outbound-owner-groups",
+            case(&["-i", "*"]).env(&[("ISTIO_OUTBOUND_OWNER_GROUPS", "java,202")]),
+            nat_head(false, false)
+                + &nft_fixed()
+                + &nft_out(false)
+                + &nft_owner("1337", "1337", false, false)
+                + &n("istio-output", "skgid != java skgid != 202 counter return")
+                + &nft_loop(false)
+                + &redirect_all,
+        ),
+        (
+            "outbound-owner-groups-exclude",
+            case(&["-i", "*"]).env(&[("ISTIO_OUTBOUND_OWNER_GROUPS_EXCLUDE", "888,ftp")]),
+            nat_head(false, false)
+                + &nft_fixed()
+                + &nft_out(false)
+                + &nft_owner("1337", "1337", false, false)
+                + &n("istio-output", "skgid 888 counter return")
+                + &n("istio-output", "skgid ftp counter return")
+                + &nft_loop(false)
+                + &redirect_all,
+        ),
+        (
+            "outbound-ports-include",
+            case(&["-q", "32000,31000"]),
+            nat_head(false, false)
+                + &nft_fixed()
+                + &nft_out(false)
+                + &nft_owner("1337", "1337", false, false)
+                + &nft_loop(false)
+                + &n(
+                    "istio-output",
+                    "meta l4proto tcp tcp dport 32000 counter jump istio-redirect",
+                )
+                + &n(
+                    "istio-output",
+                    "meta l4proto tcp tcp dport 31000 counter jump istio-redirect",
+                ),
+        ),
+        (
+            "outbound-ports-exclude",
+            case(&["-o", "25", "-i", "*"]),
+            nat_head(false, false)
+                + &nft_fixed()
+                + &n("output", "counter jump istio-output")
+                + &n(
+                    "istio-output",
+                    "meta l4proto tcp tcp dport 25 counter return",
+                )
+                + &n(
+                    "istio-output",
+                    "meta l4proto udp udp dport 25 counter return",
+                )
+                + &n(
+                    "istio-output",
+                    "oifname lo ip saddr 127.0.0.6/32 counter return",
+                )
+                + &nft_owner("1337", "1337", false, false)
+                + &nft_loop(false)
+                + &redirect_all,
+        ),
+        (
+            "ipv6-empty-inbound-ports",
+            case(&["-b", ""]).ipv6(),
+            nat_head(false, false)
+                + &nft_fixed()
+                + &nft_out(true)
+                + &nft_owner("1337", "1337", true, false)
+                + &nft_loop(true),
+        ),
+        (
+            "ipv6-ipnets",
+            case(&["-i", "10.0.0.0/8,fd04::/16", "-x", "10.1.0.0/16,fd05::/16"]).ipv6(),
+            nat_head(false, false)
+                + &nft_fixed()
+                + &nft_out(true)
+                + &nft_owner("1337", "1337", true, false)
+                + &nft_loop(true)
+                + &n("istio-output", "ip daddr 10.1.0.0/16 counter return")
+                + &n("istio-output", "ip6 daddr fd05::/16 counter return")
+                + &n(
+                    "istio-output",
+                    "ip daddr 10.0.0.0/8 counter jump istio-redirect",
+                )
+                + &n(
+                    "istio-output",
+                    "ip6 daddr fd04::/16 counter jump istio-redirect",
+                ),
+        ),
+        (
+            "ipv6-uid-gid",
+            case(&["-u", "1", "-g", "3"]).ipv6(),
+            nat_head(false, false)
+                + &nft_fixed()
+                + &nft_out(true)
+                + &nft_owner("1", "3", true, false)
+                + &nft_loop(true),
+        ),
+        (
+            "ipv6-virt-interfaces",
+            case(&["-k", "eth1", "-i", "*"]).ipv6(),
+            nat_head(true, false)
+                + &n("prerouting", "iifname eth1 counter return")
+                + &nft_fixed()
+                + &nft_out(true)
+                + &nft_owner("1337", "1337", true, false)
+                + &nft_loop(true)
+                + &redirect_all
+                + &ins(
+                    "nat",
+                    "prerouting",
+                    0,
+                    "iifname eth1 counter jump istio-redirect",
+                ),
+        ),
+        (
+            "ipv6-dns-outbound-owner-groups",
+            case(&["--redirect-dns"])
+                .ipv6()
+                .dns(&["10.96.0.10"], &[])
+                .env(&[("ISTIO_OUTBOUND_OWNER_GROUPS", "java,202")]),
+            nat_head(false, true)
+                + &nft_fixed()
+                + &nft_out(true)
+                + &nft_owner("1337", "1337", true, true)
+                + &n("istio-output", "skgid != java skgid != 202 counter return")
+                + &nft_dns_redirects(&[("ip", "10.96.0.10/32")])
+                + &nft_loop(true)
+                + "\n"
+                + &nft_raw(&[("ip", "10.96.0.10/32")], false),
+        ),
+        (
+            "custom-ports",
+            case(&["-p", "15101", "-z", "15106", "-e", "15108", "-b", "8080"]),
+            nat_head(true, false)
+                + &n(
+                    "istio-inbound",
+                    "meta l4proto tcp tcp dport 15108 counter return",
+                )
+                + &n(
+                    "istio-redirect",
+                    "meta l4proto tcp counter redirect to :15101",
+                )
+                + &n(
+                    "istio-in-redirect",
+                    "meta l4proto tcp counter redirect to :15106",
+                )
+                + &n("prerouting", "meta l4proto tcp counter jump istio-inbound")
+                + &n(
+                    "istio-inbound",
+                    "meta l4proto tcp tcp dport 8080 counter jump istio-in-redirect",
+                )
+                + &nft_out(false)
+                + &n(
+                    "istio-output",
+                    "oifname lo meta l4proto tcp ip daddr != 127.0.0.1/32 tcp dport != 15108 skuid 1337 counter jump istio-in-redirect",
+                )
+                + &n("istio-output", "oifname lo skuid != 1337 counter return")
+                + &n("istio-output", "skuid 1337 counter return")
+                + &n(
+                    "istio-output",
+                    "oifname lo meta l4proto tcp ip daddr != 127.0.0.1/32 tcp dport != 15108 skgid 1337 counter jump istio-in-redirect",
+                )
+                + &n("istio-output", "oifname lo skgid != 1337 counter return")
+                + &n("istio-output", "skgid 1337 counter return")
+                + &nft_loop(false),
+        ),
+    ]
+}
+
+#[test]
+fn nft_golden() {
+    let cases = nft_cases();
+    assert!(cases.len() >= 25, "{} cases", cases.len());
+    for (name, case, want) in &cases {
+        check(name, &case.nft(), want);
+    }
+}
+
+#[test]
+fn nft_cleanup_deletes_the_three_tables() {
+    // Istio's --cleanup-only with nftables: add (so delete cannot fail) then delete.
+    let want = "add table inet istio-proxy-nat
+delete table inet istio-proxy-nat
+add table inet istio-proxy-mangle
+delete table inet istio-proxy-mangle
+add table inet istio-proxy-raw
+delete table inet istio-proxy-raw
+";
+    check("nft-cleanup", &nft::cleanup(), want);
+}
