@@ -24,6 +24,8 @@
 //!   in constant order, only if they receive rules; `counter` on every rule (1.28+);
 //!   `-I chain N` → `insert rule … index N-1`, or `add` when the chain is shorter.
 
+#![allow(clippy::unwrap_used)] // tests fail loudly by design
+
 use meshagent::iptables::config::{Config, MapEnv};
 use meshagent::iptables::{nft, rules};
 
