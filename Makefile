@@ -64,12 +64,13 @@ else
 endif
 
 # Benchmarks (not tests): release builds against real Envoy and devplane; results go to BENCHMARKS.md.
-bench: envoy agent
+bench: envoy agent netpeers
 	cargo build --release --bins
 	cargo bench -p meshagent --bench sds
 	cargo bench -p meshagent --bench xds
 	cargo bench -p meshagent --bench merge
 	MESHAGENT_BIN=$(AGENT_BIN) cargo bench -p meshagent --bench startup
+	MESHAGENT_BIN=$(AGENT_BIN) cargo bench -p meshagent --bench iptables
 
 demo: envoy
 	cargo build --workspace --bins

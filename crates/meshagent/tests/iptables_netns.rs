@@ -902,3 +902,30 @@ fn dry_run_prints_and_changes_nothing() {
     assert!(stdout.contains("-A OUTPUT -j ISTIO_OUTPUT"), "{stdout}");
     assert_eq!(pod.ruleset(Backend::Iptables), before);
 }
+
+/// `--reconcile`: a changed configuration replaces the old rules (guardrails removed again),
+/// ending where a fresh apply of the new configuration ends.
+#[test]
+fn iptables_reconcile_replaces_changed_rules() {
+    let new_args = ["-b", "8080", "-i", "10.0.0.0/8", "-c", "lo2", "--reconcile"];
+    let fresh = Pod::new();
+    fresh.apply(&new_args);
+    let want = fresh.ruleset(Backend::Iptables);
+
+    let pod = Pod::new();
+    pod.apply(&["-b", "*", "-i", "*", "-d", "15020", "-m", "TPROXY"]);
+    // Without --reconcile the drift is reported; with it the rules are replaced.
+    let log = pod.apply(&new_args);
+    assert!(
+        log.contains("Setting up guardrails") && log.contains("Removing guardrails"),
+        "{log}"
+    );
+    assert_same(
+        &pod.ruleset(Backend::Iptables),
+        &want,
+        &format!("reconcile did not converge\n{log}"),
+    );
+    // A re-run with the same flags is a no-op.
+    let log = pod.apply(&new_args);
+    assert!(log.contains("nothing to apply"), "{log}");
+}
