@@ -908,11 +908,15 @@ fn dry_run_prints_and_changes_nothing() {
 #[test]
 fn iptables_reconcile_replaces_changed_rules() {
     let new_args = ["-b", "8080", "-i", "10.0.0.0/8", "-c", "lo2", "--reconcile"];
+    // Foreign rules in both, so both have the same tables (iptables-save lists a table once
+    // it exists, even when empty).
     let fresh = Pod::new();
+    fresh.add_foreign_rules();
     fresh.apply(&new_args);
     let want = fresh.ruleset(Backend::Iptables);
 
     let pod = Pod::new();
+    pod.add_foreign_rules();
     pod.apply(&["-b", "*", "-i", "*", "-d", "15020", "-m", "TPROXY"]);
     // Without --reconcile the drift is reported; with it the rules are replaced.
     let log = pod.apply(&new_args);
@@ -928,4 +932,36 @@ fn iptables_reconcile_replaces_changed_rules() {
     // A re-run with the same flags is a no-op.
     let log = pod.apply(&new_args);
     assert!(log.contains("nothing to apply"), "{log}");
+}
+
+/// Missing binaries are clear errors (run inside a namespace all the same, so a bug here
+/// could never touch the host's rules).
+#[test]
+fn missing_binaries_are_clear_errors() {
+    let pod = Pod::new();
+    for (flags, want) in [
+        (
+            &["--native-nftables"][..],
+            "nativeNftables is enabled, but the nft binary is missing",
+        ),
+        (&[][..], "no iptables binary found in PATH"),
+    ] {
+        let out = Command::new("ip")
+            .args([
+                "netns",
+                "exec",
+                &pod.app,
+                "/usr/bin/env",
+                "PATH=/nonexistent",
+                BIN,
+                "istio-iptables",
+            ])
+            .args(flags)
+            .args(["-b", "*", "-i", "*"])
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{flags:?}: {err}");
+        assert!(err.contains(want), "{flags:?}: {err}");
+    }
 }
