@@ -62,6 +62,10 @@ pub fn subcommand_args(argv: &[String]) -> Option<Vec<String>> {
 
 /// Runs `istio-iptables` with the arguments after the subcommand; returns the exit code.
 pub fn main(args: &[String]) -> u8 {
+    if args.iter().any(|a| a == "-h" || a == "--help") {
+        print!("{}", config::usage());
+        return 0;
+    }
     let raw = match config::collect(args, &ProcessEnv) {
         Ok(raw) => raw,
         Err(e) => {

@@ -883,6 +883,15 @@ fn bad_flags_exit_1() {
         assert_eq!(out.status.code(), Some(1), "{args:?}: {err}");
         assert!(err.contains(flag) && err.contains(value), "{args:?}: {err}");
     }
+    let out = Command::new(BIN)
+        .args(["istio-iptables", "--help"])
+        .output()
+        .unwrap();
+    let help = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success() && help.contains("-b, --istio-inbound-ports string"),
+        "{help}"
+    );
 }
 
 /// `--dry-run` prints the save probe and the restore input and changes nothing.

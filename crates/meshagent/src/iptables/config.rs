@@ -373,6 +373,28 @@ fn spec_short(c: char) -> Option<&'static Spec> {
     SPECS.iter().find(|s| s.short == Some(c))
 }
 
+/// `istio-iptables --help`: every flag with its short letter and env names.
+pub fn usage() -> String {
+    let mut out = String::from(
+        "Set up iptables (or native nftables) rules for the Istio sidecar.\n\nUsage:\n  istio-iptables [flags]\n\nFlags:\n",
+    );
+    for s in SPECS {
+        let short = s
+            .short
+            .map_or_else(|| "    ".to_owned(), |c| format!("-{c}, "));
+        let value = if s.kind == Kind::Str { " string" } else { "" };
+        let mut envs: Vec<String> = s.env.iter().map(|e| format!("${e}")).collect();
+        envs.extend(s.extra_env.iter().map(|e| format!("${e}")));
+        let envs = if envs.is_empty() {
+            String::new()
+        } else {
+            format!("  (env {})", envs.join(", "))
+        };
+        out.push_str(&format!("  {short}--{}{value}{envs}\n", s.long));
+    }
+    out
+}
+
 /// Raw values by long flag name, with where each came from (for error messages).
 #[derive(Default, Debug)]
 pub struct RawValues {
