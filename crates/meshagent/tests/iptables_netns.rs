@@ -974,3 +974,40 @@ fn missing_binaries_are_clear_errors() {
         assert!(err.contains(want), "{flags:?}: {err}");
     }
 }
+
+/// Dual stack: IPv6 app traffic is captured too (ip6tables / the inet tables' ip6 rules),
+/// with the original destination, and IPv6 inbound lands on 15006.
+fn dual_stack_capture(backend: Backend) {
+    let pod = Pod::new();
+    let args = with_backend(backend, &["-b", "*", "-i", "*", "--dual-stack"]);
+    let log = pod.apply(&args);
+    let outbound = pod.listen(&pod.app, "[::]:15001");
+    let inbound = pod.listen(&pod.app, "[::]:15006");
+    let _c = pod
+        .connect(&pod.app, "[2001:db8::2]:8080")
+        .expect("v6 outbound connect");
+    let (s, _) =
+        accept_within(&outbound, WAIT).unwrap_or_else(|| panic!("v6 outbound not captured\n{log}"));
+    assert_eq!(original_dst(&s, true), Some(sa("[2001:db8::2]:8080")));
+    let _c = pod
+        .connect(&pod.peer, "[2001:db8::1]:8080")
+        .expect("v6 inbound connect");
+    let (s, _) = accept_within(&inbound, WAIT).expect("v6 inbound not captured");
+    assert_eq!(original_dst(&s, true), Some(sa("[2001:db8::1]:8080")));
+    let addrs = String::from_utf8_lossy(
+        &pod.exec(&pod.app, &["ip", "-6", "addr", "show", "dev", "lo"])
+            .stdout,
+    )
+    .into_owned();
+    assert!(addrs.contains("::6/128"), "::6 not added to lo:\n{addrs}");
+}
+
+#[test]
+fn iptables_dual_stack_capture() {
+    dual_stack_capture(Backend::Iptables);
+}
+
+#[test]
+fn nft_dual_stack_capture() {
+    dual_stack_capture(Backend::Nft);
+}
