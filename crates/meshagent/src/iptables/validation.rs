@@ -81,7 +81,7 @@ pub fn run(cfg: &Config) -> Result<(), ValidationError> {
         (
             Ipv6Addr::LOCALHOST.into(),
             Ipv6Addr::LOCALHOST.into(),
-            "::6".parse().unwrap_or(Ipv6Addr::LOCALHOST).into(),
+            Ipv6Addr::new(0, 0, 0, 0, 0, 0, 0, 6).into(),
         )
     } else {
         (
