@@ -500,12 +500,23 @@ pub fn apply_iptables(sys: &mut System, cfg: &Config, plan: &RuleSet) -> Result<
     } else {
         None
     };
-    // Both states first, as Istio's `VerifyIptablesState` reads them.
-    let saved4 = SavedState::parse(&sys.run(&v4.save, &[], None)?.stdout);
+    // Both states first, as Istio's `VerifyIptablesState` reads them; in an empty namespace
+    // (a fresh pod) there is nothing to read and the two processes are skipped.
+    let empty = !sys.dry_run && super::probe::namespace_is_empty();
+    let mut read = |bin: &Binaries| -> Result<SavedState, ApplyError> {
+        if empty {
+            return Ok(SavedState::default());
+        }
+        Ok(SavedState::parse(&sys.run(&bin.save, &[], None)?.stdout))
+    };
+    let saved4 = read(&v4)?;
     let saved6 = match &v6 {
-        Some(v6) => Some(SavedState::parse(&sys.run(&v6.save, &[], None)?.stdout)),
+        Some(v6) => Some(read(v6)?),
         None => None,
     };
+    if empty {
+        tracing::info!("no iptables or nftables state in this namespace: nothing to reconcile");
+    }
     let o4 = apply_family(
         sys,
         cfg,
