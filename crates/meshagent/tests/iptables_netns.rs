@@ -84,6 +84,8 @@ fn require_peers() {
 struct Pod {
     app: String,
     peer: String,
+    /// The app end of the veth pair.
+    app_dev: String,
 }
 
 impl Pod {
@@ -94,11 +96,12 @@ impl Pod {
             std::process::id(),
             COUNTER.fetch_add(1, Ordering::SeqCst)
         );
+        let (va, vb) = (format!("mv{id}a"), format!("mv{id}b"));
         let pod = Pod {
             app: format!("mait-{id}-app"),
             peer: format!("mait-{id}-peer"),
+            app_dev: va.clone(),
         };
-        let (va, vb) = (format!("mv{id}a"), format!("mv{id}b"));
         for ns in [&pod.app, &pod.peer] {
             run("ip", &["netns", "add", ns]);
             run("ip", &["-n", ns, "link", "set", "lo", "up"]);
@@ -1010,4 +1013,30 @@ fn iptables_dual_stack_capture() {
 #[test]
 fn nft_dual_stack_capture() {
     dual_stack_capture(Backend::Nft);
+}
+
+/// IPv6 is detected from the first non-loopback address: an IPv6-only pod gets ip6tables
+/// rules without `--dual-stack`; an IPv4 pod gets none.
+#[test]
+fn ipv6_is_auto_detected() {
+    let pod = Pod::new();
+    pod.apply(&["-b", "*", "-i", "*"]);
+    let v6 = String::from_utf8_lossy(&pod.exec(&pod.app, &["ip6tables-save"]).stdout).into_owned();
+    assert!(!v6.contains("ISTIO_"), "IPv4 pod got IPv6 rules:\n{v6}");
+    pod.apply(&["--cleanup-only"]);
+
+    let dev = format!(
+        "mv{}",
+        pod.app.trim_start_matches("mait-").trim_end_matches("-app")
+    ) + "a";
+    pod.exec(
+        &pod.app,
+        &["ip", "addr", "del", &format!("{APP}/24"), "dev", &dev],
+    );
+    pod.apply(&["-b", "*", "-i", "*"]);
+    let v6 = String::from_utf8_lossy(&pod.exec(&pod.app, &["ip6tables-save"]).stdout).into_owned();
+    assert!(
+        v6.contains("-A OUTPUT -j ISTIO_OUTPUT") && v6.contains("::6/128"),
+        "IPv6 pod got no IPv6 rules:\n{v6}"
+    );
 }
