@@ -1025,14 +1025,15 @@ fn ipv6_is_auto_detected() {
     assert!(!v6.contains("ISTIO_"), "IPv4 pod got IPv6 rules:\n{v6}");
     pod.apply(&["--cleanup-only"]);
 
-    let dev = format!(
-        "mv{}",
-        pod.app.trim_start_matches("mait-").trim_end_matches("-app")
-    ) + "a";
-    pod.exec(
-        &pod.app,
-        &["ip", "addr", "del", &format!("{APP}/24"), "dev", &dev],
-    );
+    let del = [
+        "ip",
+        "addr",
+        "del",
+        &format!("{APP}/24"),
+        "dev",
+        &pod.app_dev,
+    ];
+    pod.exec(&pod.app, &del);
     pod.apply(&["-b", "*", "-i", "*"]);
     let v6 = String::from_utf8_lossy(&pod.exec(&pod.app, &["ip6tables-save"]).stdout).into_owned();
     assert!(
