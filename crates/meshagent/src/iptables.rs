@@ -5,14 +5,14 @@
 //! - [`config`] — flags + env → a validated [`config::Config`] (Istio's precedence).
 //! - [`rules`] — config → iptables rules (plain data) → `iptables-restore` text.
 //! - [`nft`] — config → the native nftables transaction text.
-//! - [`probe`] — netlink check for an empty namespace (skips the `*-save` processes).
+//! - [`netlink`] — in-process netlink: empty-namespace probe, `::6/128` on lo.
 //! - [`apply`] — binary selection, `*-save`/`*-restore`, `nft -f -`, `ip rule/route`.
 //! - [`validation`] — `--run-validation`.
 
 pub mod apply;
 pub mod config;
+pub mod netlink;
 pub mod nft;
-pub mod probe;
 pub mod rules;
 pub mod validation;
 

@@ -31,6 +31,8 @@ pub enum ApplyError {
     NftMissing { path: String },
     #[error("no iptables binary found in PATH ({path}); install iptables (legacy or nft)")]
     IptablesMissing { path: String },
+    #[error("{0}")]
+    Netlink(String),
     #[error("cannot write {path}: {error}")]
     DryRunFile { path: String, error: std::io::Error },
 }
@@ -502,7 +504,7 @@ pub fn apply_iptables(sys: &mut System, cfg: &Config, plan: &RuleSet) -> Result<
     };
     // Both states first, as Istio's `VerifyIptablesState` reads them; in an empty namespace
     // (a fresh pod) there is nothing to read and the two processes are skipped.
-    let empty = !sys.dry_run && super::probe::namespace_is_empty();
+    let empty = !sys.dry_run && super::netlink::namespace_is_empty();
     let mut read = |bin: &Binaries| -> Result<SavedState, ApplyError> {
         if empty {
             return Ok(SavedState::default());
@@ -564,7 +566,11 @@ pub fn apply_nft(sys: &mut System, text: &str) -> Result<(), ApplyError> {
 /// are delivered locally) and `::6/128` on lo for IPv6. Existing entries are fine.
 pub fn configure_routes(sys: &mut System, cfg: &Config) -> Result<(), ApplyError> {
     if cfg.enable_ipv6 {
-        ignore_exists(sys.run("ip", &["-6", "addr", "add", "::6/128", "dev", "lo"], None))?;
+        if sys.dry_run {
+            sys.run("ip", &["-6", "addr", "add", "::6/128", "dev", "lo"], None)?;
+        } else {
+            super::netlink::add_ipv6_passthrough_address().map_err(ApplyError::Netlink)?;
+        }
     }
     if cfg.mode != InterceptionMode::Tproxy || cfg.cleanup_only {
         return Ok(());
