@@ -1041,3 +1041,56 @@ fn ipv6_is_auto_detected() {
         "IPv6 pod got no IPv6 rules:\n{v6}"
     );
 }
+
+/// The VM form (no arguments, env only, `ISTIO_META_DNS_CAPTURE` from proxyMetadata),
+/// `DRY_RUN_FILE_PATH`, and `--network-namespace` (run from the app namespace against the
+/// peer namespace, so even a bug could only touch test namespaces).
+#[test]
+fn env_only_dry_run_file_and_network_namespace() {
+    let pod = Pod::new();
+    pod.resolv_conf("nameserver 192.0.2.53\n");
+    let env = [
+        ("ISTIO_INBOUND_PORTS", "*"),
+        ("ISTIO_SERVICE_CIDR", "*"),
+        ("ISTIO_LOCAL_EXCLUDE_PORTS", "22"),
+        ("ISTIO_META_DNS_CAPTURE", "true"),
+    ];
+    let (code, log) = pod.istio_iptables(&[], &env);
+    assert_eq!(code, 0, "{log}");
+    let save = String::from_utf8_lossy(&pod.exec(&pod.app, &["iptables-save"]).stdout).into_owned();
+    for want in [
+        "-A ISTIO_INBOUND -p tcp -m tcp --dport 22 -j RETURN",
+        "-A ISTIO_OUTPUT -j ISTIO_REDIRECT",
+        "-A ISTIO_OUTPUT_DNS -d 192.0.2.53/32 -p udp -m udp --dport 53 -j REDIRECT --to-ports 15053",
+    ] {
+        assert!(save.contains(want), "missing {want:?}:\n{save}");
+    }
+
+    let file = format!("/tmp/{}-dry-run.txt", pod.app);
+    let (code, log) = pod.istio_iptables(&["-n", "-b", "*"], &[("DRY_RUN_FILE_PATH", &file)]);
+    assert_eq!(code, 0, "{log}");
+    let dumped = std::fs::read_to_string(&file).unwrap();
+    let _ = std::fs::remove_file(&file);
+    assert!(
+        dumped.starts_with("iptables-save\n")
+            && dumped.contains("-A PREROUTING -p tcp -j ISTIO_INBOUND"),
+        "{dumped}"
+    );
+
+    let before_app = pod.ruleset(Backend::Iptables);
+    let peer_before =
+        String::from_utf8_lossy(&pod.exec(&pod.peer, &["iptables-save"]).stdout).into_owned();
+    assert!(!peer_before.contains("ISTIO_"), "{peer_before}");
+    pod.apply(&["--network-namespace", &pod.peer, "-b", "*", "-i", "*"]);
+    let peer_after =
+        String::from_utf8_lossy(&pod.exec(&pod.peer, &["iptables-save"]).stdout).into_owned();
+    assert!(
+        peer_after.contains("-A OUTPUT -j ISTIO_OUTPUT"),
+        "rules not in the named namespace:\n{peer_after}"
+    );
+    assert_same(
+        &pod.ruleset(Backend::Iptables),
+        &before_app,
+        "--network-namespace changed the caller's namespace",
+    );
+}
