@@ -6,10 +6,12 @@
 //! - [`rules`] — config → iptables rules (plain data) → `iptables-restore` text.
 //! - [`nft`] — config → the native nftables transaction text.
 //! - [`netlink`] — in-process netlink: empty-namespace probe, `::6/128` on lo.
+//! - [`canon`] — canonical rule form: our spelling vs `iptables-save`'s.
 //! - [`apply`] — binary selection, `*-save`/`*-restore`, `nft -f -`, `ip rule/route`.
 //! - [`validation`] — `--run-validation`.
 
 pub mod apply;
+pub mod canon;
 pub mod config;
 pub mod netlink;
 pub mod nft;

@@ -1094,3 +1094,91 @@ fn env_only_dry_run_file_and_network_namespace() {
         "--network-namespace changed the caller's namespace",
     );
 }
+
+/// Every flag at once: a re-run is a no-op (our rules compare equal to iptables-save's
+/// spelling of them), and a changed configuration is seen as drift.
+#[test]
+fn iptables_complex_rerun_is_noop_and_drift_is_detected() {
+    let pod = Pod::new();
+    pod.resolv_conf("nameserver 192.0.2.53\nnameserver 2001:db8::53\n");
+    pod.add_foreign_rules();
+    let args = [
+        "-m",
+        "TPROXY",
+        "-b",
+        "*",
+        "-d",
+        "15020,15021",
+        "-i",
+        "10.96.0.0/12,2001:db8:1::/64",
+        "-x",
+        "10.96.0.1/32",
+        "-q",
+        "3306",
+        "-o",
+        "25",
+        "-k",
+        "kv0",
+        "-c",
+        "ex0",
+        "--redirect-dns",
+        "--drop-invalid",
+        "--dual-stack",
+        "-t",
+        "1400",
+    ];
+    let env = [("ISTIO_OUTBOUND_OWNER_GROUPS", "0,1337")];
+    let (code, log) = pod.istio_iptables(&args, &env);
+    assert_eq!(code, 0, "{log}");
+    let applied = pod.ruleset(Backend::Iptables);
+    let (code, log) = pod.istio_iptables(&args, &env);
+    assert_eq!(code, 0, "{log}");
+    assert!(
+        log.contains("nothing to apply"),
+        "re-run was not a no-op:\n{log}"
+    );
+    assert_same(
+        &pod.ruleset(Backend::Iptables),
+        &applied,
+        "re-run changed the ruleset",
+    );
+
+    // --force-apply over the same state replaces it (no "Chain already exists").
+    let mut force = args.to_vec();
+    force.push("--force-apply");
+    let (code, log) = pod.istio_iptables(&force, &env);
+    assert_eq!(code, 0, "{log}");
+    assert_same(
+        &pod.ruleset(Backend::Iptables),
+        &applied,
+        "--force-apply changed the ruleset",
+    );
+
+    // Same chains and rule counts, different rule: still drift.
+    let mut changed = args.to_vec();
+    changed[3] = "8080";
+    let mut reconcile = changed.clone();
+    reconcile.push("--reconcile");
+    let (code, log) = pod.istio_iptables(&reconcile, &env);
+    assert_eq!(code, 0, "{log}");
+    assert!(
+        log.contains("Performing cleanup"),
+        "drift not detected:\n{log}"
+    );
+    let save = String::from_utf8_lossy(
+        &pod.exec(&pod.app, &["iptables-save", "-t", "mangle"])
+            .stdout,
+    )
+    .into_owned();
+    assert!(save.contains("--dport 8080"), "{save}");
+    let mut cleanup = reconcile.clone();
+    cleanup.push("--cleanup-only");
+    pod.apply(&cleanup);
+    let before = Pod::new();
+    before.add_foreign_rules();
+    assert_same(
+        &pod.ruleset(Backend::Iptables),
+        &before.ruleset(Backend::Iptables),
+        "cleanup left rules",
+    );
+}

@@ -285,13 +285,12 @@ fn jumps_to_istio(spec: &str) -> bool {
     false
 }
 
-/// Built-in-chain rules of the plan that do not jump to an Istio chain (interface RETURNs,
-/// TPROXY marks): `iptables-save` rewrites their spelling, so presence is checked with `-C`.
-fn plain_builtin_rules(rules: &[Rule]) -> Vec<&Rule> {
-    rules
-        .iter()
-        .filter(|r| is_builtin(&r.chain) && !r.target().is_some_and(|t| t.starts_with("ISTIO_")))
-        .collect()
+fn tokens(spec: &str) -> Vec<&str> {
+    spec.split_whitespace().collect()
+}
+
+fn canon_rule(r: &Rule) -> Vec<String> {
+    super::canon::canon(&r.args.iter().map(String::as_str).collect::<Vec<_>>())
 }
 
 /// Cleanup candidates: the plan's built-in rules plus those the same config would add in
@@ -311,90 +310,111 @@ pub fn cleanup_candidates(cfg: &Config, v6: bool) -> Vec<Rule> {
     out
 }
 
-fn rule_exists(sys: &mut System, bin: &Binaries, r: &Rule) -> bool {
-    let mut args = vec!["-t", r.table.name(), "-C", r.chain.as_str()];
-    args.extend(r.args.iter().map(String::as_str));
-    if bin.wait {
-        args.push("--wait=30");
-    }
-    sys.run(&bin.iptables, &args, None).is_ok()
-}
-
 /// Istio `VerifyIptablesState`: (residue, delta). Residue: Istio chains or jumps exist.
-/// Delta: the planned rules are not exactly what is there — a chain missing, extra or with a
-/// different number of rules, a different number of jumps from a built-in chain, a planned
-/// built-in rule missing.
-pub fn verify_state(
-    sys: &mut System,
-    bin: &Binaries,
-    saved: &SavedState,
-    plan: &[Rule],
-) -> (bool, bool) {
+/// Delta: the planned rules are not exactly what is there, compared in canonical form
+/// ([`super::canon`]): per Istio chain the same rules (as multisets), no extra Istio chain,
+/// every planned built-in-chain rule present, no other jump into an Istio chain.
+pub fn verify_state(saved: &SavedState, plan: &[Rule]) -> (bool, bool) {
     let residue = saved.has_istio();
     if !residue {
         return (false, !plan.is_empty());
     }
-    let mut delta = false;
     for table in Table::ALL {
         let t = table.name();
+        let empty = BTreeMap::new();
+        let have = saved.tables.get(t).unwrap_or(&empty);
         let planned: Vec<&Rule> = plan.iter().filter(|r| r.table == table).collect();
-        let mut want_chains: BTreeMap<&str, usize> = BTreeMap::new();
-        for r in planned.iter().filter(|r| !is_builtin(&r.chain)) {
-            *want_chains.entry(r.chain.as_str()).or_default() += 1;
+        let mut want: BTreeMap<&str, Vec<Vec<String>>> = BTreeMap::new();
+        for r in &planned {
+            want.entry(r.chain.as_str())
+                .or_default()
+                .push(canon_rule(r));
         }
-        let have = saved.istio_chains(t);
-        if have.len() != want_chains.len()
-            || have.iter().any(|c| !want_chains.contains_key(c.as_str()))
-        {
-            delta = true;
-        }
-        for (chain, n) in &want_chains {
-            let got = saved
-                .tables
-                .get(t)
-                .and_then(|c| c.get(*chain))
-                .map_or(0, Vec::len);
-            if got != *n {
-                delta = true;
+        for (chain, rules) in &mut want {
+            rules.sort();
+            let mut got: Vec<Vec<String>> = have
+                .get(*chain)
+                .map(|specs| {
+                    specs
+                        .iter()
+                        .map(|s| super::canon::canon(&tokens(s)))
+                        .collect()
+                })
+                .unwrap_or_default();
+            if is_builtin(chain) {
+                // Built-in chains hold other software's rules too: ours must all be there,
+                // and nothing else may jump into an Istio chain.
+                for r in rules.iter() {
+                    match got.iter().position(|g| g == r) {
+                        Some(i) => {
+                            got.swap_remove(i);
+                        }
+                        None => return (true, true),
+                    }
+                }
+                let stray_jump = have.get(*chain).is_some_and(|specs| {
+                    specs.iter().filter(|s| jumps_to_istio(s)).count()
+                        != rules
+                            .iter()
+                            .filter(|r| r.iter().any(|t| t.starts_with("ISTIO_")))
+                            .count()
+                });
+                if stray_jump {
+                    return (true, true);
+                }
+            } else {
+                got.sort();
+                if got != *rules {
+                    return (true, true);
+                }
             }
         }
-        let want_jumps = planned
+        // Istio chains we would not create, or built-in jumps from chains we leave alone.
+        if saved
+            .istio_chains(t)
             .iter()
-            .filter(|r| is_builtin(&r.chain) && r.target().is_some_and(|x| x.starts_with("ISTIO_")))
-            .count();
-        if saved.istio_jumps(t).len() != want_jumps {
-            delta = true;
+            .any(|c| !want.contains_key(c.as_str()))
+        {
+            return (true, true);
+        }
+        if saved
+            .istio_jumps(t)
+            .iter()
+            .any(|(c, _)| !want.contains_key(c.as_str()))
+        {
+            return (true, true);
         }
     }
-    if !delta {
-        for r in plain_builtin_rules(plan) {
-            if !rule_exists(sys, bin, r) {
-                delta = true;
-                break;
-            }
-        }
-    }
-    (residue, delta)
+    (true, false)
 }
 
 /// `iptables-restore --noflush` input removing every Istio chain and jump found in `saved`,
-/// plus the planned built-in rules that are present (the `-C` probe).
-pub fn cleanup_text(sys: &mut System, bin: &Binaries, saved: &SavedState, plan: &[Rule]) -> String {
-    let plain: Vec<&Rule> = plain_builtin_rules(plan);
+/// plus the built-in-chain rules of `candidates` that are present (matched canonically and
+/// deleted with the spelling iptables-save printed).
+pub fn cleanup_text(saved: &SavedState, candidates: &[Rule]) -> String {
     let mut out = String::new();
-    for t in saved.tables.keys() {
+    for (t, chains) in &saved.tables {
         let mut lines = Vec::new();
-        for (chain, spec) in saved.istio_jumps(t) {
-            lines.push(format!("-D {chain} {spec}"));
-        }
-        for r in plain.iter().filter(|r| r.table.name() == t) {
-            if rule_exists(sys, bin, r) {
-                lines.push(format!("-D {} {}", r.chain, r.args.join(" ")));
+        for (chain, specs) in chains.iter().filter(|(c, _)| is_builtin(c)) {
+            let mut ours: Vec<Vec<String>> = candidates
+                .iter()
+                .filter(|r| r.table.name() == t && &r.chain == chain)
+                .map(canon_rule)
+                .collect();
+            for spec in specs {
+                let c = super::canon::canon(&tokens(spec));
+                let pos = ours.iter().position(|o| *o == c);
+                if let Some(i) = pos {
+                    ours.swap_remove(i);
+                }
+                if pos.is_some() || jumps_to_istio(spec) {
+                    lines.push(format!("-D {chain} {spec}"));
+                }
             }
         }
-        let chains = saved.istio_chains(t);
-        lines.extend(chains.iter().map(|c| format!("-F {c}")));
-        lines.extend(chains.iter().map(|c| format!("-X {c}")));
+        let istio = saved.istio_chains(t);
+        lines.extend(istio.iter().map(|c| format!("-F {c}")));
+        lines.extend(istio.iter().map(|c| format!("-X {c}")));
         if !lines.is_empty() {
             out.push_str(&format!("* {t}\n{}\nCOMMIT\n", lines.join("\n")));
         }
@@ -445,7 +465,7 @@ pub fn apply_family(
     let (residue, delta) = if sys.dry_run {
         (false, true)
     } else {
-        verify_state(sys, bin, saved, plan)
+        verify_state(saved, plan)
     };
     let mut outcome = FamilyOutcome {
         residue,
@@ -457,7 +477,9 @@ pub fn apply_family(
             "reconcile is recommended but no-reconcile flag is set. Unexpected behavior may occur due to preexisting iptables rules"
         );
     }
-    let reconcile = residue && delta && cfg.reconcile && !cfg.cleanup_only;
+    // `--force-apply` over existing Istio state replaces it the same way: re-adding the
+    // chains on top of themselves would fail ("Chain already exists").
+    let reconcile = residue && ((delta && cfg.reconcile) || cfg.force_apply) && !cfg.cleanup_only;
     if reconcile {
         tracing::info!("Setting up guardrails");
         let _ = restore(sys, bin, &guardrails(false));
@@ -466,7 +488,7 @@ pub fn apply_family(
     let result = (|| {
         if reconcile || cfg.cleanup_only {
             tracing::info!("Performing cleanup of existing iptables");
-            let text = cleanup_text(sys, bin, saved, candidates);
+            let text = cleanup_text(saved, candidates);
             if !text.is_empty() {
                 restore(sys, bin, &text)?;
                 outcome.cleaned = true;
