@@ -46,11 +46,11 @@ peers:
 # Debian peers of the istio-iptables tests (real iptables/nftables/iproute2 in network
 # namespaces the tests create). Installed only when missing; the tests fail, never skip,
 # without them.
-NETPEER_BINS := iptables-restore ip6tables-restore iptables-nft-restore iptables-legacy-restore nft ip
+NETPEER_BINS := iptables-restore ip6tables-restore iptables-nft-restore iptables-legacy-restore nft ip setpriv
 netpeers:
 	@missing=""; for b in $(NETPEER_BINS); do PATH="$$PATH:/usr/sbin:/sbin" command -v $$b >/dev/null || missing="$$missing $$b"; done; \
-	if [ -n "$$missing" ]; then echo "installing iptables nftables iproute2 (missing:$$missing)"; \
-	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq iptables nftables iproute2 >/dev/null; fi
+	if [ -n "$$missing" ]; then echo "installing iptables nftables iproute2 util-linux (missing:$$missing)"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq iptables nftables iproute2 util-linux >/dev/null; fi
 
 lint:
 	cargo fmt --all -- --check

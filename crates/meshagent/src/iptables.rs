@@ -219,3 +219,48 @@ pub fn run(mut cfg: Config) -> Result<u8, RunError> {
     }
     Ok(0)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::subcommand_args;
+
+    fn argv(a: &[&str]) -> Vec<String> {
+        a.iter().map(|s| (*s).to_owned()).collect()
+    }
+
+    #[test]
+    fn finds_the_subcommand_under_either_name() {
+        for bin in ["/usr/local/bin/pilot-agent", "meshagent"] {
+            assert_eq!(
+                subcommand_args(&argv(&[bin, "istio-iptables", "-p", "15001"])),
+                Some(argv(&["-p", "15001"]))
+            );
+        }
+        // Root logging flags before the subcommand travel with it.
+        assert_eq!(
+            subcommand_args(&argv(&[
+                "pilot-agent",
+                "--log_output_level",
+                "default:debug",
+                "istio-iptables",
+                "-n"
+            ])),
+            Some(argv(&["--log_output_level", "default:debug", "-n"]))
+        );
+        assert_eq!(
+            subcommand_args(&argv(&["pilot-agent", "proxy", "sidecar"])),
+            None
+        );
+        // A value that happens to be the subcommand's name is not the subcommand.
+        assert_eq!(
+            subcommand_args(&argv(&[
+                "pilot-agent",
+                "proxy",
+                "--domain",
+                "istio-iptables"
+            ])),
+            None
+        );
+        assert_eq!(subcommand_args(&argv(&["pilot-agent"])), None);
+    }
+}
