@@ -9,7 +9,7 @@ export ENVOY_BIN
 
 NEXTEST := $(shell cargo nextest --version >/dev/null 2>&1 && echo yes)
 
-.PHONY: all build agent test lint unit envoy peers bench demo clean-tools
+.PHONY: all build agent test lint unit envoy peers netpeers bench demo clean-tools
 
 all: build
 
@@ -43,11 +43,20 @@ peers:
 	  python3 -m pip install --quiet --disable-pip-version-check --no-warn-script-location \
 	    --root-user-action=ignore --target "$(TOOLS)/pip" grpcio grpcio-health-checking; fi
 
+# Debian peers of the istio-iptables tests (real iptables/nftables/iproute2 in network
+# namespaces the tests create). Installed only when missing; the tests fail, never skip,
+# without them.
+NETPEER_BINS := iptables-restore ip6tables-restore iptables-nft-restore iptables-legacy-restore nft ip setpriv
+netpeers:
+	@missing=""; for b in $(NETPEER_BINS); do PATH="$$PATH:/usr/sbin:/sbin" command -v $$b >/dev/null || missing="$$missing $$b"; done; \
+	if [ -n "$$missing" ]; then echo "installing iptables nftables iproute2 util-linux (missing:$$missing)"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq iptables nftables iproute2 util-linux >/dev/null; fi
+
 lint:
 	cargo fmt --all -- --check
 	cargo clippy --workspace --all-targets -- -D warnings
 
-test: envoy peers lint build
+test: envoy peers netpeers lint build
 ifeq ($(NEXTEST),yes)
 	cargo nextest run --workspace --no-fail-fast
 	# nextest does not run doctests (metrics: a label-count mismatch must not compile).
@@ -57,12 +66,13 @@ else
 endif
 
 # Benchmarks (not tests): release builds against real Envoy and devplane; results go to BENCHMARKS.md.
-bench: envoy agent
+bench: envoy agent netpeers
 	cargo build --release --bins
 	cargo bench -p meshagent --bench sds
 	cargo bench -p meshagent --bench xds
 	cargo bench -p meshagent --bench merge
 	MESHAGENT_BIN=$(AGENT_BIN) cargo bench -p meshagent --bench startup
+	MESHAGENT_BIN=$(AGENT_BIN) cargo bench -p meshagent --bench iptables
 
 demo: envoy
 	cargo build --workspace --bins

@@ -42,7 +42,7 @@ pub use vars::{
 };
 
 use env::Reader;
-pub(crate) use parse::parse_go_bool;
+pub(crate) use parse::{parse_go_bool, parse_go_duration};
 
 /// Pod annotation carrying a ProxyConfig overlay.
 pub const ANNOTATION_PROXY_CONFIG: &str = "proxy.istio.io/config";

@@ -15,6 +15,7 @@ pub mod envoy;
 pub mod fsio;
 pub mod http_client;
 pub mod identity;
+pub mod iptables;
 pub mod logging;
 pub mod metrics;
 pub mod request;

@@ -7,6 +7,14 @@ use meshagent::cli::{self, Command, ProxyArgs};
 use meshagent::{config, logging};
 
 fn main() -> ExitCode {
+    // `istio-iptables` has its own pflag-style flags (short letters, env bindings); it is
+    // dispatched before the agent's command line is parsed.
+    let argv: Vec<String> = std::env::args_os()
+        .map(|a| a.to_string_lossy().into_owned())
+        .collect();
+    if let Some(args) = meshagent::iptables::subcommand_args(&argv) {
+        return ExitCode::from(meshagent::iptables::main(&args));
+    }
     let parsed = match cli::parse_args(std::env::args_os()) {
         Ok(p) => p,
         Err(e) => {

@@ -1,0 +1,266 @@
+//! `istio-iptables`: the traffic capture the `istio-init` container installs (Istio
+//! tools/istio-iptables and tools/istio-nftables), with the same flags, env, rules and exit
+//! codes.
+//!
+//! - [`config`] — flags + env → a validated [`config::Config`] (Istio's precedence).
+//! - [`rules`] — config → iptables rules (plain data) → `iptables-restore` text.
+//! - [`nft`] — config → the native nftables transaction text.
+//! - [`netlink`] — in-process netlink: empty-namespace probe, `::6/128` on lo.
+//! - [`canon`] — canonical rule form: our spelling vs `iptables-save`'s.
+//! - [`apply`] — binary selection, `*-save`/`*-restore`, `nft -f -`, `ip rule/route`.
+//! - [`validation`] — `--run-validation`.
+
+pub mod apply;
+pub mod canon;
+pub mod config;
+pub mod netlink;
+pub mod nft;
+pub mod rules;
+pub mod validation;
+
+use std::fs::File;
+use std::path::PathBuf;
+
+use config::{Config, ConfigError, ProcessEnv};
+
+/// Path of the resolv.conf whose servers DNS capture redirects.
+pub const RESOLV_CONF: &str = "/etc/resolv.conf";
+
+/// A failed run (exit code 1).
+#[derive(Debug, thiserror::Error)]
+pub enum RunError {
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    #[error(transparent)]
+    Detect(#[from] config::DetectError),
+    #[error(transparent)]
+    Apply(#[from] apply::ApplyError),
+    #[error("cannot enter network namespace {path}: {error}")]
+    Netns { path: String, error: String },
+    #[error("cannot set up logging: {0}")]
+    Logging(String),
+}
+
+/// If `argv` (with argv\[0\]) runs the `istio-iptables` subcommand, its arguments (root
+/// logging flags before the subcommand are kept with them).
+pub fn subcommand_args(argv: &[String]) -> Option<Vec<String>> {
+    let mut i = 1;
+    while let Some(arg) = argv.get(i) {
+        if arg == "istio-iptables" {
+            let mut args: Vec<String> = argv[1..i].to_vec();
+            args.extend(argv[i + 1..].iter().cloned());
+            return Some(args);
+        }
+        if !arg.starts_with('-') {
+            return None;
+        }
+        // A root flag with its value in the next argument.
+        let takes_value = matches!(
+            arg.as_str(),
+            "--log_output_level" | "--log_target" | "--log_caller" | "--log_stacktrace_level"
+        );
+        i += if takes_value { 2 } else { 1 };
+    }
+    None
+}
+
+/// Runs `istio-iptables` with the arguments after the subcommand; returns the exit code.
+pub fn main(args: &[String]) -> u8 {
+    if args.iter().any(|a| a == "-h" || a == "--help") {
+        print!("{}", config::usage());
+        return 0;
+    }
+    let raw = match config::collect(args, &ProcessEnv) {
+        Ok(raw) => raw,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return 1;
+        }
+    };
+    if let Err(e) = init_logging(&raw) {
+        eprintln!("error: {e}");
+        return 1;
+    }
+    let cfg = match Config::from_raw(&raw, &ProcessEnv) {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return 1;
+        }
+    };
+    match run(cfg) {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("error: {e}");
+            1
+        }
+    }
+}
+
+fn init_logging(raw: &config::RawValues) -> Result<(), RunError> {
+    let mut opts = crate::logging::LogOptions::default();
+    if let Some(v) = raw.log_flag("log_output_level") {
+        v.clone_into(&mut opts.output_level);
+    }
+    if let Some(v) = raw.log_flag("log_target") {
+        opts.targets = vec![v.to_owned()];
+    }
+    if let Some(v) = raw.log_flag("log_caller") {
+        v.clone_into(&mut opts.caller);
+    }
+    if let Some(v) = raw.log_flag("log_stacktrace_level") {
+        v.clone_into(&mut opts.stacktrace_level);
+    }
+    opts.as_json = raw
+        .log_flag("log_as_json")
+        .and_then(crate::config::parse_go_bool)
+        .unwrap_or(false);
+    // stdout carries the dry-run transcript; keep logs off it.
+    opts.targets = opts
+        .targets
+        .into_iter()
+        .map(|t| {
+            if t == "stdout" {
+                "stderr".to_owned()
+            } else {
+                t
+            }
+        })
+        .collect();
+    let warnings = crate::logging::init(&opts).map_err(|e| RunError::Logging(e.to_string()))?;
+    for w in warnings {
+        tracing::warn!("{w}");
+    }
+    Ok(())
+}
+
+/// Enters `--network-namespace` (a path, or a name under /var/run/netns) for this thread,
+/// so every command started afterwards runs there.
+fn enter_netns(ns: &str) -> Result<(), RunError> {
+    let path = if ns.starts_with('/') {
+        PathBuf::from(ns)
+    } else {
+        PathBuf::from("/var/run/netns").join(ns)
+    };
+    let shown = path.display().to_string();
+    let f = File::open(&path).map_err(|e| RunError::Netns {
+        path: shown.clone(),
+        error: e.to_string(),
+    })?;
+    nix::sched::setns(f, nix::sched::CloneFlags::CLONE_NEWNET).map_err(|e| RunError::Netns {
+        path: shown,
+        error: e.to_string(),
+    })
+}
+
+/// The configured run (Istio tools/istio-iptables/pkg/cmd/root.go `Run`).
+pub fn run(mut cfg: Config) -> Result<u8, RunError> {
+    if !cfg.network_namespace.is_empty() {
+        enter_netns(&cfg.network_namespace)?;
+    }
+    match cfg.detect(RESOLV_CONF) {
+        Ok(()) => {}
+        // Removing rules needs no address; clean both families.
+        Err(config::DetectError::NoAddress) if cfg.cleanup_only => cfg.enable_ipv6 = true,
+        Err(e) => return Err(e.into()),
+    }
+    if cfg.cleanup_only && !cfg.enable_ipv6 {
+        // Rules may have been added by a run that saw IPv6: clean v6 too when it is usable.
+        cfg.enable_ipv6 = apply::in_path("ip6tables-save").is_some() || cfg.native_nftables;
+    }
+    tracing::info!(
+        "istio-iptables configuration: {}",
+        serde_json::to_string(&cfg).unwrap_or_default()
+    );
+    if rules::redirect_dns(&cfg) != cfg.redirect_dns {
+        tracing::warn!(
+            "REDIRECT_DNS is set, but CAPTURE_ALL_DNS is false, and no DNS servers provided. DNS capture disabled."
+        );
+    }
+    let mut sys = apply::System::new(cfg.dry_run);
+    if !cfg.skip_rule_apply {
+        if cfg.native_nftables {
+            let text = if cfg.cleanup_only {
+                nft::cleanup()
+            } else {
+                nft::build(&cfg)
+            };
+            apply::apply_nft(&mut sys, &text)?;
+        } else {
+            let plan = rules::build(&cfg);
+            apply::apply_iptables(&mut sys, &cfg, &plan)?;
+        }
+        if cfg.cleanup_only {
+            if !cfg.dry_run {
+                apply::cleanup_routes(&mut sys, &cfg);
+            }
+        } else {
+            apply::configure_routes(&mut sys, &cfg)?;
+        }
+    }
+    if cfg.dry_run {
+        print!("{}", sys.transcript);
+        if let Some(path) = &cfg.dry_run_file {
+            std::fs::write(path, &sys.transcript).map_err(|error| {
+                apply::ApplyError::DryRunFile {
+                    path: path.clone(),
+                    error,
+                }
+            })?;
+        }
+    }
+    if cfg.run_validation {
+        if let Err(e) = validation::run(&cfg) {
+            tracing::error!("{e}");
+            eprint!("error: {}", validation::FAILURE_MESSAGE);
+            return Ok(validation::VALIDATION_ERROR_CODE);
+        }
+        tracing::info!("iptables validation passed");
+    }
+    Ok(0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::subcommand_args;
+
+    fn argv(a: &[&str]) -> Vec<String> {
+        a.iter().map(|s| (*s).to_owned()).collect()
+    }
+
+    #[test]
+    fn finds_the_subcommand_under_either_name() {
+        for bin in ["/usr/local/bin/pilot-agent", "meshagent"] {
+            assert_eq!(
+                subcommand_args(&argv(&[bin, "istio-iptables", "-p", "15001"])),
+                Some(argv(&["-p", "15001"]))
+            );
+        }
+        // Root logging flags before the subcommand travel with it.
+        assert_eq!(
+            subcommand_args(&argv(&[
+                "pilot-agent",
+                "--log_output_level",
+                "default:debug",
+                "istio-iptables",
+                "-n"
+            ])),
+            Some(argv(&["--log_output_level", "default:debug", "-n"]))
+        );
+        assert_eq!(
+            subcommand_args(&argv(&["pilot-agent", "proxy", "sidecar"])),
+            None
+        );
+        // A value that happens to be the subcommand's name is not the subcommand.
+        assert_eq!(
+            subcommand_args(&argv(&[
+                "pilot-agent",
+                "proxy",
+                "--domain",
+                "istio-iptables"
+            ])),
+            None
+        );
+        assert_eq!(subcommand_args(&argv(&["pilot-agent"])), None);
+    }
+}

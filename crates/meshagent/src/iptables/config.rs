@@ -1,0 +1,1054 @@
+//! `istio-iptables` flags and environment → a validated [`Config`].
+//!
+//! Istio binds every flag to the environment variable named after it (upper case, `-` → `_`,
+//! pkg/flag/flag.go `BindEnv`), then a few flags to additional names (`AdditionalEnv`), then
+//! cobra parses the command line. So the precedence is: flag > additional env > primary env >
+//! default. Values that cannot be set from the environment (`fs.Set` fails, e.g. an empty
+//! bool) are dropped as Istio drops them; the command line is strict: a bad flag is an error
+//! naming the flag and the value.
+
+use std::collections::HashMap;
+use std::net::IpAddr;
+use std::time::Duration;
+
+pub use crate::config::{EnvSource as Env, MapEnv, ProcessEnv};
+
+/// A bad flag or environment value.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum ConfigError {
+    /// A flag this command does not know.
+    #[error("unknown flag: {0}")]
+    UnknownFlag(String),
+    /// A flag that needs a value was last on the line.
+    #[error("flag needs an argument: {0}")]
+    MissingValue(String),
+    /// A positional argument (the command takes none).
+    #[error("unexpected argument {0:?}: istio-iptables takes flags only")]
+    UnexpectedArg(String),
+    /// A value that does not parse or is not allowed.
+    #[error("invalid value {value:?} for {source_name}: {reason}")]
+    Invalid {
+        /// `--flag` or `$ENV`.
+        source_name: String,
+        /// The offending value.
+        value: String,
+        /// What was expected.
+        reason: String,
+    },
+}
+
+/// How inbound connections reach Envoy.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize)]
+pub enum InterceptionMode {
+    /// NAT REDIRECT (the default; also what "" means).
+    #[default]
+    Redirect,
+    /// TPROXY in the mangle table, keeping the original source and destination.
+    Tproxy,
+}
+
+/// `--force-iptables-binary`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+pub enum ForcedBinary {
+    /// `iptables-legacy` / `ip6tables-legacy`.
+    Legacy,
+    /// `iptables-nft` / `ip6tables-nft`.
+    Nft,
+}
+
+/// The fully resolved configuration (Istio tools/istio-iptables/pkg/config `Config`).
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct Config {
+    pub proxy_port: u16,
+    pub inbound_capture_port: u16,
+    pub inbound_tunnel_port: u16,
+    pub proxy_uid: Vec<String>,
+    pub proxy_gid: Vec<String>,
+    pub mode: InterceptionMode,
+    /// `-b`: `None` = no inbound capture; `Some(vec![])` never occurs.
+    pub inbound_ports: PortSelection,
+    pub inbound_ports_exclude: Vec<u16>,
+    pub exclude_interfaces: Vec<String>,
+    /// `-i`.
+    pub outbound_cidrs_include: CidrSelection,
+    /// `-x`.
+    pub outbound_cidrs_exclude: Vec<Cidr>,
+    pub outbound_ports_include: Vec<u16>,
+    pub outbound_ports_exclude: Vec<u16>,
+    pub kube_virt_interfaces: Vec<String>,
+    pub tproxy_mark: u32,
+    pub tproxy_route_table: u32,
+    pub dry_run: bool,
+    pub probe_port: u16,
+    pub probe_timeout: Duration,
+    pub skip_rule_apply: bool,
+    pub run_validation: bool,
+    pub redirect_dns: bool,
+    pub drop_invalid: bool,
+    pub dual_stack: bool,
+    pub capture_all_dns: bool,
+    pub network_namespace: String,
+    pub cni_mode: bool,
+    pub reconcile: bool,
+    pub cleanup_only: bool,
+    pub force_apply: bool,
+    pub native_nftables: bool,
+    pub force_binary: Option<ForcedBinary>,
+    /// `ISTIO_OUTBOUND_IPV4_LOOPBACK_CIDR`.
+    pub loopback_cidr: Cidr,
+    /// Owner groups whose traffic is captured (`ISTIO_OUTBOUND_OWNER_GROUPS[_EXCLUDE]`).
+    pub owner_groups: OwnerGroups,
+    /// Filled by [`Config::detect`] (or set directly in tests): IPv6 rules are generated.
+    pub enable_ipv6: bool,
+    /// resolv.conf name servers, spelled as written there (Istio appends `/32` or `/128` to
+    /// the text): filled when DNS capture is on and not capture-all.
+    pub dns_servers_v4: Vec<String>,
+    pub dns_servers_v6: Vec<String>,
+    /// `DRY_RUN_FILE_PATH`: where `--dry-run` also writes what it would run.
+    pub dry_run_file: Option<String>,
+}
+
+/// Inbound ports to capture.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub enum PortSelection {
+    None,
+    All,
+    Ports(Vec<u16>),
+}
+
+/// Outbound CIDRs to capture.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub enum CidrSelection {
+    None,
+    All,
+    Cidrs(Vec<Cidr>),
+}
+
+/// Owner-group capture filter (Istio tools/istio-iptables/pkg/config `InterceptFilter`).
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub enum OwnerGroups {
+    /// Every group is captured (`*`, the default): no rule.
+    All,
+    /// Only these groups are captured.
+    Include(Vec<String>),
+    /// Every group except these is captured.
+    Exclude(Vec<String>),
+}
+
+/// A CIDR as Istio prints it (`netip.Prefix.String()`: masked address, `/len`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+pub struct Cidr {
+    pub addr: IpAddr,
+    pub len: u8,
+}
+
+impl Cidr {
+    /// Parses `a.b.c.d/n` or `x::y/n`. Like Go's `netip.ParsePrefix`, the address is kept
+    /// as written (not masked) and a bare address is rejected.
+    pub fn parse(s: &str) -> Option<Self> {
+        let (a, l) = s.split_once('/')?;
+        let addr: IpAddr = a.parse().ok()?;
+        if l.is_empty()
+            || !l.bytes().all(|b| b.is_ascii_digit())
+            || (l.len() > 1 && l.starts_with('0'))
+        {
+            return None;
+        }
+        let len: u8 = l.parse().ok()?;
+        let max = if addr.is_ipv4() { 32 } else { 128 };
+        (len <= max).then_some(Self { addr, len })
+    }
+
+    /// True for a v4 address.
+    pub fn is_v4(&self) -> bool {
+        self.addr.is_ipv4()
+    }
+
+    /// True for 127/8 or ::1 (Go `netip.Addr.IsLoopback`).
+    pub fn is_loopback(&self) -> bool {
+        self.addr.is_loopback()
+    }
+}
+
+impl std::fmt::Display for Cidr {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}/{}", self.addr, self.len)
+    }
+}
+
+impl Default for Config {
+    /// Istio's defaults with uid/gid 1337 (what `ENVOY_USER` resolves to in Istio's images).
+    fn default() -> Self {
+        Self {
+            proxy_port: 15001,
+            inbound_capture_port: 15006,
+            inbound_tunnel_port: 15008,
+            proxy_uid: vec!["1337".into()],
+            proxy_gid: vec!["1337".into()],
+            mode: InterceptionMode::Redirect,
+            inbound_ports: PortSelection::None,
+            inbound_ports_exclude: vec![],
+            exclude_interfaces: vec![],
+            outbound_cidrs_include: CidrSelection::None,
+            outbound_cidrs_exclude: vec![],
+            outbound_ports_include: vec![],
+            outbound_ports_exclude: vec![],
+            kube_virt_interfaces: vec![],
+            tproxy_mark: 1337,
+            tproxy_route_table: 133,
+            dry_run: false,
+            probe_port: 15002,
+            probe_timeout: Duration::from_secs(5),
+            skip_rule_apply: false,
+            run_validation: false,
+            redirect_dns: false,
+            drop_invalid: false,
+            dual_stack: false,
+            capture_all_dns: false,
+            network_namespace: String::new(),
+            cni_mode: false,
+            reconcile: false,
+            cleanup_only: false,
+            force_apply: false,
+            native_nftables: false,
+            force_binary: None,
+            loopback_cidr: Cidr {
+                addr: IpAddr::from([127, 0, 0, 1]),
+                len: 32,
+            },
+            owner_groups: OwnerGroups::All,
+            enable_ipv6: false,
+            dns_servers_v4: vec![],
+            dns_servers_v6: vec![],
+            dry_run_file: None,
+        }
+    }
+}
+
+/// How a flag takes its value.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    Str,
+    Bool,
+}
+
+/// One flag: long name, short letter, primary env (None = not bound), additional env names.
+struct Spec {
+    long: &'static str,
+    short: Option<char>,
+    kind: Kind,
+    env: Option<&'static str>,
+    extra_env: &'static [&'static str],
+}
+
+const fn s(long: &'static str, short: Option<char>, env: Option<&'static str>) -> Spec {
+    Spec {
+        long,
+        short,
+        kind: Kind::Str,
+        env,
+        extra_env: &[],
+    }
+}
+
+const fn b(long: &'static str, env: &'static str, extra_env: &'static [&'static str]) -> Spec {
+    Spec {
+        long,
+        short: None,
+        kind: Kind::Bool,
+        env: Some(env),
+        extra_env,
+    }
+}
+
+/// Every flag of Istio's `istio-iptables` (tools/istio-iptables/pkg/cmd/root.go
+/// `bindCmdlineFlags`), plus the root logging flags pilot-agent accepts on every subcommand.
+const SPECS: &[Spec] = &[
+    // `--envoy-port` is the one port flag without an env binding.
+    s("envoy-port", Some('p'), None),
+    s(
+        "inbound-capture-port",
+        Some('z'),
+        Some("INBOUND_CAPTURE_PORT"),
+    ),
+    s(
+        "inbound-tunnel-port",
+        Some('e'),
+        Some("INBOUND_TUNNEL_PORT"),
+    ),
+    s("proxy-uid", Some('u'), Some("PROXY_UID")),
+    s("proxy-gid", Some('g'), Some("PROXY_GID")),
+    s(
+        "istio-inbound-interception-mode",
+        Some('m'),
+        Some("ISTIO_INBOUND_INTERCEPTION_MODE"),
+    ),
+    s(
+        "istio-inbound-ports",
+        Some('b'),
+        Some("ISTIO_INBOUND_PORTS"),
+    ),
+    s(
+        "istio-local-exclude-ports",
+        Some('d'),
+        Some("ISTIO_LOCAL_EXCLUDE_PORTS"),
+    ),
+    s(
+        "istio-exclude-interfaces",
+        Some('c'),
+        Some("ISTIO_EXCLUDE_INTERFACES"),
+    ),
+    s("istio-service-cidr", Some('i'), Some("ISTIO_SERVICE_CIDR")),
+    s(
+        "istio-service-exclude-cidr",
+        Some('x'),
+        Some("ISTIO_SERVICE_EXCLUDE_CIDR"),
+    ),
+    s(
+        "istio-outbound-ports",
+        Some('q'),
+        Some("ISTIO_OUTBOUND_PORTS"),
+    ),
+    s(
+        "istio-local-outbound-ports-exclude",
+        Some('o'),
+        Some("ISTIO_LOCAL_OUTBOUND_PORTS_EXCLUDE"),
+    ),
+    s(
+        "kube-virt-interfaces",
+        Some('k'),
+        Some("KUBE_VIRT_INTERFACES"),
+    ),
+    s(
+        "istio-inbound-tproxy-mark",
+        Some('t'),
+        Some("ISTIO_INBOUND_TPROXY_MARK"),
+    ),
+    s(
+        "istio-inbound-tproxy-route-table",
+        Some('r'),
+        Some("ISTIO_INBOUND_TPROXY_ROUTE_TABLE"),
+    ),
+    Spec {
+        long: "dry-run",
+        short: Some('n'),
+        kind: Kind::Bool,
+        env: Some("DRY_RUN"),
+        extra_env: &[],
+    },
+    s("iptables-probe-port", None, Some("IPTABLES_PROBE_PORT")),
+    s("probe-timeout", None, Some("PROBE_TIMEOUT")),
+    b("skip-rule-apply", "SKIP_RULE_APPLY", &[]),
+    b("run-validation", "RUN_VALIDATION", &[]),
+    b("redirect-dns", "REDIRECT_DNS", &["ISTIO_META_DNS_CAPTURE"]),
+    b("drop-invalid", "DROP_INVALID", &["INVALID_DROP"]),
+    b("dual-stack", "DUAL_STACK", &["ISTIO_DUAL_STACK"]),
+    b("capture-all-dns", "CAPTURE_ALL_DNS", &[]),
+    s("network-namespace", None, Some("NETWORK_NAMESPACE")),
+    b("cni-mode", "CNI_MODE", &[]),
+    b("reconcile", "RECONCILE", &[]),
+    b("cleanup-only", "CLEANUP_ONLY", &[]),
+    b("force-apply", "FORCE_APPLY", &[]),
+    b("native-nftables", "NATIVE_NFTABLES", &[]),
+    s("force-iptables-binary", None, Some("FORCE_IPTABLES_BINARY")),
+    // Root (pilot-agent) logging flags: accepted here as on every subcommand.
+    s("log_output_level", None, None),
+    s("log_target", None, None),
+    s("log_caller", None, None),
+    s("log_stacktrace_level", None, None),
+    Spec {
+        long: "log_as_json",
+        short: None,
+        kind: Kind::Bool,
+        env: None,
+        extra_env: &[],
+    },
+];
+
+fn spec_long(name: &str) -> Option<&'static Spec> {
+    SPECS.iter().find(|s| s.long == name)
+}
+
+fn spec_short(c: char) -> Option<&'static Spec> {
+    SPECS.iter().find(|s| s.short == Some(c))
+}
+
+/// `istio-iptables --help`: every flag with its short letter and env names.
+pub fn usage() -> String {
+    let mut out = String::from(
+        "Set up iptables (or native nftables) rules for the Istio sidecar.\n\nUsage:\n  istio-iptables [flags]\n\nFlags:\n",
+    );
+    for s in SPECS {
+        let short = s
+            .short
+            .map_or_else(|| "    ".to_owned(), |c| format!("-{c}, "));
+        let value = if s.kind == Kind::Str { " string" } else { "" };
+        let mut envs: Vec<String> = s.env.iter().map(|e| format!("${e}")).collect();
+        envs.extend(s.extra_env.iter().map(|e| format!("${e}")));
+        let envs = if envs.is_empty() {
+            String::new()
+        } else {
+            format!("  (env {})", envs.join(", "))
+        };
+        out.push_str(&format!("  {short}--{}{value}{envs}\n", s.long));
+    }
+    out
+}
+
+/// Raw values by long flag name, with where each came from (for error messages).
+#[derive(Default, Debug)]
+pub struct RawValues {
+    values: HashMap<&'static str, (String, String)>,
+}
+
+impl RawValues {
+    fn get(&self, long: &str) -> Option<(&str, &str)> {
+        self.values
+            .get(long)
+            .map(|(v, src)| (v.as_str(), src.as_str()))
+    }
+
+    /// The `--log_*` flags seen on the command line (for the logging setup).
+    pub fn log_flag(&self, long: &str) -> Option<&str> {
+        self.get(long).map(|(v, _)| v)
+    }
+}
+
+/// Go `strconv.ParseBool`.
+fn go_bool(v: &str) -> Option<bool> {
+    crate::config::parse_go_bool(v)
+}
+
+/// Applies env then flags (Istio's precedence) and returns the raw values.
+pub fn collect(args: &[String], env: &dyn Env) -> Result<RawValues, ConfigError> {
+    let mut raw = RawValues::default();
+    // Primary env, then additional env: later wins.
+    for spec in SPECS {
+        let names = spec.env.into_iter().chain(spec.extra_env.iter().copied());
+        for name in names {
+            let Some(v) = env.get(name) else { continue };
+            // pflag `fs.Set` fails for a bool that does not parse; Istio ignores that error.
+            if spec.kind == Kind::Bool && go_bool(&v).is_none() {
+                tracing::warn!("ignoring ${name}={v:?}: not a boolean");
+                continue;
+            }
+            raw.values.insert(spec.long, (v, format!("${name}")));
+        }
+    }
+    // Command line (pflag syntax): --name=v, --name v, -x v, -xv, bool --name / --name=false.
+    let mut it = args.iter();
+    while let Some(arg) = it.next() {
+        if arg == "--" {
+            if let Some(extra) = it.next() {
+                return Err(ConfigError::UnexpectedArg(extra.clone()));
+            }
+            break;
+        }
+        let (spec, inline, shown) = if let Some(body) = arg.strip_prefix("--") {
+            let (name, inline) = match body.split_once('=') {
+                Some((n, v)) => (n, Some(v.to_owned())),
+                None => (body, None),
+            };
+            let spec =
+                spec_long(name).ok_or_else(|| ConfigError::UnknownFlag(format!("--{name}")))?;
+            (spec, inline, format!("--{name}"))
+        } else if let Some(body) = arg.strip_prefix('-').filter(|b| !b.is_empty()) {
+            let mut chars = body.chars();
+            let c = chars.next().unwrap_or('-');
+            let spec = spec_short(c).ok_or_else(|| ConfigError::UnknownFlag(format!("-{c}")))?;
+            let rest: String = chars.collect();
+            let inline = match rest.strip_prefix('=') {
+                Some(v) => Some(v.to_owned()),
+                None if rest.is_empty() => None,
+                None => Some(rest),
+            };
+            (spec, inline, format!("-{c} (--{})", spec.long))
+        } else {
+            return Err(ConfigError::UnexpectedArg(arg.clone()));
+        };
+        let value = match (spec.kind, inline) {
+            (Kind::Bool, None) => "true".to_owned(),
+            (Kind::Bool, Some(v)) => {
+                if go_bool(&v).is_none() {
+                    return Err(invalid(&shown, &v, "expected a boolean (true/false)"));
+                }
+                v
+            }
+            (Kind::Str, Some(v)) => v,
+            (Kind::Str, None) => it
+                .next()
+                .cloned()
+                .ok_or_else(|| ConfigError::MissingValue(shown.clone()))?,
+        };
+        raw.values
+            .insert(spec.long, (value, format!("--{}", spec.long)));
+    }
+    Ok(raw)
+}
+
+fn invalid(source: &str, value: &str, reason: &str) -> ConfigError {
+    ConfigError::Invalid {
+        source_name: source.to_owned(),
+        value: value.to_owned(),
+        reason: reason.to_owned(),
+    }
+}
+
+/// Istio tools/istio-iptables/pkg/config `Split`: comma list, blanks trimmed and dropped.
+pub fn split(s: &str) -> Vec<String> {
+    s.split(',')
+        .map(str::trim)
+        .filter(|p| !p.is_empty())
+        .map(str::to_owned)
+        .collect()
+}
+
+fn parse_port(src: &str, v: &str) -> Result<u16, ConfigError> {
+    let v = v.trim();
+    match v.parse::<u16>() {
+        Ok(p) if p > 0 && v.bytes().all(|b| b.is_ascii_digit()) => Ok(p),
+        _ => Err(invalid(src, v, "expected a port number 1-65535")),
+    }
+}
+
+fn parse_ports(src: &str, v: &str) -> Result<Vec<u16>, ConfigError> {
+    let mut out = Vec::new();
+    for p in split(v) {
+        if p == "*" {
+            return Err(invalid(
+                src,
+                v,
+                "\"*\" is only allowed in --istio-inbound-ports; expected a comma-separated list of ports",
+            ));
+        }
+        out.push(
+            parse_port(src, &p)
+                .map_err(|_| invalid(src, v, &format!("{p:?} is not a port number 1-65535")))?,
+        );
+    }
+    Ok(out)
+}
+
+fn parse_cidrs(src: &str, v: &str) -> Result<Vec<Cidr>, ConfigError> {
+    let mut out = Vec::new();
+    for c in split(v) {
+        if c == "*" {
+            return Err(invalid(
+                src,
+                v,
+                "\"*\" is not allowed here; expected a comma-separated list of CIDRs",
+            ));
+        }
+        out.push(Cidr::parse(&c).ok_or_else(|| {
+            invalid(
+                src,
+                v,
+                &format!("{c:?} is not a CIDR (address/prefix-length)"),
+            )
+        })?);
+    }
+    Ok(out)
+}
+
+fn parse_names(src: &str, v: &str, what: &str) -> Result<Vec<String>, ConfigError> {
+    let names = split(v);
+    for n in &names {
+        if n == "*"
+            || n.chars()
+                .any(|c| c.is_whitespace() || c.is_control() || c == '"')
+        {
+            return Err(invalid(src, v, &format!("{n:?} is not a valid {what}")));
+        }
+    }
+    Ok(names)
+}
+
+fn parse_u32(src: &str, v: &str) -> Result<u32, ConfigError> {
+    v.trim()
+        .parse::<u32>()
+        .map_err(|_| invalid(src, v, "expected a non-negative integer"))
+}
+
+/// Go `time.ParseDuration`.
+pub fn parse_go_duration(v: &str) -> Option<Duration> {
+    crate::config::parse_go_duration(v.trim())
+}
+
+impl Config {
+    /// Parses the arguments after `istio-iptables` with `env`; does not touch the system.
+    /// `enable_ipv6` and the DNS servers stay empty: see [`Config::detect`].
+    pub fn from_args(args: &[String], env: &dyn Env) -> Result<Self, ConfigError> {
+        let raw = collect(args, env)?;
+        Self::from_raw(&raw, env)
+    }
+
+    /// Builds the typed config from raw values.
+    pub fn from_raw(raw: &RawValues, env: &dyn Env) -> Result<Self, ConfigError> {
+        let mut c = Config::default();
+        let get = |k: &str| raw.get(k);
+        let boolean = |k: &str| get(k).and_then(|(v, _)| go_bool(v)).unwrap_or(false);
+        if let Some((v, src)) = get("envoy-port") {
+            c.proxy_port = parse_port(src, v)?;
+        }
+        if let Some((v, src)) = get("inbound-capture-port") {
+            c.inbound_capture_port = parse_port(src, v)?;
+        }
+        if let Some((v, src)) = get("inbound-tunnel-port") {
+            c.inbound_tunnel_port = parse_port(src, v)?;
+        }
+        // Istio cmd `constructConfig`: an empty uid means the uid of ENVOY_USER, else 1337;
+        // an empty gid means the uid list.
+        let uid = get("proxy-uid").filter(|(v, _)| !v.trim().is_empty());
+        c.proxy_uid = match uid {
+            Some((v, src)) => parse_names(src, v, "user id")?,
+            None => vec![envoy_user_uid(env)],
+        };
+        let gid = get("proxy-gid").filter(|(v, _)| !v.trim().is_empty());
+        c.proxy_gid = match gid {
+            Some((v, src)) => parse_names(src, v, "group id")?,
+            None => c.proxy_uid.clone(),
+        };
+        if let Some((v, src)) = get("istio-inbound-interception-mode") {
+            c.mode = match v.trim() {
+                "" | "REDIRECT" => InterceptionMode::Redirect,
+                "TPROXY" => InterceptionMode::Tproxy,
+                _ => return Err(invalid(src, v, "expected REDIRECT or TPROXY")),
+            };
+        }
+        if let Some((v, src)) = get("istio-inbound-ports") {
+            c.inbound_ports = match v.trim() {
+                "" => PortSelection::None,
+                "*" => PortSelection::All,
+                _ => PortSelection::Ports(parse_ports(src, v).map_err(|_| {
+                    invalid(src, v, "expected \"*\" or a comma-separated list of ports")
+                })?),
+            };
+        }
+        if let Some((v, src)) = get("istio-local-exclude-ports") {
+            c.inbound_ports_exclude = parse_ports(src, v)?;
+        }
+        if let Some((v, src)) = get("istio-exclude-interfaces") {
+            c.exclude_interfaces = parse_names(src, v, "interface name")?;
+        }
+        if let Some((v, src)) = get("istio-service-cidr") {
+            c.outbound_cidrs_include = match v.trim() {
+                "" => CidrSelection::None,
+                "*" => CidrSelection::All,
+                _ => {
+                    let cidrs = parse_cidrs(src, v)?;
+                    if cidrs.is_empty() {
+                        CidrSelection::None
+                    } else {
+                        CidrSelection::Cidrs(cidrs)
+                    }
+                }
+            };
+        }
+        if let Some((v, src)) = get("istio-service-exclude-cidr") {
+            // Istio capture/run.go `Run`: "invalid value for OUTBOUND_IP_RANGES_EXCLUDE" on `*`.
+            c.outbound_cidrs_exclude = parse_cidrs(src, v)?;
+        }
+        if let Some((v, src)) = get("istio-outbound-ports") {
+            c.outbound_ports_include = parse_ports(src, v)?;
+        }
+        if let Some((v, src)) = get("istio-local-outbound-ports-exclude") {
+            c.outbound_ports_exclude = parse_ports(src, v)?;
+        }
+        if let Some((v, src)) = get("kube-virt-interfaces") {
+            c.kube_virt_interfaces = parse_names(src, v, "interface name")?;
+        }
+        if let Some((v, src)) = get("istio-inbound-tproxy-mark") {
+            c.tproxy_mark = parse_u32(src, v)?;
+        }
+        if let Some((v, src)) = get("istio-inbound-tproxy-route-table") {
+            c.tproxy_route_table = parse_u32(src, v)?;
+        }
+        if let Some((v, src)) = get("iptables-probe-port") {
+            c.probe_port = parse_port(src, v)?;
+        }
+        if let Some((v, src)) = get("probe-timeout") {
+            c.probe_timeout = parse_go_duration(v)
+                .ok_or_else(|| invalid(src, v, "expected a duration such as 5s or 500ms"))?;
+        }
+        if let Some((v, src)) = get("force-iptables-binary") {
+            // Istio dependencies: "iptables binary unsupported: X, supported values are
+            // 'legacy' or 'nft'".
+            c.force_binary = match v.trim() {
+                "" => None,
+                "legacy" => Some(ForcedBinary::Legacy),
+                "nft" => Some(ForcedBinary::Nft),
+                _ => {
+                    return Err(invalid(
+                        src,
+                        v,
+                        "iptables binary unsupported, supported values are 'legacy' or 'nft'",
+                    ));
+                }
+            };
+        }
+        if let Some((v, _)) = get("network-namespace") {
+            c.network_namespace = v.to_owned();
+        }
+        c.dry_run = boolean("dry-run");
+        c.skip_rule_apply = boolean("skip-rule-apply");
+        c.run_validation = boolean("run-validation");
+        c.redirect_dns = boolean("redirect-dns");
+        c.drop_invalid = boolean("drop-invalid");
+        c.dual_stack = boolean("dual-stack");
+        c.capture_all_dns = boolean("capture-all-dns");
+        c.cni_mode = boolean("cni-mode");
+        c.reconcile = boolean("reconcile");
+        c.cleanup_only = boolean("cleanup-only");
+        c.force_apply = boolean("force-apply");
+        c.native_nftables = boolean("native-nftables");
+
+        // Env-only settings (Istio tools/istio-iptables/pkg/constants + config `Validate`).
+        if let Some(v) = env.get("ISTIO_OUTBOUND_IPV4_LOOPBACK_CIDR") {
+            let src = "$ISTIO_OUTBOUND_IPV4_LOOPBACK_CIDR";
+            let cidr =
+                Cidr::parse(v.trim()).ok_or_else(|| invalid(src, &v, "expected an IPv4 CIDR"))?;
+            let ok = matches!(cidr.addr, IpAddr::V4(a) if a.octets()[0] == 127) && cidr.len >= 8;
+            if !ok {
+                return Err(invalid(
+                    src,
+                    &v,
+                    "expected an IPv4 loopback CIDR within 127.0.0.0/8 with a prefix length of at least 8",
+                ));
+            }
+            c.loopback_cidr = cidr;
+        }
+        let include = env
+            .get("ISTIO_OUTBOUND_OWNER_GROUPS")
+            .unwrap_or_else(|| "*".into());
+        let exclude = env
+            .get("ISTIO_OUTBOUND_OWNER_GROUPS_EXCLUDE")
+            .unwrap_or_default();
+        c.owner_groups = owner_groups(&include, &exclude)?;
+        c.dry_run_file = env.get("DRY_RUN_FILE_PATH").filter(|p| !p.is_empty());
+        Ok(c)
+    }
+
+    /// The system facts Istio's `constructConfig` gathers: IPv6 from the first non-loopback
+    /// interface address, DNS servers from resolv.conf when DNS capture needs them.
+    pub fn detect(&mut self, resolv_conf: &str) -> Result<(), DetectError> {
+        self.enable_ipv6 = detect_ipv6(self.dual_stack)?;
+        if self.redirect_dns && !self.capture_all_dns {
+            let text =
+                std::fs::read_to_string(resolv_conf).map_err(|e| DetectError::ResolvConf {
+                    path: resolv_conf.to_owned(),
+                    error: e,
+                })?;
+            let (v4, v6) = resolv_conf_servers(&text);
+            self.dns_servers_v4 = v4;
+            self.dns_servers_v6 = v6;
+        }
+        Ok(())
+    }
+}
+
+/// A failure to gather system facts.
+#[derive(Debug, thiserror::Error)]
+pub enum DetectError {
+    #[error("cannot list interface addresses: {0}")]
+    Addresses(nix::Error),
+    #[error("no valid local IP address found (needed to decide between IPv4 and IPv6 rules)")]
+    NoAddress,
+    #[error("failed to load {path}: {error}")]
+    ResolvConf { path: String, error: std::io::Error },
+}
+
+/// Istio cmd `getLocalIP`: the first address that is not loopback or link-local decides;
+/// with dual stack, any IPv6 address among them enables IPv6.
+fn detect_ipv6(dual_stack: bool) -> Result<bool, DetectError> {
+    let addrs = nix::ifaddrs::getifaddrs().map_err(DetectError::Addresses)?;
+    let mut found = false;
+    for ifa in addrs {
+        let Some(addr) = ifa.address else { continue };
+        let ip: IpAddr = if let Some(a) = addr.as_sockaddr_in() {
+            IpAddr::V4(a.ip())
+        } else if let Some(a) = addr.as_sockaddr_in6() {
+            let ip = a.ip();
+            match ip.to_ipv4_mapped() {
+                Some(v4) => IpAddr::V4(v4),
+                None => IpAddr::V6(ip),
+            }
+        } else {
+            continue;
+        };
+        let link_local = match ip {
+            IpAddr::V4(a) => a.is_link_local(),
+            IpAddr::V6(a) => (a.segments()[0] & 0xffc0) == 0xfe80,
+        };
+        let ll_multicast = match ip {
+            IpAddr::V4(a) => a.octets()[0] == 224 && a.octets()[1] == 0 && a.octets()[2] == 0,
+            IpAddr::V6(a) => (a.segments()[0] & 0xff0f) == 0xff02,
+        };
+        if ip.is_loopback() || link_local || ll_multicast {
+            continue;
+        }
+        found = true;
+        if !dual_stack || ip.is_ipv6() {
+            return Ok(ip.is_ipv6());
+        }
+    }
+    if found {
+        Ok(false)
+    } else {
+        Err(DetectError::NoAddress)
+    }
+}
+
+/// `nameserver` lines of resolv.conf, split into v4 and v6 (Istio uses miekg/dns
+/// `ClientConfigFromFile`, then `IPsSplitV4V6`).
+pub fn resolv_conf_servers(text: &str) -> (Vec<String>, Vec<String>) {
+    let mut v4 = Vec::new();
+    let mut v6 = Vec::new();
+    for line in text.lines() {
+        let mut f = line.split_whitespace();
+        if f.next() != Some("nameserver") {
+            continue;
+        }
+        // A zone suffix (fe80::1%eth0) is not part of the address.
+        let Some(addr) = f.next().map(|a| a.split('%').next().unwrap_or(a)) else {
+            continue;
+        };
+        match addr.parse::<IpAddr>() {
+            Ok(IpAddr::V4(_)) => v4.push(addr.to_owned()),
+            Ok(IpAddr::V6(ip)) => match ip.to_ipv4_mapped() {
+                Some(m) => v4.push(m.to_string()),
+                None => v6.push(addr.to_owned()),
+            },
+            Err(_) => tracing::warn!("ignoring unparseable nameserver {addr:?} in resolv.conf"),
+        }
+    }
+    (v4, v6)
+}
+
+/// uid of `ENVOY_USER` (default `istio-proxy`), else Istio's default 1337.
+fn envoy_user_uid(env: &dyn Env) -> String {
+    let name = env
+        .get("ENVOY_USER")
+        .unwrap_or_else(|| "istio-proxy".into());
+    match nix::unistd::User::from_name(&name) {
+        Ok(Some(u)) => u.uid.to_string(),
+        _ => "1337".into(),
+    }
+}
+
+/// Istio config `ParseInterceptFilter` + `ValidateOwnerGroups`: `*` (or empty) include means
+/// all; an exclude list wins over the default include; both set is an error; at most 64.
+pub fn owner_groups(include: &str, exclude: &str) -> Result<OwnerGroups, ConfigError> {
+    let inc = include.trim();
+    let exc = split(exclude);
+    let all = inc.is_empty() || inc == "*";
+    if !all && !exc.is_empty() {
+        return Err(invalid(
+            "$ISTIO_OUTBOUND_OWNER_GROUPS",
+            include,
+            "only one of ISTIO_OUTBOUND_OWNER_GROUPS and ISTIO_OUTBOUND_OWNER_GROUPS_EXCLUDE may be set",
+        ));
+    }
+    let (list, src, raw) = if all {
+        (exc, "$ISTIO_OUTBOUND_OWNER_GROUPS_EXCLUDE", exclude)
+    } else {
+        (split(inc), "$ISTIO_OUTBOUND_OWNER_GROUPS", include)
+    };
+    if list.len() > 64 {
+        return Err(invalid(src, raw, "at most 64 owner groups are supported"));
+    }
+    for g in &list {
+        if g == "*" || g.chars().any(|c| c.is_whitespace() || c.is_control()) {
+            return Err(invalid(
+                src,
+                raw,
+                &format!("{g:?} is not a group name or id"),
+            ));
+        }
+    }
+    Ok(if list.is_empty() {
+        OwnerGroups::All
+    } else if all {
+        OwnerGroups::Exclude(list)
+    } else {
+        OwnerGroups::Include(list)
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn env(pairs: &[(&str, &str)]) -> MapEnv {
+        MapEnv::from_pairs(pairs.iter().copied())
+    }
+
+    fn args(a: &[&str]) -> Vec<String> {
+        a.iter().map(|s| (*s).to_owned()).collect()
+    }
+
+    #[test]
+    fn injected_default_args() {
+        // The injector's istio-init args (injection-template.yaml).
+        let c = Config::from_args(
+            &args(&[
+                "-p",
+                "15001",
+                "-z",
+                "15006",
+                "-u",
+                "1337",
+                "-m",
+                "REDIRECT",
+                "-i",
+                "*",
+                "-x",
+                "",
+                "-b",
+                "*",
+                "-d",
+                "15090,15021,15020",
+                "--log_output_level=default:info",
+            ]),
+            &env(&[]),
+        )
+        .unwrap();
+        assert_eq!(c.inbound_ports, PortSelection::All);
+        assert_eq!(c.inbound_ports_exclude, vec![15090, 15021, 15020]);
+        assert_eq!(c.outbound_cidrs_include, CidrSelection::All);
+        assert_eq!(c.proxy_gid, vec!["1337"]);
+    }
+
+    #[test]
+    fn precedence_flag_over_additional_over_primary() {
+        let e = env(&[
+            ("REDIRECT_DNS", "false"),
+            ("ISTIO_META_DNS_CAPTURE", "true"),
+        ]);
+        assert!(Config::from_args(&[], &e).unwrap().redirect_dns);
+        assert!(
+            !Config::from_args(&args(&["--redirect-dns=false"]), &e)
+                .unwrap()
+                .redirect_dns
+        );
+        let e = env(&[("DROP_INVALID", "true"), ("INVALID_DROP", "false")]);
+        assert!(!Config::from_args(&[], &e).unwrap().drop_invalid);
+        let e = env(&[("DUAL_STACK", "false"), ("ISTIO_DUAL_STACK", "1")]);
+        assert!(Config::from_args(&[], &e).unwrap().dual_stack);
+        // An unparseable bool in env is dropped (pflag Set error ignored), not an error.
+        let e = env(&[("REDIRECT_DNS", "true"), ("ISTIO_META_DNS_CAPTURE", "")]);
+        assert!(Config::from_args(&[], &e).unwrap().redirect_dns);
+        // Primary env for string flags; envoy-port has none.
+        let e = env(&[("ISTIO_INBOUND_PORTS", "80,81"), ("ENVOY_PORT", "1")]);
+        let c = Config::from_args(&[], &e).unwrap();
+        assert_eq!(c.inbound_ports, PortSelection::Ports(vec![80, 81]));
+        assert_eq!(c.proxy_port, 15001);
+        let c = Config::from_args(&args(&["-b", "9"]), &e).unwrap();
+        assert_eq!(c.inbound_ports, PortSelection::Ports(vec![9]));
+    }
+
+    #[test]
+    fn flag_syntaxes() {
+        let c = Config::from_args(
+            &args(&[
+                "-p15002",
+                "--inbound-capture-port=15007",
+                "-e",
+                "15009",
+                "-n",
+                "--reconcile",
+            ]),
+            &env(&[]),
+        )
+        .unwrap();
+        assert_eq!(
+            (c.proxy_port, c.inbound_capture_port, c.inbound_tunnel_port),
+            (15002, 15007, 15009)
+        );
+        assert!(c.dry_run && c.reconcile);
+    }
+
+    #[test]
+    fn bad_flags_name_flag_and_value() {
+        let cases: &[(&[&str], &str, &str)] = &[
+            (
+                &["-x", "10.0.0.0/8,*"],
+                "--istio-service-exclude-cidr",
+                "10.0.0.0/8,*",
+            ),
+            (&["-p", "abc"], "--envoy-port", "abc"),
+            (
+                &["-o", "80,http"],
+                "--istio-local-outbound-ports-exclude",
+                "80,http",
+            ),
+            (&["-m", "NONE"], "--istio-inbound-interception-mode", "NONE"),
+            (
+                &["--force-iptables-binary", "iptables"],
+                "--force-iptables-binary",
+                "iptables",
+            ),
+            (&["-b", "80,x"], "--istio-inbound-ports", "80,x"),
+            (&["-d", "*"], "--istio-local-exclude-ports", "*"),
+            (&["-i", "10.0.0.1"], "--istio-service-cidr", "10.0.0.1"),
+            (&["--probe-timeout", "5"], "--probe-timeout", "5"),
+            (&["--redirect-dns=maybe"], "--redirect-dns", "maybe"),
+        ];
+        for (a, flag, value) in cases {
+            let err = Config::from_args(&args(a), &env(&[]))
+                .unwrap_err()
+                .to_string();
+            assert!(err.contains(flag) && err.contains(value), "{a:?}: {err}");
+        }
+        let err = Config::from_args(&args(&["--bogus"]), &env(&[]))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("--bogus"), "{err}");
+        let err = Config::from_args(&[], &env(&[("ISTIO_INBOUND_INTERCEPTION_MODE", "X")]))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("$ISTIO_INBOUND_INTERCEPTION_MODE") && err.contains("\"X\""),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn owner_group_filters() {
+        assert_eq!(owner_groups("*", "").unwrap(), OwnerGroups::All);
+        assert_eq!(
+            owner_groups("java,202", "").unwrap(),
+            OwnerGroups::Include(vec!["java".into(), "202".into()])
+        );
+        assert_eq!(
+            owner_groups("*", "888").unwrap(),
+            OwnerGroups::Exclude(vec!["888".into()])
+        );
+        assert!(owner_groups("java", "888").is_err());
+    }
+
+    #[test]
+    fn loopback_cidr_validation() {
+        let e = env(&[("ISTIO_OUTBOUND_IPV4_LOOPBACK_CIDR", "127.0.0.1/8")]);
+        assert_eq!(
+            Config::from_args(&[], &e)
+                .unwrap()
+                .loopback_cidr
+                .to_string(),
+            "127.0.0.1/8"
+        );
+        let e = env(&[("ISTIO_OUTBOUND_IPV4_LOOPBACK_CIDR", "10.0.0.0/8")]);
+        assert!(Config::from_args(&[], &e).is_err());
+    }
+
+    #[test]
+    fn durations_and_resolv_conf() {
+        assert_eq!(parse_go_duration("5s"), Some(Duration::from_secs(5)));
+        assert_eq!(parse_go_duration("1m30s"), Some(Duration::from_secs(90)));
+        assert_eq!(parse_go_duration("250ms"), Some(Duration::from_millis(250)));
+        assert_eq!(parse_go_duration("5"), None);
+        let (v4, v6) =
+            resolv_conf_servers("# x\nnameserver 10.96.0.10\nsearch a\nnameserver fd00::10\n");
+        assert_eq!(v4, vec!["10.96.0.10"]);
+        assert_eq!(v6, vec!["fd00::10"]);
+    }
+}
