@@ -1,6 +1,6 @@
 //! The Istio CA: `istio.v1.auth.IstioCertificateService/CreateCertificate`.
 //!
-//! Mirrors istiod's Citadel signer as the agent sees it (spec §4.5, §4.6): the caller is
+//! Mirrors istiod's Citadel signer as the agent sees it (`security/pkg/server/ca/server.go` `CreateCertificate`): the caller is
 //! authenticated by its projected token, the CSR contributes only its public key, and the leaf
 //! carries exactly one critical URI SAN `spiffe://<trust domain>/ns/<ns>/sa/<sa>` with an empty
 //! subject. The chain comes back as one PEM per element, leaf first, root last.

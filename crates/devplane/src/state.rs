@@ -35,7 +35,7 @@ const SERVING_VALIDITY: Duration = Duration::from_secs(365 * 24 * 3600);
 const SERVING_RENEW_BEFORE: Duration = Duration::from_secs(30 * 24 * 3600);
 
 /// The names the agent may use for istiod: ServerName defaults to `istiod.istio-system.svc`
-/// (also for `localhost*` CA_ADDR, spec §4.6), and tests dial 127.0.0.1 / ::1 directly.
+/// (also for `localhost*` CA_ADDR, as Istio's CA client does, `security/pkg/nodeagent/caclient/providers/citadel/client.go`), and tests dial 127.0.0.1 / ::1 directly.
 const SERVING_DNS_NAMES: &[&str] = &[
     "istiod.istio-system.svc",
     "istiod.istio-system.svc.cluster.local",

@@ -1,4 +1,4 @@
-//! Merged-metrics benchmark (issue 6, field lessons F18): one scrape merging a 100,000-line
+//! Merged-metrics benchmark (large application metrics, as in the field): one scrape merging a 100,000-line
 //! Envoy stats body and a 1 MiB application body, both served by local HTTP servers. Reports
 //! scrape latency and the process's peak RSS increase during the scrape (VmHWM, reset through
 //! `/proc/self/clear_refs` before each scrape). Goal: ≤ 2 MiB extra.

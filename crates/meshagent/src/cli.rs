@@ -1,4 +1,4 @@
-//! Command line, compatible with `pilot-agent` (spec §1).
+//! Command line, compatible with `pilot-agent` (Istio `pilot/cmd/pilot-agent/app/cmd.go`).
 //!
 //! Unknown flags are dropped before clap sees them, as cobra's
 //! `FParseErrWhitelist{UnknownFlags: true}` does, because injection templates
@@ -32,7 +32,7 @@ fn parse_bool(s: &str) -> Result<bool, String> {
     crate::config::parse_go_bool(s).ok_or_else(|| format!("{s:?} is not a boolean"))
 }
 
-/// Root logging flags (spec §1.1).
+/// Root logging flags (Istio `pkg/log/options.go`).
 #[derive(Debug, Clone, Args)]
 pub struct LogArgs {
     /// Comma-separated `scope:level` list; levels debug, info, warn, error, fatal, none.
@@ -94,7 +94,7 @@ pub enum Command {
     Request(RequestArgs),
 }
 
-/// `wait` flags (spec §1.3).
+/// `wait` flags (Istio `pilot/cmd/pilot-agent/app/wait.go`).
 #[derive(Debug, Clone, Args)]
 pub struct WaitArgs {
     /// URL to poll until it returns 200.
@@ -111,7 +111,7 @@ pub struct WaitArgs {
     pub period_millis: u64,
 }
 
-/// `request <method> <path> [<body>]` (spec §1.4).
+/// `request <method> <path> [<body>]` (Istio `pilot/cmd/pilot-agent/app/request.go`).
 #[derive(Debug, Clone, Args)]
 pub struct RequestArgs {
     /// HTTP method, e.g. GET or POST.
@@ -125,7 +125,7 @@ pub struct RequestArgs {
     pub debug_port: i32,
 }
 
-/// `proxy [TYPE]` flags (spec §1.2).
+/// `proxy [TYPE]` flags (Istio `pilot/cmd/pilot-agent/app/cmd.go`, `options/`).
 #[derive(Debug, Clone, Args)]
 pub struct ProxyArgs {
     /// sidecar, router, waypoint, ztunnel or agentgateway.
@@ -204,7 +204,7 @@ impl ProxyArgs {
     }
 }
 
-/// `version` flags (spec §1.5).
+/// `version` flags (Istio `pkg/version/cobra.go`).
 #[derive(Debug, Clone, Args)]
 pub struct VersionArgs {
     /// Print just the version number.

@@ -118,7 +118,7 @@ fn prov_cert(cfg: &Config) -> Option<ClientCert> {
     })
 }
 
-/// The CA endpoint (spec §4.6): plaintext when `CA_ADDR` ends in `:15010`; roots from
+/// The CA endpoint (Istio `security/pkg/nodeagent/caclient/providers/citadel/client.go`): plaintext when `CA_ADDR` ends in `:15010`; roots from
 /// `CA_ROOT_CA` | `SYSTEM` | `./etc/certs/root-cert.pem` (PILOT_CERT_PROVIDER=custom) |
 /// `<PROV_CERT>/root-cert.pem` | the istiod root; `ISTIOD_SAN` only when `CA_ADDR` defaulted.
 pub fn ca_target(cfg: &Config) -> Result<Target, DialError> {
@@ -156,7 +156,7 @@ pub fn ca_target(cfg: &Config) -> Result<Target, DialError> {
     })
 }
 
-/// The xDS endpoint (spec §5.4): plaintext when `controlPlaneAuthPolicy` is `NONE`; roots from
+/// The xDS endpoint (Istio `pkg/istio-agent/xds_proxy.go` `buildUpstreamClientDialOpts`): plaintext when `controlPlaneAuthPolicy` is `NONE`; roots from
 /// `XDS_ROOT_CA` (`SYSTEM` or a path) | `./etc/certs/root-cert.pem` if it exists |
 /// `<PROV_CERT>/root-cert.pem` | file-mounted `TLS_CLIENT_ROOT_CERT` | the istiod root;
 /// `ISTIOD_SAN` always wins for the server name.

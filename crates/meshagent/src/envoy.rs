@@ -1,4 +1,4 @@
-//! Runs and supervises Envoy, and drains it on shutdown (spec §6.4, §6.5).
+//! Runs and supervises Envoy, and drains it on shutdown (Istio `pkg/envoy/proxy.go`, `pkg/envoy/agent.go`).
 //!
 //! One task owns the Envoy child ([`Envoy::supervise`]). It ends when Envoy exits on its own
 //! (the agent then exits with Envoy's status) or when the shutdown token fires, in which case it

@@ -1,6 +1,6 @@
 //! Workload identity: keys and CSRs, the Istio CA client, the secret cache with rotation,
 //! file-mounted certificates, OUTPUT_CERTS, and the SDS server Envoy gets them from
-//! (spec §4; field lessons §2.2–2.4).
+//! (Istio `pkg/istio-agent/agent.go`, `security/pkg/nodeagent`).
 //!
 //! # Wiring
 //!
@@ -10,13 +10,13 @@
 //! // readiness: `not_ready` is Some(reason) until the first certificate, and again once the
 //! // certificate has expired while the CA keeps failing.
 //! let mut status = identity.status();
-//! // PCDS `caCertificatesPem` from the xDS proxy: merged into ROOTCA (spec §4.4).
+//! // PCDS `caCertificatesPem` from the xDS proxy: merged into ROOTCA.
 //! identity.set_trust_anchors(vec![pem]);
 //! // shutdown: cancel the token, then
 //! identity.stopped().await;
 //! ```
 //!
-//! [`start`] picks the mode as Istio's `initSdsServer` does (spec §4.1):
+//! [`start`] picks the mode as Istio's `initSdsServer` does (`pkg/istio-agent/agent.go`):
 //! * a healthy external socket at `./var/run/secrets/workload-spiffe-uds/<WORKLOAD_IDENTITY_SOCKET_FILE>`
 //!   → no CA client; file certificates only, on `./var/run/secrets/credential-uds/files-socket`
 //!   (an unhealthy one is removed);
@@ -68,7 +68,7 @@ impl TrustAnchors {
     }
 }
 
-/// The external SDS socket directory (spec §3.1).
+/// The external SDS socket directory (Istio `pkg/security/security.go` `WorkloadIdentityPath`).
 pub const WORKLOAD_SPIFFE_UDS_DIR: &str = "var/run/secrets/workload-spiffe-uds";
 /// Mounted workload credentials that switch to file-mounted mode when all three exist.
 pub const WORKLOAD_SPIFFE_CREDENTIALS_DIR: &str = "var/run/secrets/workload-spiffe-credentials";

@@ -1,4 +1,4 @@
-//! Logging set up from Istio's root logging flags (spec §1.1).
+//! Logging set up from Istio's root logging flags (Istio `pkg/log/options.go`).
 
 use std::fs::{File, OpenOptions};
 use std::io::{self, Write};

@@ -1,4 +1,4 @@
-//! `pilot-agent request <method> <path> [<body>]` (spec §1.4): an HTTP request to a local
+//! `pilot-agent request <method> <path> [<body>]` (Istio `pilot/cmd/pilot-agent/app/request.go`): an HTTP request to a local
 //! debug port; the body is streamed to the output verbatim (istioctl parses it), so a
 //! config dump of any size passes through in bounded memory. A body cut short is an error
 //! (exit 1), not a silently shorter dump.

@@ -1,4 +1,4 @@
-//! `pilot-agent wait`: poll a URL until it answers 200 (spec §1.3).
+//! `pilot-agent wait`: poll a URL until it answers 200 (Istio `pilot/cmd/pilot-agent/app/wait.go`).
 
 use std::net::SocketAddr;
 use std::time::Duration;

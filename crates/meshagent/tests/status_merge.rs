@@ -1,4 +1,4 @@
-//! Merged metrics on the status port (spec §7.3) against a real Envoy and real HTTP metrics
+//! Merged metrics on the status port (Istio `status/server.go` `handleStats`) against a real Envoy and real HTTP metrics
 //! endpoints: the output is parsed back with a strict exposition-format parser (every family
 //! once and contiguous, every series once, `# EOF` last for OpenMetrics), and failing
 //! application targets (down, slow past the scrape timeout, over the 10 MiB cap) leave the

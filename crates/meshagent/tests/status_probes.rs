@@ -1,4 +1,4 @@
-//! Application probe rewriting (spec §7.4) with `meshagent proxy` run as a pod runs it
+//! Application probe rewriting (Istio `status/server.go` `handleAppProbe`) with `meshagent proxy` run as a pod runs it
 //! (`DISABLE_ENVOY=true`, so only the status server works): real HTTP(S) servers
 //! (`python3 -m http.server`), a real TCP listener and grpcio's gRPC health server, each
 //! healthy and unhealthy; unknown probe paths; and startup validation of

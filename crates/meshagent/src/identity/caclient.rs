@@ -1,4 +1,4 @@
-//! Istio CA client: `istio.v1.auth.IstioCertificateService/CreateCertificate` (spec §4.6).
+//! Istio CA client: `istio.v1.auth.IstioCertificateService/CreateCertificate` (Istio `security/pkg/nodeagent/caclient/providers/citadel/client.go`).
 //!
 //! Dialing (roots, server name, `PROV_CERT` client cert, plaintext on `:15010`) and per-call
 //! metadata (`ClusterID`, `CA_HEADER_*`, the token re-read on every call) come from

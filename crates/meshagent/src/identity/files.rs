@@ -1,5 +1,5 @@
 //! File-backed secrets: `file-cert:<cert>~<key>`, `file-root:<path>`, `file-root:system`, and
-//! `default`/`ROOTCA` in file-mounted mode (spec §4.3, §4.4 step 1).
+//! `default`/`ROOTCA` in file-mounted mode (Istio `security/pkg/nodeagent/cache/secretcache.go` `generateFileSecret`).
 //!
 //! Watching: Kubernetes' atomic writer never modifies the files we are given — it writes a new
 //! `..<timestamp>` directory, renames a `..data_tmp` symlink over `..data`, then deletes the

@@ -1,4 +1,4 @@
-//! Workload keys and CSRs (spec §4.5).
+//! Workload keys and CSRs (Istio `security/pkg/pki/util/generate_csr.go`).
 //!
 //! Keys are generated with aws-lc (through rcgen) and exported in the PEM type Istio writes:
 //! PKCS#1 `RSA PRIVATE KEY`, SEC1 `EC PRIVATE KEY` (with the curve parameters, as Go's

@@ -1,4 +1,4 @@
-//! The secret manager: one task that owns the workload certificate (spec §4.4, §4.7).
+//! The secret manager: one task that owns the workload certificate (Istio `security/pkg/nodeagent/cache/secretcache.go`).
 //!
 //! Loop: take a pre-generated key → CSR → CA → publish `default` and `ROOTCA` → sleep until the
 //! jittered rotation point → repeat. On failure the last valid certificate stays published and
@@ -54,7 +54,7 @@ impl Clock {
     }
 }
 
-/// When to rotate (spec §4.7): `ratio' = ratio ± u·jitter` (sign from `positive`), clamped to
+/// When to rotate (Istio `secretcache.go` `rotateTime`): `ratio' = ratio ± u·jitter` (sign from `positive`), clamped to
 /// [0,1]; rotate when `ratio'` of the lifetime remains. `u` is in [0,1).
 pub fn rotation_delay(
     created: SystemTime,
@@ -185,7 +185,7 @@ fn spawn_first_key(spec: KeySpec) -> KeyJob {
     })
 }
 
-/// Trust-bundle merge (spec §4.4): the set of PEM certificates from all bundles, deduplicated,
+/// Trust-bundle merge (Istio `secretcache.go` `mergeTrustAnchorBytes`): the set of PEM certificates from all bundles, deduplicated,
 /// sorted, concatenated.
 pub fn merge_roots<'a>(bundles: impl IntoIterator<Item = &'a str>) -> String {
     let mut set = BTreeSet::new();

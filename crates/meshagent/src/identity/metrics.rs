@@ -1,4 +1,4 @@
-//! Identity metrics, Istio's names (spec §11; the registry adds `istio_agent_`).
+//! Identity metrics, Istio's names (`security/pkg/monitoring`; the registry adds `istio_agent_`).
 
 use std::sync::{Arc, Mutex};
 use std::time::SystemTime;

@@ -1,4 +1,4 @@
-//! `OUTPUT_CERTS`: exported `key.pem`, `cert-chain.pem`, `root-cert.pem` (spec §4.4 step 4).
+//! `OUTPUT_CERTS`: exported `key.pem`, `cert-chain.pem`, `root-cert.pem` (Istio `security/pkg/nodeagent/cache/secretcache.go`, `OUTPUT_CERTS` in `pkg/istio-agent/agent.go`).
 //!
 //! Each file is written only when its content changed, atomically (temp file in the same
 //! directory, then rename) so a reader never sees half a key, with mode 0600 — or 0644 when

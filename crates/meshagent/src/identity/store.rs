@@ -13,7 +13,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use tokio::sync::{mpsc, watch};
 
-/// Resource names with a fixed meaning (spec §4.3).
+/// Resource names with a fixed meaning (Istio `pkg/security/security.go`: `default`, `ROOTCA`, `file-cert:`, `file-root:`).
 pub const WORKLOAD: &str = "default";
 pub const ROOT: &str = "ROOTCA";
 pub const FILE_CERT_PREFIX: &str = "file-cert:";

@@ -1,6 +1,6 @@
 //! `envoy.service.secret.v3.SecretDiscoveryService` over the [`SecretStore`].
 //!
-//! SotW follows Istio (spec §4.2): NACK → log and hold (never answer, so no loop, istio#21111);
+//! SotW follows Istio (`security/pkg/nodeagent/sds/sdsservice.go`): NACK → log and hold (never answer, so no loop, istio#21111);
 //! stale nonce → ignore; empty names → unsubscribe; ACK with unchanged names → nothing; new
 //! names → only those; a change pushes only the changed name to streams watching it; requests
 //! that arrive before a secret exists are held and answered when it appears (istio#22443); a

@@ -1,4 +1,4 @@
-//! Line-level filter for the merged Prometheus output (spec §7.3, field lessons §2.11).
+//! Line-level filter for the merged Prometheus output (Istio `status/server.go` `handleStats`, whose output Prometheus rejects on duplicate families).
 //!
 //! Istio concatenates the agent's, Envoy's and the application's exposition bodies. When two of
 //! them export the same family, or Envoy emits the same series twice (#52221, #54986), the

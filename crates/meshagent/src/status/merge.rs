@@ -1,4 +1,4 @@
-//! Merged Prometheus output on `/stats/prometheus` and `/metrics` (spec §7.3).
+//! Merged Prometheus output on `/stats/prometheus` and `/metrics` (Istio `pilot/cmd/pilot-agent/status/server.go` `handleStats`).
 //!
 //! Order: the agent's registry, Envoy's `/stats/prometheus` (unless disabled), then each
 //! application target from `ISTIO_PROMETHEUS_ANNOTATIONS` in target order. Unlike Istio, which

@@ -1,4 +1,4 @@
-//! Application probe rewriting (spec §7.4, field lessons §2.12 and F21).
+//! Application probe rewriting (Istio `pilot/cmd/pilot-agent/status/server.go` `handleAppProbe`).
 //!
 //! The injector points kubelet's probes and lifecycle hooks at `/app-health/<c>/<kind>` and
 //! `/app-lifecycle/<c>/<kind>` on the status port; `ISTIO_KUBE_APP_PROBERS` says what to call

@@ -1,4 +1,4 @@
-//! Readiness (spec §7.2): probes evaluated in order, Envoy first, then the gRPC bootstrap, then
+//! Readiness (Istio `pilot/cmd/pilot-agent/status/ready/probe.go`): probes evaluated in order, Envoy first, then the gRPC bootstrap, then
 //! the DNS table; the first failure's reason is the 503 body and is logged.
 
 use std::net::SocketAddr;
@@ -16,7 +16,7 @@ use super::NameTableWatch;
 pub type Probe =
     Arc<dyn Fn() -> futures::future::BoxFuture<'static, Result<(), String>> + Send + Sync>;
 
-/// Envoy's readiness (spec §7.2), with the "once true" caches Istio keeps.
+/// Envoy's readiness (Istio `pilot/cmd/pilot-agent/status/ready/probe.go`), with the "once true" caches Istio keeps.
 pub struct EnvoyProbe {
     admin: SocketAddr,
     config_received: AtomicBool,

@@ -303,7 +303,7 @@ pub enum Health {
 }
 
 /// The agent-originated health request: healthy is an empty request, unhealthy carries
-/// `error_detail{code: Internal, message}` (spec §5.3).
+/// `error_detail{code: Internal, message}` (Istio `pkg/istio-agent/health`, sent by `xds_proxy.go`).
 pub fn health_request(api: Api, h: &Health) -> Bytes {
     let error = match h {
         Health::Healthy => None,
@@ -336,7 +336,7 @@ impl Interceptor for HealthReplay {
     }
 }
 
-/// Forwarded to Envoy only if Istio forwards it (spec §5.2): Envoy types and WDS.
+/// Forwarded to Envoy only if Istio forwards it (`xds_proxy.go` `handleUpstreamResponse`): Envoy types and WDS.
 pub fn forwarded_to_envoy(type_url: &str) -> bool {
     type_url.starts_with("type.googleapis.com/envoy.") || type_url == type_url::WORKLOAD
 }

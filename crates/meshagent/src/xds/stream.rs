@@ -1,6 +1,6 @@
 //! One Envoy stream and its upstream stream, owned by a single task.
 //!
-//! Istio's behaviour (spec §5.2), kept: a **new** upstream connection per downstream stream;
+//! Istio's behaviour (`pkg/istio-agent/xds_proxy.go`, `xds_proxy_delta.go`), kept: a **new** upstream connection per downstream stream;
 //! Envoy's requests forwarded verbatim; responses through a one-slot buffer to Envoy, so a slow
 //! Envoy slows the upstream read (HTTP/2 flow control then pushes back on istiod) instead of
 //! growing memory — the slot is reserved before istiod's stream is read, so the task itself
@@ -193,7 +193,7 @@ pub async fn run(
                 Err(s) => break End::Downstream(Some(s)),
             },
             Ok(()) = health.changed() => {
-                // Never before LDS: istiod must know the proxy first (spec §5.3); the replay
+                // Never before LDS: istiod must know the proxy first (Istio sends it only after the first LDS request, `xds_proxy.go`); the replay
                 // after the first LDS request covers changes made before it.
                 let h = health.borrow_and_update().clone();
                 if seen_lds && let Some(h) = h {

@@ -269,7 +269,7 @@ fn rotation_jitter_bounds() {
             assert!(d >= lo && d <= hi, "{d:?}");
         }
     }
-    // ~12 h ± ~14.4 min, as spec §4.7 says
+    // ~12 h ± ~14.4 min: half of 24 h, ± 1 % jitter of the lifetime (Istio `rotateTime`)
     let max = rotation_delay(created, expire, created, 0.5, 0.01, 0.999_999, false);
     assert!((secs(max) - (12.0 * 3600.0 + 864.0)).abs() < 1.0);
     // clamped ratio and a deadline in the past
