@@ -623,15 +623,29 @@ mod raw {
         assert_eq!(names, vec!["ROOTCA".to_owned(), "default".to_owned()]);
     }
 
-    async fn stream_error(agent: &Agent, name: &str) -> String {
+    /// A new SotW stream that has asked for `name`, and its request sender.
+    async fn ask(
+        agent: &Agent,
+        name: &str,
+    ) -> (
+        tonic::Streaming<
+            meshagent_proto::envoy::pb::envoy::service::discovery::v3::DiscoveryResponse,
+        >,
+        mpsc::Sender<DiscoveryRequest>,
+    ) {
         let mut c = client(&agent.socket()).await;
         let (tx, rx) = mpsc::channel(8);
         tx.send(req(&[name], "", "", false)).await.unwrap();
-        let mut stream = c
+        let stream = c
             .stream_secrets(ReceiverStream::new(rx))
             .await
             .unwrap()
             .into_inner();
+        (stream, tx)
+    }
+
+    async fn stream_error(agent: &Agent, name: &str) -> String {
+        let (mut stream, _tx) = ask(agent, name).await;
         let r = tokio::time::timeout(Duration::from_secs(10), stream.message())
             .await
             .unwrap();
@@ -644,14 +658,7 @@ mod raw {
     /// Fetches `name` on a new stream: the number of resources in the answer, and the stream
     /// (the subscription lasts as long as it does).
     async fn fetch(agent: &Agent, name: &str) -> (usize, Box<dyn std::any::Any>) {
-        let mut c = client(&agent.socket()).await;
-        let (tx, rx) = mpsc::channel(8);
-        tx.send(req(&[name], "", "", false)).await.unwrap();
-        let mut stream = c
-            .stream_secrets(ReceiverStream::new(rx))
-            .await
-            .unwrap()
-            .into_inner();
+        let (mut stream, tx) = ask(agent, name).await;
         let r = tokio::time::timeout(Duration::from_secs(10), stream.message())
             .await
             .unwrap_or_else(|_| panic!("no answer for {name} within 10 s"))
