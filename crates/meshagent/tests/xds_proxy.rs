@@ -433,7 +433,10 @@ impl meshagent::xds::intercept::Interceptor for GatedNds {
     }
 }
 
-#[tokio::test(flavor = "multi_thread")]
+/// Runs on a current-thread runtime, as the agent does: the proxy, the SDS server Envoy uses and
+/// the test's own polling share one thread, so a pending interception that blocked anything
+/// would stall the whole test.
+#[tokio::test(flavor = "current_thread")]
 async fn pending_interception_delays_no_other_type_and_keeps_its_order() {
     let dp = Devplane::start(&mesh_yaml(false)).await;
     let dir = tempfile::tempdir().unwrap();
