@@ -1,14 +1,20 @@
-//! Envoy bootstrap generation, equivalent to Istio's default template
-//! (`envoy_bootstrap.json`, spec §6.3), rendered as JSON from typed inputs.
+//! Envoy bootstrap generation (spec §6.3).
 //!
-//! **Custom Go templates** (`ISTIO_BOOTSTRAP`, `--templateFile`, ProxyConfig
-//! `proxyBootstrapTemplatePath`) are refused at startup with a clear error: they are Go
-//! `text/template` programs with sprig functions written against Istio's internal parameter
-//! names, and a partial re-implementation would silently render something different.
-//! `customConfigFile` (use a file as is) and `ISTIO_BOOTSTRAP_OVERRIDE` (`--config-yaml`) cover
-//! the same needs and are supported.
+//! The built-in renderer ([`render`]) produces what Istio's default template
+//! (tools/packaging/common/envoy_bootstrap.json, rendered by pkg/bootstrap/instance.go) produces
+//! for the same inputs, from typed inputs, as JSON. Custom Go templates (`ISTIO_BOOTSTRAP`,
+//! `--templateFile`, ProxyConfig `proxyBootstrapTemplatePath`) are rendered with Go
+//! `text/template` semantics and Istio's parameter names by [`template`]. The template that
+//! Istio's proxyv2 image ships at `/var/lib/istio/envoy/envoy_bootstrap_tmpl.json` (Istio's
+//! default path) is *not* rendered: it is Istio's default template, which the built-in renderer
+//! reproduces (see README, "Bootstrap").
 
 pub mod node;
+pub mod params;
+mod remote;
+pub mod stats;
+pub mod template;
+pub mod tracing;
 
 use std::net::IpAddr;
 use std::path::{Path, PathBuf};
@@ -17,14 +23,18 @@ use serde_json::{Map, Value, json};
 
 use crate::config::Config;
 
+pub use remote::expand_host_ip;
+pub use stats::{
+    ANNOTATION_EVICTION_INTERVAL, ANNOTATION_EXTRA_STAT_TAGS, ANNOTATION_FLUSH_INTERVAL,
+    ANNOTATION_HISTOGRAM_BUCKETS, ANNOTATION_INCLUSION_PREFIXES, ANNOTATION_INCLUSION_REGEXPS,
+    ANNOTATION_INCLUSION_SUFFIXES,
+};
+
+/// Istio's default template path in the proxyv2 image (relative to the working directory `/`).
+pub const IMAGE_TEMPLATE_PATH: &str = "./var/lib/istio/envoy/envoy_bootstrap_tmpl.json";
+
 #[derive(Debug, thiserror::Error)]
 pub enum BootstrapError {
-    #[error(
-        "custom bootstrap templates are not supported ({origin}={path}): meshagent renders \
-         Istio's default bootstrap itself; use ProxyConfig customConfigFile for a complete \
-         Envoy config, or ISTIO_BOOTSTRAP_OVERRIDE to overlay fields"
-    )]
-    TemplateUnsupported { origin: &'static str, path: String },
     #[error(transparent)]
     Node(#[from] node::NodeError),
     #[error("annotation {annotation}={value:?}: {reason}")]
@@ -33,6 +43,20 @@ pub enum BootstrapError {
         value: String,
         reason: String,
     },
+    #[error("invalid {field}={value:?}: {reason}")]
+    Address {
+        field: &'static str,
+        value: String,
+        reason: String,
+    },
+    #[error("{what} is not supported: {reason}")]
+    Unsupported { what: String, reason: String },
+    #[error(
+        "invalid node metadata LOAD_STATS_CONFIG_JSON={value:?}: expected a JSON object: {reason}"
+    )]
+    LoadStats { value: String, reason: String },
+    #[error(transparent)]
+    Template(#[from] template::TemplateError),
     #[error("cannot write bootstrap {path}: {source}")]
     Write {
         path: PathBuf,
@@ -40,14 +64,6 @@ pub enum BootstrapError {
         source: std::io::Error,
     },
 }
-
-/// Annotations the bootstrap reads (spec §6.3).
-pub const ANNOTATION_INCLUSION_PREFIXES: &str = "sidecar.istio.io/statsInclusionPrefixes";
-pub const ANNOTATION_INCLUSION_SUFFIXES: &str = "sidecar.istio.io/statsInclusionSuffixes";
-pub const ANNOTATION_INCLUSION_REGEXPS: &str = "sidecar.istio.io/statsInclusionRegexps";
-pub const ANNOTATION_EXTRA_STAT_TAGS: &str = "sidecar.istio.io/extraStatTags";
-pub const ANNOTATION_HISTOGRAM_BUCKETS: &str = "sidecar.istio.io/statsHistogramBuckets";
-pub const ANNOTATION_FLUSH_INTERVAL: &str = "sidecar.istio.io/statsFlushInterval";
 
 /// The proxy's node, computed once at startup.
 #[derive(Debug, Clone)]
@@ -69,6 +85,11 @@ impl Node {
             .map(|s| s.split(',').map(str::trim).collect())
             .unwrap_or_default();
         let ips = node::instance_ips(cfg.pod.instance_ip, &node::interface_addrs(), &excluded);
+        Self::with_ips(cfg, ips)
+    }
+
+    /// The node for the given instance IPs (tests pass fixed IPs).
+    pub fn with_ips(cfg: &Config, ips: Vec<IpAddr>) -> Result<Node, BootstrapError> {
         let metadata = node::metadata(cfg, &ips)?;
         Ok(Node {
             id: node::node_id(cfg, &ips),
@@ -86,147 +107,93 @@ impl Node {
     }
 }
 
-/// Refuses custom Go templates (see module docs).
-pub fn check_template(cfg: &Config) -> Result<(), BootstrapError> {
-    if let Some(p) = &cfg.bootstrap.template_override {
-        return Err(BootstrapError::TemplateUnsupported {
-            origin: "ISTIO_BOOTSTRAP",
-            path: p.display().to_string(),
-        });
-    }
-    if cfg.proxy_config.custom_config_file.as_os_str().is_empty()
-        && !cfg
-            .proxy_config
-            .proxy_bootstrap_template_path
-            .as_os_str()
-            .is_empty()
-    {
-        return Err(BootstrapError::TemplateUnsupported {
-            origin: "--templateFile/proxyBootstrapTemplatePath",
-            path: cfg
-                .proxy_config
-                .proxy_bootstrap_template_path
-                .display()
-                .to_string(),
-        });
-    }
-    Ok(())
+/// Everything the default template branches on, computed once from the configuration and the
+/// node (pkg/bootstrap/config.go `getNodeMetadataOptions`, `getProxyConfigOptions`,
+/// `getStatsOptions`). The built-in renderer and the template parameters both read it.
+#[derive(Debug, Clone)]
+pub struct Inputs {
+    pub localhost: String,
+    pub wildcard: String,
+    /// The other address family's loopback and wildcard, when the proxy is dual-stack.
+    pub additional_localhost: Option<String>,
+    pub additional_wildcard: Option<String>,
+    pub dns_lookup_family: &'static str,
+    pub delta: bool,
+    pub metadata_discovery: bool,
+    pub stats: stats::StatsInputs,
+    pub tracer: Option<tracing::Tracer>,
+    pub tracing_tls: Option<Value>,
+    pub statsd: Option<Value>,
+    pub metrics_service: Option<RemoteService>,
+    pub accesslog_service: Option<RemoteService>,
+    /// ProxyConfig `statsCompression` (default true): compressors on the Prometheus listener.
+    pub stats_compression: bool,
+    pub metrics_localhost_only: bool,
+    pub global_downstream_max_connections: u64,
+    pub load_stats_config: Option<Value>,
+    pub runtime_flags: Value,
 }
 
-fn list_annotation(cfg: &Config, key: &str) -> Option<Vec<String>> {
-    cfg.pod_annotations.get(key).map(|v| {
-        v.split(',')
-            .map(str::trim)
-            .filter(|s| !s.is_empty())
-            .map(str::to_owned)
-            .collect()
-    })
+/// ProxyConfig `envoyMetricsService` / `envoyAccessLogService`, resolved.
+#[derive(Debug, Clone)]
+pub struct RemoteService {
+    pub address: Value,
+    pub tls: Option<Value>,
+    pub tcp_keepalive: Option<Value>,
 }
 
-/// `{pod_ip}` in stats patterns expands once per instance IP.
-fn expand_pod_ip(patterns: Vec<String>, ips: &[IpAddr]) -> Vec<String> {
-    patterns
-        .into_iter()
-        .flat_map(|p| {
-            if p.contains("{pod_ip}") {
-                ips.iter()
-                    .map(|ip| p.replace("{pod_ip}", &ip.to_string()))
-                    .collect()
-            } else {
-                vec![p]
-            }
+fn remote_service(
+    cfg: &Config,
+    meta: &Map<String, Value>,
+    field: &'static str,
+    sni: &str,
+) -> Result<Option<RemoteService>, BootstrapError> {
+    let Some(rs) = cfg.proxy_config.passthrough.get(field) else {
+        return Ok(None);
+    };
+    let addr = rs.get("address").and_then(Value::as_str).unwrap_or("");
+    let field_addr = match field {
+        "envoyMetricsService" => "envoyMetricsService.address",
+        _ => "envoyAccessLogService.address",
+    };
+    let Some(address) = remote::address(field_addr, addr, &cfg.pod.host_ip)? else {
+        return Ok(None);
+    };
+    Ok(Some(RemoteService {
+        address,
+        tls: remote::transport_socket(rs.get("tlsSettings"), sni, meta, true)?,
+        tcp_keepalive: remote::tcp_keepalive(rs.get("tcpKeepalive")),
+    }))
+}
+
+/// proto-JSON integers may be numbers or strings.
+fn json_u64(v: &Value) -> Option<u64> {
+    v.as_u64()
+        .or_else(|| v.as_str().and_then(|s| s.parse().ok()))
+}
+
+/// The global downstream connection limit: ProxyConfig `connectionSettings` wins, then
+/// proxyMetadata `ISTIO_META_GLOBAL_DOWNSTREAM_MAX_CONNECTIONS`, then the runtime value, then
+/// Istio's default (pkg/bootstrap/config.go).
+fn global_downstream_max_connections(cfg: &Config) -> u64 {
+    cfg.proxy_config
+        .passthrough
+        .get("connectionSettings")
+        .and_then(|c| c.get("globalDownstreamConnectionLimit"))
+        .and_then(json_u64)
+        .or_else(|| {
+            cfg.proxy_config
+                .proxy_metadata
+                .get("ISTIO_META_GLOBAL_DOWNSTREAM_MAX_CONNECTIONS")
+                .and_then(|v| v.parse().ok())
         })
-        .collect()
-}
-
-fn stats_matcher(cfg: &Config, node: &Node, metadata_discovery: bool) -> Value {
-    let m = cfg
-        .proxy_config
-        .proxy_stats_matcher
-        .clone()
-        .unwrap_or_default();
-    let mut prefixes =
-        list_annotation(cfg, ANNOTATION_INCLUSION_PREFIXES).unwrap_or(m.inclusion_prefixes);
-    prefixes.extend(
-        [
-            "cluster_manager",
-            "listener_manager",
-            "server",
-            "cluster.xds-grpc",
-            "wasm",
-        ]
-        .map(str::to_owned),
-    );
-    let mut suffixes =
-        list_annotation(cfg, ANNOTATION_INCLUSION_SUFFIXES).unwrap_or(m.inclusion_suffixes);
-    suffixes.extend(
-        [
-            "rbac.allowed",
-            "rbac.denied",
-            "shadow_allowed",
-            "shadow_denied",
-        ]
-        .map(str::to_owned),
-    );
-    if cfg.lifecycle.exit_on_zero_active_connections {
-        suffixes.push("downstream_cx_active".into());
-    }
-    let mut regexps =
-        list_annotation(cfg, ANNOTATION_INCLUSION_REGEXPS).unwrap_or(m.inclusion_regexps);
-    regexps.push(r"vhost\..*\.route\..*".into());
-
-    let mut patterns = vec![json!({"prefix": "reporter="})];
-    if metadata_discovery {
-        patterns.push(json!({"prefix": "workload_discovery"}));
-    }
-    patterns.extend(
-        expand_pod_ip(prefixes, &node.ips)
-            .into_iter()
-            .map(|p| json!({"prefix": p})),
-    );
-    patterns.extend(
-        expand_pod_ip(suffixes, &node.ips)
-            .into_iter()
-            .map(|s| json!({"suffix": s})),
-    );
-    patterns.extend(
-        expand_pod_ip(regexps, &node.ips)
-            .into_iter()
-            .map(|r| json!({"safe_regex": {"regex": r}})),
-    );
-    patterns.push(json!({"prefix": "component"}));
-    patterns.push(json!({"prefix": "istio"}));
-    json!({"inclusion_list": {"patterns": patterns}})
-}
-
-fn stats_tags(cfg: &Config) -> Vec<Value> {
-    let mut tags = vec![
-        json!({"tag_name": "cluster_name", "regex": r"^cluster\.((.+?(\..+?\.svc\.cluster\.local)?)\.)"}),
-        json!({"tag_name": "tcp_prefix", "regex": r"^tcp\.((.*?)\.)\w+?$"}),
-        json!({"tag_name": "response_code", "regex": r"_rq(_(\d{3}))$"}),
-        json!({"tag_name": "response_code_class", "regex": r"_rq(_(\dxx))$"}),
-        json!({"tag_name": "http_conn_manager_listener_prefix", "regex": r"^listener(?=\.).*?\.http\.(((?:[_.[:digit:]]*|[_\[\]aAbBcCdDeEfF[:digit:]]*))\.)"}),
-        json!({"tag_name": "http_conn_manager_prefix", "regex": r"^http\.(((?:[_.[:digit:]]*|[_\[\]aAbBcCdDeEfF[:digit:]]*))\.)"}),
-        json!({"tag_name": "listener_address", "regex": r"^listener\.(((?:[_.[:digit:]]*|[_\[\]aAbBcCdDeEfF[:digit:]]*))\.)"}),
-        json!({"tag_name": "mongo_prefix", "regex": r"^mongo\.(.+?)\.(collection|cmd|cx_|op_|delays_|decoding_)(.*?)$"}),
-    ];
-    let mut extra = cfg.proxy_config.extra_stat_tags.clone();
-    extra.extend(list_annotation(cfg, ANNOTATION_EXTRA_STAT_TAGS).unwrap_or_default());
-    for t in extra {
-        tags.push(json!({"tag_name": t, "regex": format!(r"({t}=\.=(.*?);\.;)")}));
-    }
-    for (name, re) in [
-        ("cache", r"(cache\.(.+?)\.)"),
-        ("component", r"(component\.(.+?)\.)"),
-        ("tag", r"(tag\.(.+?);\.)"),
-        ("wasm_filter", r"(wasm_filter\.(.+?)\.)"),
-        ("authz_enforce_result", r"rbac(\.(allowed|denied))"),
-        ("authz_dry_run_action", r"(\.istio_dry_run_(allow|deny)_)"),
-        ("authz_dry_run_result", r"(\.shadow_(allowed|denied))"),
-    ] {
-        tags.push(json!({"tag_name": name, "regex": re}));
-    }
-    tags
+        .or_else(|| {
+            cfg.proxy_config
+                .runtime_values
+                .get("overload.global_downstream_max_connections")
+                .and_then(|v| v.parse().ok())
+        })
+        .unwrap_or(2_147_483_647)
 }
 
 fn runtime_flags(cfg: &Config) -> Value {
@@ -279,13 +246,108 @@ fn runtime_flags(cfg: &Config) -> Value {
     Value::Object(m)
 }
 
+impl Inputs {
+    pub fn new(cfg: &Config, node: &Node) -> Result<Self, BootstrapError> {
+        let pc = &cfg.proxy_config;
+        let v6_only = node.ipv6_only();
+        let has_v4 = node.ips.iter().any(IpAddr::is_ipv4);
+        let has_v6 = node.ips.iter().any(IpAddr::is_ipv6);
+        let dual = cfg.bootstrap.dual_stack && has_v4 && has_v6;
+        let (wildcard, other_wildcard) = if v6_only {
+            ("::", "0.0.0.0")
+        } else {
+            ("0.0.0.0", "::")
+        };
+        let other_localhost = if node.localhost.is_ipv6() {
+            "127.0.0.1"
+        } else {
+            "::1"
+        };
+        let delta = cfg.xds.delta_xds || cfg.proxy_type == crate::config::ProxyType::Waypoint;
+        let metadata_discovery = delta
+            && node
+                .metadata
+                .get("METADATA_DISCOVERY")
+                .and_then(Value::as_str)
+                == Some("true");
+        let tracer = tracing::tracer(cfg)?;
+        let tracing_tls = match &tracer {
+            Some(t) => tracing::tracing_tls(cfg, &node.metadata, t)?,
+            None => None,
+        };
+        let load_stats_config = match node
+            .metadata
+            .get("LOAD_STATS_CONFIG_JSON")
+            .and_then(Value::as_str)
+            .filter(|s| !s.is_empty())
+        {
+            None => None,
+            Some(raw) => {
+                let v: Map<String, Value> =
+                    serde_json::from_str(raw).map_err(|e| BootstrapError::LoadStats {
+                        value: raw.to_owned(),
+                        reason: e.to_string(),
+                    })?;
+                Some(Value::Object(v))
+            }
+        };
+        Ok(Self {
+            localhost: node.localhost.to_string(),
+            wildcard: wildcard.into(),
+            additional_localhost: dual.then(|| other_localhost.into()),
+            additional_wildcard: dual.then(|| other_wildcard.into()),
+            dns_lookup_family: if dual {
+                "ALL"
+            } else if v6_only {
+                "V6_ONLY"
+            } else {
+                "V4_ONLY"
+            },
+            delta,
+            metadata_discovery,
+            stats: stats::StatsInputs::from_config(cfg, &node.ips)?,
+            tracer,
+            tracing_tls,
+            statsd: remote::address("statsdUdpAddress", &pc.statsd_udp_address, &cfg.pod.host_ip)?,
+            metrics_service: remote_service(
+                cfg,
+                &node.metadata,
+                "envoyMetricsService",
+                "envoy_metrics_service",
+            )?,
+            accesslog_service: remote_service(
+                cfg,
+                &node.metadata,
+                "envoyAccessLogService",
+                "envoy_accesslog_service",
+            )?,
+            stats_compression: pc
+                .passthrough
+                .get("statsCompression")
+                .and_then(Value::as_bool)
+                .unwrap_or(true),
+            metrics_localhost_only: pc
+                .proxy_metadata
+                .get("METRICS_LOCALHOST_ACCESS_ONLY")
+                .map(String::as_str)
+                == Some("true"),
+            global_downstream_max_connections: global_downstream_max_connections(cfg),
+            load_stats_config,
+            runtime_flags: runtime_flags(cfg),
+        })
+    }
+}
+
 fn socket(addr: &str, port: u16) -> Value {
     json!({"socket_address": {"protocol": "TCP", "address": addr, "port_value": port}})
 }
 
+/// A static cluster with Istio's `alt_stat_name` "<name>;" (the `cluster_name` tag regex ends
+/// at the `;`).
 fn static_cluster(name: &str, timeout: &str, address: Value) -> Value {
     json!({
         "name": name,
+        "alt_stat_name": format!("{name};"),
         "type": "STATIC",
         "connect_timeout": timeout,
         "lb_policy": "ROUND_ROBIN",
@@ -304,98 +366,125 @@ fn router() -> Value {
     json!({"name": "envoy.filters.http.router", "typed_config": {"@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}})
 }
 
-fn http_listener(
-    name: &str,
-    addr: &str,
-    port: u16,
-    stat_prefix: &str,
-    routes: Value,
-    filters: Vec<Value>,
-) -> Value {
+fn hcm(stat_prefix: &str, routes: Value, filters: Vec<Value>) -> Value {
     json!({
-        "name": name,
-        "address": socket(addr, port),
-        "filter_chains": [{"filters": [{
-            "name": "envoy.filters.network.http_connection_manager",
-            "typed_config": {
-                "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
-                "codec_type": "AUTO",
-                "stat_prefix": stat_prefix,
-                "route_config": {"virtual_hosts": [{"name": "backend", "domains": ["*"], "routes": routes}]},
-                "http_filters": filters
-            }
-        }]}],
-        "ignore_global_conn_limit": true,
-        "bypass_overload_manager": true
+        "name": "envoy.filters.network.http_connection_manager",
+        "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
+            "codec_type": "AUTO",
+            "stat_prefix": stat_prefix,
+            "route_config": {"virtual_hosts": [{"name": "backend", "domains": ["*"], "routes": routes}]},
+            "http_filters": filters
+        }
     })
 }
 
+fn listener(addr: &str, additional: Option<&str>, port: u16, filter_chain: Value) -> Value {
+    let mut l = json!({
+        "name": format!("{addr}_{port}"),
+        "address": socket(addr, port),
+        "ignore_global_conn_limit": true,
+        "bypass_overload_manager": true,
+        "filter_chains": [filter_chain]
+    });
+    if let Some(a) = additional {
+        l["additional_addresses"] = json!([{"address": socket(a, port)}]);
+    }
+    l
+}
+
+fn route(prefix: &str, cluster: &str) -> Value {
+    json!({"match": {"prefix": prefix}, "route": {"cluster": cluster}})
+}
+
+/// The Prometheus listener's compressors: brotli, zstd, gzip, for the stats content types.
 fn compressors() -> Vec<Value> {
-    let lib = |name: &str, ty: &str| {
-        json!({"name": "envoy.filters.http.compressor", "typed_config": {
-            "@type": "type.googleapis.com/envoy.extensions.filters.http.compressor.v3.Compressor",
-            "compressor_library": {"name": name, "typed_config": {"@type": ty}},
-            "remove_accept_encoding_header": true
-        }})
-    };
-    vec![
-        lib(
-            "text_optimized",
-            "type.googleapis.com/envoy.extensions.compression.brotli.compressor.v3.Brotli",
-        ),
-        lib(
-            "text_optimized",
-            "type.googleapis.com/envoy.extensions.compression.gzip.compressor.v3.Gzip",
-        ),
-        lib(
-            "text_optimized",
-            "type.googleapis.com/envoy.extensions.compression.zstd.compressor.v3.Zstd",
-        ),
+    let content_types = json!([
+        "text/plain",
+        "application/openmetrics-text",
+        "application/vnd.google.protobuf",
+        "application/json"
+    ]);
+    [
+        ("brotli", "envoy.extensions.compression.brotli.compressor.v3.Brotli"),
+        ("zstd", "envoy.extensions.compression.zstd.compressor.v3.Zstd"),
+        ("gzip", "envoy.extensions.compression.gzip.compressor.v3.Gzip"),
     ]
+    .into_iter()
+    .map(|(algo, ty)| {
+        json!({"name": format!("envoy.filters.http.compressor.{algo}"), "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.filters.http.compressor.v3.Compressor",
+            "compressor_library": {"name": format!("stats_{algo}"), "typed_config": {"@type": format!("type.googleapis.com/{ty}")}},
+            "response_direction_config": {"common_config": {"content_type": content_types}}
+        }})
+    })
+    .collect()
 }
 
-fn global_downstream_max_connections(cfg: &Config) -> u64 {
-    cfg.proxy_config
-        .passthrough
-        .get("connectionSettings")
-        .and_then(|c| c.get("globalDownstreamConnectionLimit"))
-        .and_then(Value::as_u64)
-        .or_else(|| {
-            cfg.proxy_config
-                .proxy_metadata
-                .get("ISTIO_META_GLOBAL_DOWNSTREAM_MAX_CONNECTIONS")
-                .and_then(|v| v.parse().ok())
-        })
-        .or_else(|| {
-            cfg.proxy_config
-                .runtime_values
-                .get("overload.global_downstream_max_connections")
-                .and_then(|v| v.parse().ok())
-        })
-        .unwrap_or(2_147_483_647)
+/// An mTLS listener for the secure metrics ports: the workload certificate (`default`) and
+/// the mesh root (`ROOTCA`) over SDS, client certificate required.
+fn secure_metrics_listener(inp: &Inputs, port: u16, merged: bool) -> Value {
+    let routes = if merged {
+        json!([
+            route("/stats/prometheus", "agent"),
+            route("/metrics", "agent")
+        ])
+    } else {
+        json!([route("/stats/prometheus", "prometheus_stats")])
+    };
+    let prefix = if merged {
+        "secure_merged_stats"
+    } else {
+        "secure_stats"
+    };
+    let chain = json!({
+        "transport_socket": {"name": "envoy.transport_sockets.tls", "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.DownstreamTlsContext",
+            "require_client_certificate": true,
+            "common_tls_context": {
+                "tls_certificate_sds_secret_configs": [remote::sds_secret("default")],
+                "validation_context_sds_secret_config": remote::sds_secret("ROOTCA")
+            }
+        }},
+        "filters": [hcm(prefix, routes, vec![router()])]
+    });
+    listener(
+        &inp.wildcard,
+        inp.additional_wildcard.as_deref(),
+        port,
+        chain,
+    )
 }
 
-/// Address of a `host:port` string as a bootstrap socket address, with `$(HOST_IP)`
-/// substituted (tracer and statsd addresses).
-fn host_port(cfg: &Config, addr: &str) -> Option<Value> {
-    let addr = addr.replace("$(HOST_IP)", &cfg.pod.host_ip);
-    let (h, p) = addr.rsplit_once(':')?;
-    let port: u16 = p.parse().ok()?;
-    Some(json!({"address": h.trim_start_matches('[').trim_end_matches(']'), "port_value": port}))
+fn remote_service_cluster(name: &str, rs: &RemoteService, dns_lookup_family: &str) -> Value {
+    let mut c = json!({
+        "name": name,
+        "type": "STRICT_DNS",
+        "respect_dns_ttl": true,
+        "dns_lookup_family": dns_lookup_family,
+        "connect_timeout": "1s",
+        "lb_policy": "ROUND_ROBIN",
+        "typed_extension_protocol_options": h2_options(),
+        "load_assignment": {"cluster_name": name, "endpoints": [{"lb_endpoints": [{"endpoint": {"address": {"socket_address": rs.address}}}]}]}
+    });
+    if let Some(t) = &rs.tls {
+        c["transport_socket"] = t.clone();
+    }
+    if let Some(k) = &rs.tcp_keepalive {
+        c["upstream_connection_options"] = k.clone();
+    }
+    c
 }
 
-/// Renders the bootstrap for `cfg` and `node`.
-pub fn render(cfg: &Config, node: &Node) -> Value {
+/// Renders Istio's default bootstrap for `cfg` and `node`.
+pub fn render(cfg: &Config, node: &Node) -> Result<Value, BootstrapError> {
+    let inp = Inputs::new(cfg, node)?;
+    Ok(render_inputs(cfg, node, &inp))
+}
+
+fn render_inputs(cfg: &Config, node: &Node, inp: &Inputs) -> Value {
     let pc = &cfg.proxy_config;
-    let localhost = node.localhost.to_string();
-    let wildcard = if node.ipv6_only() { "::" } else { "0.0.0.0" };
-    let delta = cfg.xds.delta_xds || cfg.proxy_type == crate::config::ProxyType::Waypoint;
-    let metadata_discovery = delta
-        && node
-            .metadata
-            .get("METADATA_DISCOVERY")
-            .and_then(Value::as_str)
-            == Some("true");
+    let boot = &cfg.bootstrap;
     let log_format = if cfg.flags.log_as_json {
         json!({"json_format": {"time": "%Y-%m-%dT%T.%fZ", "level": "%l", "scope": "envoy %n", "msg": "%j", "caller": "%g:%#", "thread": "%t"}})
     } else {
@@ -411,9 +500,9 @@ pub fn render(cfg: &Config, node: &Node) -> Value {
         static_cluster(
             "prometheus_stats",
             "0.250s",
-            socket(&localhost, pc.proxy_admin_port),
+            socket(&inp.localhost, pc.proxy_admin_port),
         ),
-        static_cluster("agent", "0.250s", socket(&localhost, pc.status_port)),
+        static_cluster("agent", "0.250s", socket(&inp.localhost, pc.status_port)),
     ];
     let mut sds = static_cluster("sds-grpc", "1s", json!({"pipe": {"path": sds_socket}}));
     sds["typed_extension_protocol_options"] = h2_options();
@@ -429,72 +518,74 @@ pub fn render(cfg: &Config, node: &Node) -> Value {
     let threshold = |p: &str| json!({"priority": p, "max_connections": 100000, "max_pending_requests": 100000, "max_requests": 100000});
     xds["circuit_breakers"] = json!({"thresholds": [threshold("DEFAULT"), threshold("HIGH")]});
     clusters.push(xds);
-
-    let mut tracing = Value::Null;
-    if let Some(zipkin) = pc
-        .tracing
-        .as_ref()
-        .and_then(|t| t.get("zipkin"))
-        .and_then(|z| z.get("address"))
-        .and_then(Value::as_str)
-        .and_then(|a| host_port(cfg, a))
-    {
-        let mut c = static_cluster("zipkin", "1s", json!({"socket_address": zipkin}));
-        c["type"] = json!("STRICT_DNS");
-        c["respect_dns_ttl"] = json!(true);
-        c["dns_refresh_rate"] = json!("30s");
-        clusters.push(c);
-        tracing = json!({"http": {"name": "envoy.tracers.zipkin", "typed_config": {
-            "@type": "type.googleapis.com/envoy.config.trace.v3.ZipkinConfig",
-            "collector_cluster": "zipkin",
-            "collector_endpoint": "/api/v2/spans",
-            "collector_endpoint_version": "HTTP_JSON",
-            "trace_id_128bit": true,
-            "shared_span_context": false
-        }}});
+    if let Some(t) = &inp.tracer {
+        clusters.push(tracing::cluster(
+            t,
+            inp.tracing_tls.as_ref(),
+            inp.dns_lookup_family,
+        ));
+    }
+    if let Some(ms) = &inp.metrics_service {
+        clusters.push(remote_service_cluster(
+            "envoy_metrics_service",
+            ms,
+            inp.dns_lookup_family,
+        ));
+    }
+    if let Some(als) = &inp.accesslog_service {
+        clusters.push(remote_service_cluster(
+            "envoy_accesslog_service",
+            als,
+            inp.dns_lookup_family,
+        ));
     }
 
-    let metrics_addr = if pc
-        .proxy_metadata
-        .get("METRICS_LOCALHOST_ACCESS_ONLY")
-        .map(String::as_str)
-        == Some("true")
-    {
-        localhost.as_str()
+    let (metrics_addr, metrics_additional) = if inp.metrics_localhost_only {
+        (&inp.localhost, inp.additional_localhost.as_deref())
     } else {
-        wildcard
+        (&inp.wildcard, inp.additional_wildcard.as_deref())
     };
-    let mut prom_filters = compressors();
+    let mut prom_filters = if inp.stats_compression {
+        compressors()
+    } else {
+        vec![]
+    };
     prom_filters.push(router());
-    let listeners = vec![
-        http_listener(
-            &format!("{metrics_addr}_{}", cfg.bootstrap.envoy_prometheus_port),
-            metrics_addr,
-            cfg.bootstrap.envoy_prometheus_port,
-            "stats",
-            json!([{"match": {"prefix": "/stats/prometheus"}, "route": {"cluster": "prometheus_stats"}}]),
-            prom_filters,
-        ),
-        {
-            let mut l = http_listener(
-                &format!("{wildcard}_{}", cfg.bootstrap.envoy_status_port),
-                wildcard,
-                cfg.bootstrap.envoy_status_port,
-                "agent",
-                json!([{"match": {"prefix": "/healthz/ready"}, "route": {"cluster": "agent"}}]),
-                vec![router()],
-            );
-            if cfg.bootstrap.envoy_status_port_enable_proxy_protocol {
-                l["listener_filters"] = json!([{"name": "envoy.filters.listener.proxy_protocol", "typed_config": {
-                    "@type": "type.googleapis.com/envoy.extensions.filters.listener.proxy_protocol.v3.ProxyProtocol"
-                }}]);
-            }
-            l
-        },
-    ];
+    let mut listeners = vec![listener(
+        metrics_addr,
+        metrics_additional,
+        boot.envoy_prometheus_port,
+        json!({"filters": [hcm("stats", json!([route("/stats/prometheus", "prometheus_stats")]), prom_filters)]}),
+    )];
+    if boot.envoy_secure_metrics_port != 0 {
+        listeners.push(secure_metrics_listener(
+            inp,
+            boot.envoy_secure_metrics_port,
+            false,
+        ));
+    }
+    if boot.envoy_secure_merged_metrics_port != 0 {
+        listeners.push(secure_metrics_listener(
+            inp,
+            boot.envoy_secure_merged_metrics_port,
+            true,
+        ));
+    }
+    let mut status = listener(
+        &inp.wildcard,
+        inp.additional_wildcard.as_deref(),
+        boot.envoy_status_port,
+        json!({"filters": [hcm("agent", json!([route("/healthz/ready", "agent")]), vec![router()])]}),
+    );
+    if boot.envoy_status_port_enable_proxy_protocol {
+        status["listener_filters"] = json!([{"name": "envoy.filters.listener.proxy_protocol", "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.filters.listener.proxy_protocol.v3.ProxyProtocol"
+        }}]);
+    }
+    listeners.push(status);
 
     let mut extensions = vec![];
-    if metadata_discovery {
+    if inp.metadata_discovery {
         extensions.push(json!({"name": "metadata_discovery", "typed_config": {
             "@type": "type.googleapis.com/udpa.type.v1.TypedStruct",
             "type_url": "type.googleapis.com/istio.workload.BootstrapExtension",
@@ -507,23 +598,6 @@ pub fn render(cfg: &Config, node: &Node) -> Value {
         "value": {"buffer_size_kb": 64}
     }}));
 
-    let mut stats_config = json!({
-        "use_all_default_tags": false,
-        "stats_tags": stats_tags(cfg),
-        "stats_matcher": stats_matcher(cfg, node, metadata_discovery),
-    });
-    if let Some(b) = cfg
-        .pod_annotations
-        .get(ANNOTATION_HISTOGRAM_BUCKETS)
-        .and_then(|v| serde_json::from_str::<Map<String, Value>>(v).ok())
-    {
-        let settings: Vec<Value> = b
-            .into_iter()
-            .map(|(prefix, buckets)| json!({"match": {"prefix": prefix}, "buckets": buckets}))
-            .collect();
-        stats_config["histogram_bucket_settings"] = json!(settings);
-    }
-
     let mut out = json!({
         "application_log_config": {"log_format": log_format},
         "node": {
@@ -533,24 +607,24 @@ pub fn render(cfg: &Config, node: &Node) -> Value {
             "metadata": node.metadata,
         },
         "layered_runtime": {"layers": [
-            {"name": "global config", "static_layer": runtime_flags(cfg)},
+            {"name": "global config", "static_layer": inp.runtime_flags},
             {"name": "admin", "admin_layer": {}}
         ]},
         "bootstrap_extensions": extensions,
-        "stats_config": stats_config,
+        "stats_config": stats::stats_config(&inp.stats, inp.metadata_discovery),
         "admin": {
             "access_log": [{"name": "envoy.access_loggers.file", "typed_config": {
                 "@type": "type.googleapis.com/envoy.extensions.access_loggers.file.v3.FileAccessLog",
                 "path": "/dev/null"
             }}],
             "profile_path": "/var/lib/istio/data/envoy.prof",
-            "address": socket(&localhost, pc.proxy_admin_port)
+            "address": socket(&inp.localhost, pc.proxy_admin_port)
         },
         "dynamic_resources": {
             "lds_config": {"ads": {}, "initial_fetch_timeout": "0s", "resource_api_version": "V3"},
             "cds_config": {"ads": {}, "initial_fetch_timeout": "0s", "resource_api_version": "V3"},
             "ads_config": {
-                "api_type": if delta { "DELTA_GRPC" } else { "GRPC" },
+                "api_type": if inp.delta { "DELTA_GRPC" } else { "GRPC" },
                 "set_node_on_first_message_only": true,
                 "transport_api_version": "V3",
                 "grpc_services": [{"envoy_grpc": {"cluster_name": "xds-grpc"}}]
@@ -561,44 +635,153 @@ pub fn render(cfg: &Config, node: &Node) -> Value {
             "name": "envoy.resource_monitors.global_downstream_max_connections",
             "typed_config": {
                 "@type": "type.googleapis.com/envoy.extensions.resource_monitors.downstream_connections.v3.DownstreamConnectionsConfig",
-                "max_active_downstream_connections": global_downstream_max_connections(cfg)
+                "max_active_downstream_connections": inp.global_downstream_max_connections
             }
         }]},
         "deferred_stat_options": {"enable_deferred_creation_stats": true}
     });
-    if let Some(i) = cfg.pod_annotations.get(ANNOTATION_FLUSH_INTERVAL) {
-        out["stats_flush_interval"] = json!(i);
+    if let Some(d) = inp.stats.flush_interval {
+        out["stats_flush_interval"] = json!(stats::proto_duration(d));
     }
-    if !tracing.is_null() {
-        out["tracing"] = tracing;
+    if let Some(d) = inp.stats.eviction_interval {
+        out["stats_eviction_interval"] = json!(stats::proto_duration(d));
     }
-    if let Some(statsd) = host_port(cfg, &pc.statsd_udp_address) {
-        out["stats_sinks"] = json!([{"name": "envoy.stat_sinks.statsd", "typed_config": {
+    if let Some(t) = &inp.tracer {
+        out["tracing"] = tracing::tracing(t, &node.cluster);
+    }
+    let mut sinks = vec![];
+    if inp.metrics_service.is_some() {
+        sinks.push(
+            json!({"name": "envoy.stat_sinks.metrics_service", "typed_config": {
+                "@type": "type.googleapis.com/envoy.config.metrics.v3.MetricsServiceConfig",
+                "transport_api_version": "V3",
+                "grpc_service": {"envoy_grpc": {"cluster_name": "envoy_metrics_service"}}
+            }}),
+        );
+    }
+    if let Some(statsd) = &inp.statsd {
+        sinks.push(json!({"name": "envoy.stat_sinks.statsd", "typed_config": {
             "@type": "type.googleapis.com/envoy.config.metrics.v3.StatsdSink",
             "address": {"socket_address": statsd}
-        }}]);
+        }}));
     }
+    if !sinks.is_empty() {
+        out["stats_sinks"] = Value::Array(sinks);
+    }
+    let mut cm = Map::new();
     if !cfg.flags.outlier_log_path.is_empty() {
-        out["cluster_manager"] =
-            json!({"outlier_detection": {"event_log_path": cfg.flags.outlier_log_path}});
+        cm.insert(
+            "outlier_detection".into(),
+            json!({"event_log_path": cfg.flags.outlier_log_path}),
+        );
     }
+    if let Some(lrs) = &inp.load_stats_config {
+        cm.insert("load_stats_config".into(), lrs.clone());
+    }
+    cm.insert("enable_deferred_cluster_creation".into(), json!(true));
+    out["cluster_manager"] = Value::Object(cm);
     out
 }
 
-/// Writes the rendered bootstrap to `<configPath>/envoy-rev.json` (resolved against `cwd`)
-/// and returns its path relative to the agent's working directory, as passed to Envoy.
-pub fn write(cfg: &Config, cwd: &Path, bootstrap: &Value) -> Result<PathBuf, BootstrapError> {
-    let rel = cfg.proxy_config.config_path.join("envoy-rev.json");
+/// A rendered bootstrap, ready to be written.
+#[derive(Debug, Clone)]
+pub struct Rendered {
+    /// File name under configPath: `envoy-rev.json`, or `envoy-rev.yaml` for a YAML template.
+    pub file_name: &'static str,
+    pub contents: String,
+    /// Files the bootstrap refers to (the Lightstep token), path relative to the agent's cwd.
+    pub side_files: Vec<(PathBuf, String)>,
+}
+
+/// Which template renders the bootstrap: an explicit custom template, else the built-in
+/// renderer. Precedence: `ISTIO_BOOTSTRAP` > ProxyConfig `proxyBootstrapTemplatePath`
+/// (`--templateFile`) (pkg/bootstrap/instance.go `WriteTo`; `customConfigFile` is handled by
+/// the caller, which then renders nothing).
+pub fn template_path(cfg: &Config) -> Option<(PathBuf, &'static str)> {
+    if let Some(p) = &cfg.bootstrap.template_override {
+        return Some((p.clone(), "ISTIO_BOOTSTRAP"));
+    }
+    let p = &cfg.proxy_config.proxy_bootstrap_template_path;
+    (!p.as_os_str().is_empty()).then(|| (p.clone(), "ProxyConfig proxyBootstrapTemplatePath"))
+}
+
+/// Loads and checks the custom template, if any, at startup: a missing file, a parse error,
+/// or a function or parameter meshagent does not provide is an error naming it and the line.
+pub fn check_template(
+    cfg: &Config,
+    cwd: &Path,
+) -> Result<Option<template::Template>, BootstrapError> {
+    match template_path(cfg) {
+        None => Ok(None),
+        Some((path, origin)) => Ok(Some(template::Template::load(
+            &cwd.join(&path),
+            &path,
+            origin,
+        )?)),
+    }
+}
+
+/// Renders the bootstrap: with `tmpl` when a custom template is configured, else built in.
+pub fn generate(
+    cfg: &Config,
+    node: &Node,
+    tmpl: Option<&template::Template>,
+) -> Result<Rendered, BootstrapError> {
+    let inp = Inputs::new(cfg, node)?;
+    let mut side_files = vec![];
+    if let Some(tracing::Tracer::Lightstep {
+        token_path, token, ..
+    }) = &inp.tracer
+    {
+        side_files.push((token_path.clone(), token.clone()));
+    }
+    let (file_name, contents) = match tmpl {
+        None => {
+            let v = render_inputs(cfg, node, &inp);
+            (
+                "envoy-rev.json",
+                serde_json::to_string_pretty(&v).unwrap_or_default(),
+            )
+        }
+        Some(t) => {
+            let p = params::params(cfg, node, &inp);
+            (t.output_file_name(), t.render(&p)?)
+        }
+    };
+    Ok(Rendered {
+        file_name,
+        contents,
+        side_files,
+    })
+}
+
+/// Writes the bootstrap to `<configPath>/<file_name>` (resolved against `cwd`) and returns its
+/// path relative to the agent's working directory, as passed to Envoy. Side files (the
+/// Lightstep token) are written first, mode 0666 as Istio does.
+pub fn write(cfg: &Config, cwd: &Path, rendered: &Rendered) -> Result<PathBuf, BootstrapError> {
+    use std::os::unix::fs::PermissionsExt;
+    for (rel, text) in &rendered.side_files {
+        let abs = cwd.join(rel);
+        let w = || -> std::io::Result<()> {
+            if let Some(dir) = abs.parent() {
+                std::fs::create_dir_all(dir)?;
+            }
+            std::fs::write(&abs, text)?;
+            std::fs::set_permissions(&abs, std::fs::Permissions::from_mode(0o666))
+        };
+        w().map_err(|source| BootstrapError::Write {
+            path: abs.clone(),
+            source,
+        })?;
+    }
+    let rel = cfg.proxy_config.config_path.join(rendered.file_name);
     let abs = cwd.join(&rel);
     let write = || -> std::io::Result<()> {
         if let Some(dir) = abs.parent() {
             std::fs::create_dir_all(dir)?;
         }
-        let tmp = abs.with_extension("json.tmp");
-        std::fs::write(
-            &tmp,
-            serde_json::to_vec_pretty(bootstrap).map_err(std::io::Error::other)?,
-        )?;
+        let tmp = abs.with_extension("tmp");
+        std::fs::write(&tmp, &rendered.contents)?;
         std::fs::rename(&tmp, &abs)
     };
     write().map_err(|source| BootstrapError::Write {

@@ -189,6 +189,8 @@ pub const PASSTHROUGH_FIELDS: &[&str] = &[
     "envoyMetricsService",
     "gatewayTopology",
     "fileFlushMinSizeKb",
+    "connectionSettings",
+    "statsCompression",
 ];
 
 impl Default for ProxyConfig {
