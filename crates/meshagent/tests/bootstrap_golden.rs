@@ -6,6 +6,8 @@
 //! Every case is compared structurally (JSON values: key order is irrelevant, list order
 //! matters as it does to Envoy) and then checked by the real Envoy with `--mode validate`.
 
+#![allow(clippy::unwrap_used)] // tests fail loudly by design
+
 use std::net::IpAddr;
 use std::path::Path;
 use std::process::Command;
