@@ -1051,3 +1051,87 @@ fn golden_bootstraps() {
     }
     assert!(failures.is_empty(), "{}", failures.join("\n\n"));
 }
+
+/// Inputs Istio's renderer cannot turn into a working bootstrap are startup errors that name
+/// the input and say what was expected.
+#[test]
+fn bad_inputs_are_startup_errors() {
+    let cases: Vec<(Case, &[&str])> =
+        vec![
+        (
+            Case::new("eviction_not_multiple")
+                .annotation("sidecar.istio.io/statsFlushInterval", "10s")
+                .annotation("sidecar.istio.io/statsEvictionInterval", "15s"),
+            &["sidecar.istio.io/statsEvictionInterval", "15s", "multiple", "10s"],
+        ),
+        (
+            Case::new("bad_flush").annotation("sidecar.istio.io/statsFlushInterval", "soon"),
+            &["sidecar.istio.io/statsFlushInterval", "soon", "duration"],
+        ),
+        (
+            Case::new("bad_buckets").annotation("sidecar.istio.io/statsHistogramBuckets", "[1,2]"),
+            &["sidecar.istio.io/statsHistogramBuckets", "JSON object"],
+        ),
+        (
+            Case::new("bad_lrs").env("ISTIO_META_LOAD_STATS_CONFIG_JSON", "{nope"),
+            &["LOAD_STATS_CONFIG_JSON", "{nope", "JSON object"],
+        ),
+        (
+            Case::new("bad_zipkin_address")
+                .env("PROXY_CONFIG", r#"{"tracing":{"zipkin":{"address":"zipkin"}}}"#),
+            &["tracing.zipkin.address", "\"zipkin\"", "host:port"],
+        ),
+        (
+            Case::new("host_ip_unset")
+                .env("PROXY_CONFIG", r#"{"tracing":{"datadog":{"address":"$(HOST_IP):8126"}}}"#),
+            &["tracing.datadog.address", "HOST_IP is not set"],
+        ),
+        (
+            Case::new("stackdriver")
+                .env("PROXY_CONFIG", r#"{"tracing":{"stackdriver":{}}}"#),
+            &["tracing.stackdriver", "OpenCensus"],
+        ),
+        (
+            Case::new("bad_tls_mode").env(
+                "PROXY_CONFIG",
+                r#"{"tracing":{"zipkin":{"address":"z:9411"},"tlsSettings":{"mode":"SOMETIMES"}}}"#,
+            ),
+            &["tlsSettings.mode", "SOMETIMES", "ISTIO_MUTUAL"],
+        ),
+    ];
+    for (case, want) in cases {
+        let dir = tempfile::tempdir().unwrap();
+        let cfg = load(&case, dir.path());
+        let node = Node::with_ips(&cfg, ips(&case)).unwrap();
+        let err = bootstrap::render(&cfg, &node)
+            .err()
+            .unwrap_or_else(|| panic!("{}: rendered without error", case.name))
+            .to_string();
+        for w in want {
+            assert!(err.contains(w), "{}: {err:?} lacks {w:?}", case.name);
+        }
+    }
+}
+
+/// Lightstep: the access token is written under configPath (0666), where the bootstrap points.
+#[test]
+fn lightstep_token_file() {
+    use std::os::unix::fs::PermissionsExt;
+    let case = Case::new("lightstep").env(
+        "PROXY_CONFIG",
+        r#"{"tracing":{"lightstep":{"address":"ls:8080","accessToken":"t0ken"}}}"#,
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = load(&case, dir.path());
+    let node = Node::with_ips(&cfg, ips(&case)).unwrap();
+    let r = bootstrap::generate(&cfg, &node, None).unwrap();
+    bootstrap::write(&cfg, dir.path(), &r).unwrap();
+    let token = dir
+        .path()
+        .join("etc/istio/proxy/lightstep_access_token.txt");
+    assert_eq!(std::fs::read_to_string(&token).unwrap(), "t0ken");
+    assert_eq!(
+        std::fs::metadata(&token).unwrap().permissions().mode() & 0o777,
+        0o666
+    );
+}
