@@ -1,6 +1,7 @@
 //! The parameters a custom bootstrap template sees: Istio's option names and value shapes
 //! (pkg/bootstrap/option/instances.go), from the same [`Inputs`] as the built-in renderer.
-//! Like Istio (`newOptionOrSkipIfZero`), empty values are left out, so `{{ if .x }}` is false.
+//! Like Istio (`newOptionOrSkipIfZero`), empty values are left out, so `{{ if .x }}` is false;
+//! lists are always present (possibly empty), so `range` over them works with gtmpl.
 
 use serde_json::{Map, Value, json};
 
@@ -107,7 +108,8 @@ pub fn params(cfg: &Config, node: &Node, inp: &Inputs) -> Map<String, Value> {
         let empty = match &v {
             Value::Null => true,
             Value::String(s) => s.is_empty(),
-            Value::Array(a) => a.is_empty(),
+            // Lists stay even when empty: gtmpl refuses to `range` over a missing value, where
+            // Go iterates zero times.
             Value::Object(o) => o.is_empty(),
             _ => false,
         };

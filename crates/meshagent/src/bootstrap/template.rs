@@ -7,8 +7,9 @@
 //! not provide is a startup error naming it and its line, not a silent `<no value>`.
 //!
 //! Known differences from Go's `text/template`, found by the tests below: `range` over a map
-//! visits keys in hash order (Go sorts them); `printf "%q"` does not quote; printing a whole
-//! map or list uses Rust's debug form; `slice` is not available.
+//! visits keys in hash order (Go sorts them); `range` over a missing value is an error (Go
+//! iterates zero times; list parameters are therefore always present); `printf "%q"` does not
+//! quote; printing a whole map or list uses Rust's debug form; `slice` is not available.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
