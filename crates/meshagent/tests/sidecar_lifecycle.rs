@@ -43,7 +43,14 @@ fn agent_env(status: u16, admin: u16, extra: &[(&str, String)]) -> Vec<(String, 
 }
 
 fn start_agent(proxy_type: &str, extra: &[(&str, String)]) -> AgentUnderTest {
-    let cwd = tempfile::tempdir().unwrap();
+    start_agent_in(tempfile::tempdir().unwrap(), proxy_type, extra)
+}
+
+fn start_agent_in(
+    cwd: tempfile::TempDir,
+    proxy_type: &str,
+    extra: &[(&str, String)],
+) -> AgentUnderTest {
     let status = free_port();
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_meshagent"));
     cmd.args([
@@ -215,6 +222,43 @@ async fn quitquitquit_from_loopback_stops_everything() {
     let st = wait_exit(&mut a.proc, Duration::from_secs(5)).await;
     assert!(st.success(), "{st:?}");
     assert!(!Path::new(&format!("/proc/{envoy}")).exists());
+}
+
+/// Under a working directory so long that the absolute socket paths exceed a socket
+/// address (108 bytes), the SDS and XDS sockets still bind (relative to the working directory,
+/// as Istio binds them) and Envoy starts on them.
+#[tokio::test(flavor = "multi_thread")]
+async fn sidecar_starts_under_a_long_working_directory() {
+    let base = tempfile::tempdir().unwrap();
+    let long = base.path().join("a".repeat(60)).join("b".repeat(60));
+    std::fs::create_dir_all(&long).unwrap();
+    let sds = long.join("var/run/secrets/workload-spiffe-uds/socket");
+    assert!(sds.as_os_str().len() > 108, "{}", sds.display());
+    // A TempDir handle that removes `base` with the agent's directory.
+    let cwd = tempfile::Builder::new().tempdir_in(&long).unwrap();
+    let mut a = start_agent_in(cwd, "sidecar", &[]);
+    let status = a.status;
+    wait_for(
+        "Envoy up behind the agent (readiness reason from Envoy)",
+        DEADLINE,
+        || async move {
+            match http_get(status, "/healthz/ready").await {
+                Ok((503, body)) if body.contains("config not received") => Some(()),
+                _ => None,
+            }
+        },
+    )
+    .await;
+    assert!(
+        a.cwd
+            .path()
+            .join("var/run/secrets/workload-spiffe-uds/socket")
+            .exists()
+    );
+    assert!(a.cwd.path().join("etc/istio/proxy/XDS").exists());
+    signal(a.proc.pid(), "-TERM");
+    let st = wait_exit(&mut a.proc, Duration::from_secs(10)).await;
+    assert!(st.success(), "{st:?}");
 }
 
 /// Every generated bootstrap variant passes `envoy --mode validate`.
