@@ -10,7 +10,9 @@
 #![allow(clippy::unwrap_used, clippy::print_stdout)] // a benchmark binary, not the agent
 
 use std::path::Path;
-use std::time::{Duration, Instant};
+use std::time::Duration;
+
+use tokio::time::Instant;
 
 use meshagent::bootstrap::{self, Node, template::Template};
 use meshagent::config::{self, MapEnv, ProxyFlags};
