@@ -261,6 +261,62 @@ async fn sidecar_starts_under_a_long_working_directory() {
     assert!(st.success(), "{st:?}");
 }
 
+/// `ISTIO_BOOTSTRAP` names a custom template: the agent renders it (here the project's own
+/// template of the default bootstrap) and Envoy runs on the result.
+#[tokio::test(flavor = "multi_thread")]
+async fn sidecar_runs_on_a_custom_template() {
+    let tmpl = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/default_bootstrap.json.tmpl");
+    let mut a = start_agent(
+        "sidecar",
+        &[("ISTIO_BOOTSTRAP", tmpl.display().to_string())],
+    );
+    let status = a.status;
+    wait_for(
+        "Envoy up on the template's bootstrap",
+        DEADLINE,
+        || async move {
+            match http_get(status, "/healthz/ready").await {
+                Ok((503, body)) if body.contains("config not received") => Some(()),
+                _ => None,
+            }
+        },
+    )
+    .await;
+    let b: serde_json::Value = serde_json::from_slice(
+        &std::fs::read(a.cwd.path().join("etc/istio/proxy/envoy-rev.json")).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(
+        b["node"]["id"],
+        "sidecar~127.0.0.1~app-7d9f.default~default.svc.cluster.local"
+    );
+    signal(a.proc.pid(), "-TERM");
+    let st = wait_exit(&mut a.proc, Duration::from_secs(10)).await;
+    assert!(st.success(), "{st:?}");
+}
+
+/// A custom template calling a function meshagent does not provide stops the agent at startup
+/// with the template, the line and the function named.
+#[test]
+fn custom_template_with_unknown_function_is_a_startup_error() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(
+        dir.path().join("t.json"),
+        "{\n  \"node\": {\"id\": \"{{ sha1sum .nodeID }}\"}\n}\n",
+    )
+    .unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_meshagent"))
+        .args(["proxy", "sidecar"])
+        .current_dir(dir.path())
+        .env_clear()
+        .envs([("ISTIO_BOOTSTRAP", "t.json"), ("POD_NAMESPACE", "ns")])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("t.json:2") && err.contains("sha1sum"), "{err}");
+}
+
 /// Every generated bootstrap variant passes `envoy --mode validate`.
 #[test]
 fn generated_bootstraps_validate() {
