@@ -695,9 +695,12 @@ pub struct Rendered {
 
 /// Which template renders the bootstrap: an explicit custom template, else the built-in
 /// renderer. Precedence: `ISTIO_BOOTSTRAP` > ProxyConfig `proxyBootstrapTemplatePath`
-/// (`--templateFile`) (pkg/bootstrap/instance.go `WriteTo`; `customConfigFile` is handled by
-/// the caller, which then renders nothing).
+/// (`--templateFile`) (pkg/bootstrap/instance.go `WriteTo`). With ProxyConfig
+/// `customConfigFile` nothing is rendered: that file is Envoy's config as is (pkg/envoy).
 pub fn template_path(cfg: &Config) -> Option<(PathBuf, &'static str)> {
+    if !cfg.proxy_config.custom_config_file.as_os_str().is_empty() {
+        return None;
+    }
     if let Some(p) = &cfg.bootstrap.template_override {
         return Some((p.clone(), "ISTIO_BOOTSTRAP"));
     }
