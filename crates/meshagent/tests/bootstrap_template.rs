@@ -112,11 +112,18 @@ fn unknown_function_is_an_error_with_its_line() {
 
 #[test]
 fn unknown_parameter_is_an_error_with_its_line() {
-    let src = "{\n\n  {{- if .stackdriver }}x{{ end }}\n}";
+    let src = "{\n\n  {{- if .stackdriverr }}x{{ end }}\n}";
     let e = Template::parse(src, Path::new("t.json"))
         .unwrap_err()
         .to_string();
-    assert!(e.contains("t.json:3") && e.contains(".stackdriver"), "{e}");
+    assert!(e.contains("t.json:3") && e.contains(".stackdriverr"), "{e}");
+    // Istio's names for features meshagent does not configure are known and empty.
+    let t = Template::parse(
+        "{{ if .stackdriver }}s{{ else }}none{{ end }}",
+        Path::new("t"),
+    )
+    .unwrap();
+    assert_eq!(t.render(&serde_json::Map::new()).unwrap(), "none");
     // Inside range/with the dot is rebound: `.x` is the element's field, not a parameter...
     assert!(
         Template::parse(

@@ -64,6 +64,23 @@ pub const NAMES: &[&str] = &[
     "histogram_buckets",
     "stats_flush_interval",
     "stats_eviction_interval",
+    "enable_self_discovery",
+    "sts",
+    // Istio's names for features meshagent refuses at startup (OpenCensus-based tracers) or
+    // never configures: always absent, so `{{ if .x }}` is false as in Istio when unset.
+    "stackdriver",
+    "stackdriverProjectID",
+    "stackdriverDebug",
+    "stackdriverMaxAnnotations",
+    "stackdriverMaxAttributes",
+    "stackdriverMaxEvents",
+    "openCensusAgent",
+    "openCensusAgentContexts",
+    "gcp_project_id",
+    "gcp_project_number",
+    "pilot_grpc_address",
+    "xds_root_cert",
+    "custom_file_path",
 ];
 
 /// ProxyConfig as the template's `.config`: Go field names (`.config.ProxyAdminPort`,
@@ -221,9 +238,14 @@ pub fn params(cfg: &Config, node: &Node, inp: &Inputs) -> Map<String, Value> {
         "global_downstream_max_connections",
         json!(inp.global_downstream_max_connections),
     );
+    put("sts", json!(cfg.flags.sts_port != 0));
     if cfg.flags.sts_port != 0 {
         put("sts_port", json!(cfg.flags.sts_port));
     }
+    put(
+        "enable_self_discovery",
+        json!(cfg.bootstrap.enable_self_discovery),
+    );
     put(
         "metrics_localhost_access_only",
         json!(inp.metrics_localhost_only),
