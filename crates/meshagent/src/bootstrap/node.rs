@@ -560,6 +560,40 @@ mod tests {
     }
 
     #[test]
+    fn proxy_config_json_drops_zero_values_and_keeps_set_wrappers() {
+        let mut pc = crate::config::ProxyConfig {
+            concurrency: Some(0),
+            interception_mode: crate::config::InterceptionMode::Tproxy,
+            ..Default::default()
+        };
+        pc.passthrough
+            .insert("statsCompression".into(), json!(false));
+        let v = proxy_config_json(&pc);
+        let m = v.as_object().unwrap();
+        assert_eq!(m["concurrency"], json!(0));
+        assert_eq!(m["statsCompression"], json!(false));
+        assert_eq!(m["interceptionMode"], json!("TPROXY"));
+        for absent in [
+            "statsdUdpAddress",
+            "customConfigFile",
+            "proxyBootstrapTemplatePath",
+            "extraStatTags",
+            "proxyMetadata",
+            "runtimeValues",
+            "caCertificatesPem",
+            "meshId",
+        ] {
+            assert!(!m.contains_key(absent), "{absent} in {v}");
+        }
+        // REDIRECT is the enum's zero value: absent.
+        let v = proxy_config_json(&crate::config::ProxyConfig::default());
+        assert!(
+            v.get("interceptionMode").is_none() && v.get("concurrency").is_none(),
+            "{v}"
+        );
+    }
+
+    #[test]
     fn pod_ports_must_be_a_json_array_string() {
         let mut m = Map::new();
         m.insert("POD_PORTS".into(), json!("[{\"containerPort\":80}]"));
