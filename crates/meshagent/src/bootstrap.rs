@@ -353,7 +353,18 @@ pub fn check_template(
     cwd: &Path,
 ) -> Result<Option<template::Template>, BootstrapError> {
     match template_path(cfg) {
-        None => Ok(None),
+        None => {
+            if cfg.proxy_config.custom_config_file.as_os_str().is_empty()
+                && cwd.join(IMAGE_TEMPLATE_PATH).exists()
+            {
+                ::tracing::info!(
+                    template = IMAGE_TEMPLATE_PATH,
+                    "not rendering the image's bootstrap template: the built-in renderer \
+                     produces Istio's default bootstrap (set ISTIO_BOOTSTRAP to render a template)"
+                );
+            }
+            Ok(None)
+        }
         Some((path, origin)) => Ok(Some(template::Template::load(
             &cwd.join(&path),
             &path,
