@@ -1035,8 +1035,8 @@ fn golden_bootstraps() {
         let file = bootstrap::write(&cfg, dir.path(), &rendered).unwrap();
         // istio.workload.BootstrapExtension exists only in Istio's Envoy build (istio/proxy),
         // not in upstream Envoy.
-        // Envoy 1.30 removed the Lightstep tracer: Istio's lightstep branch only validates with
-        // an Envoy built with it. Either way, nothing else may be rejected.
+        // Envoy 1.40 has no Lightstep tracer: Istio's lightstep branch only validates with an
+        // Envoy built with it. Either way, nothing else may be rejected.
         let accepted_rejection = match case.name {
             "metadata_discovery" => Some("istio.workload.BootstrapExtension"),
             "lightstep" => Some("'envoy.tracers.lightstep'"),

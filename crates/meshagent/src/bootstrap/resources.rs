@@ -70,6 +70,7 @@ pub(super) fn route(prefix: &str, cluster: &str) -> Value {
 }
 
 /// The Prometheus listener's compressors: brotli, zstd, gzip, for the stats content types.
+/// The `content_type` list is best effort: the references name four types but not which.
 pub(super) fn compressors() -> Vec<Value> {
     let content_types = json!([
         "text/plain",
@@ -94,7 +95,8 @@ pub(super) fn compressors() -> Vec<Value> {
 }
 
 /// An mTLS listener for the secure metrics ports: the workload certificate (`default`) and
-/// the mesh root (`ROOTCA`) over SDS, client certificate required.
+/// the mesh root (`ROOTCA`) over SDS, client certificate required. The stat prefixes and the
+/// TLS context layout are best effort (the references give only routes and secrets).
 pub(super) fn secure_metrics_listener(inp: &Inputs, port: u16, merged: bool) -> Value {
     let routes = if merged {
         json!([

@@ -52,7 +52,7 @@ pub fn tracer(cfg: &Config) -> Result<Option<Tracer>, BootstrapError> {
             .unwrap_or("")
             .to_owned();
         let token_path = cfg.proxy_config.config_path.join(LIGHTSTEP_TOKEN_FILE);
-        // Rendered as Istio renders it, but Envoy dropped its Lightstep tracer (1.30): such a
+        // Rendered as Istio renders it, but Envoy 1.40 has no Lightstep tracer: such a
         // bootstrap only starts an Envoy built with it.
         ::tracing::warn!(
             "ProxyConfig tracing.lightstep: Envoy 1.40 has no envoy.tracers.lightstep and will \
