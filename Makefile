@@ -71,6 +71,7 @@ bench: envoy agent netpeers
 	cargo bench -p meshagent --bench sds
 	cargo bench -p meshagent --bench xds
 	cargo bench -p meshagent --bench merge
+	cargo bench -p meshagent --bench bootstrap
 	MESHAGENT_BIN=$(AGENT_BIN) cargo bench -p meshagent --bench startup
 	MESHAGENT_BIN=$(AGENT_BIN) cargo bench -p meshagent --bench iptables
 

@@ -107,7 +107,7 @@ impl Agent {
         raise_fd_limit();
         let cfg = &self.config;
         crate::metrics::register_process_metrics(&self.registry)?;
-        bootstrap::check_template(cfg)?;
+        let template = bootstrap::check_template(cfg, &self.cwd)?;
         let node = Node::from_config(cfg)?;
         tracing::info!(node = %node.id, ips = ?node.ips, "proxy node");
         let admin = std::net::SocketAddr::new(node.localhost, cfg.proxy_config.proxy_admin_port);
@@ -241,7 +241,7 @@ impl Agent {
         let code = if envoy_enabled {
             let (config_file, generated) =
                 if cfg.proxy_config.custom_config_file.as_os_str().is_empty() {
-                    let rendered = bootstrap::render(cfg, &node);
+                    let rendered = bootstrap::generate(cfg, &node, template.as_ref())?;
                     let path = bootstrap::write(cfg, &self.cwd, &rendered)?;
                     (path.clone(), Some(self.cwd.join(path)))
                 } else {
@@ -346,7 +346,7 @@ pub(crate) fn bootstrap_override(cfg: &Config, cwd: &Path) -> Result<Option<Stri
         path: path.clone(),
         reason: e.to_string(),
     })?;
-    let text = text.replace("$(HOST_IP)", &cfg.pod.host_ip);
+    let text = bootstrap::expand_host_ip(&text, &cfg.pod.host_ip);
     let value: serde_json::Value = serde_yaml::from_str(&text).map_err(|e| AppError::Override {
         path: path.clone(),
         reason: format!("not YAML/JSON: {e}"),
@@ -371,6 +371,16 @@ fn envoy_args(
             .file_flush_interval
             .map(|d| d.get())
             .unwrap_or(std::time::Duration::from_secs(1)),
+        file_flush_min_size_kb: cfg
+            .proxy_config
+            .passthrough
+            .get("fileFlushMinSizeKb")
+            .and_then(|v| {
+                v.as_u64()
+                    .or_else(|| v.as_str().and_then(|s| s.parse().ok()))
+            })
+            .and_then(|v| u32::try_from(v).ok())
+            .unwrap_or(0),
         log_level: cfg.flags.proxy_log_level.clone(),
         component_log_level: cfg.flags.proxy_component_log_level.clone(),
         skip_deprecated_logs: cfg.bootstrap.envoy_skip_deprecated_logs,

@@ -34,13 +34,31 @@ pub enum SdsError {
     },
 }
 
+/// The path to bind a unix socket at: relative to the process's working directory when `path`
+/// is under it, as Istio binds `./var/run/...` and `./etc/istio/proxy/XDS`. A socket address
+/// holds at most 107 bytes (SUN_LEN), so an absolute path under a long working directory
+/// would not bind.
+pub fn bind_path(path: &Path) -> PathBuf {
+    if path.is_absolute()
+        && let Ok(cwd) = std::env::current_dir()
+        && let Ok(rel) = path.strip_prefix(&cwd)
+    {
+        return Path::new(".").join(rel);
+    }
+    path.to_path_buf()
+}
+
 /// Binds `path` (removing a stale socket, creating the directory, mode 0666). Retried up to 5
-/// times with 1 s doubling, as Istio does for a transiently busy path.
+/// times with 1 s doubling, as Istio does for a transiently busy path; an unusable path (e.g.
+/// too long for a socket address) fails at once.
 pub async fn bind(path: &Path) -> Result<UnixListener, SdsError> {
     let err = |source| SdsError::Socket {
         path: path.to_path_buf(),
         source,
     };
+    let shown = path;
+    let bound = bind_path(path);
+    let path = bound.as_path();
     if let Some(dir) = path.parent() {
         std::fs::create_dir_all(dir).map_err(err)?;
     }
@@ -48,7 +66,7 @@ pub async fn bind(path: &Path) -> Result<UnixListener, SdsError> {
     let mut attempt = 0;
     loop {
         match std::fs::remove_file(path) {
-            Ok(()) => tracing::debug!(path = %path.display(), "removed stale SDS socket"),
+            Ok(()) => tracing::debug!(path = %shown.display(), "removed stale SDS socket"),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
             Err(e) => return Err(err(e)),
         }
@@ -58,8 +76,8 @@ pub async fn bind(path: &Path) -> Result<UnixListener, SdsError> {
                     .map_err(err)?;
                 return Ok(l);
             }
-            Err(e) if attempt < 5 => {
-                tracing::warn!(path = %path.display(), error = %e, retry_in = ?delay, "cannot listen for SDS; retrying");
+            Err(e) if attempt < 5 && e.kind() != std::io::ErrorKind::InvalidInput => {
+                tracing::warn!(path = %shown.display(), error = %e, retry_in = ?delay, "cannot listen for SDS; retrying");
                 attempt += 1;
                 tokio::time::sleep(delay).await;
                 delay *= 2;

@@ -397,13 +397,15 @@ fn bind(path: &Path) -> Result<tokio::net::UnixListener, XdsError> {
         path: path.to_path_buf(),
         source,
     };
-    match std::fs::remove_file(path) {
+    // Relative to the working directory, as Istio binds it (SUN_LEN: see `sds::bind_path`).
+    let bound = crate::sds::bind_path(path);
+    match std::fs::remove_file(&bound) {
         Ok(()) => tracing::debug!(socket = %path.display(), "removed stale xDS socket"),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
         Err(e) => return Err(listen_err(e)),
     }
-    let l = tokio::net::UnixListener::bind(path).map_err(listen_err)?;
-    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o666)).map_err(listen_err)?;
+    let l = tokio::net::UnixListener::bind(&bound).map_err(listen_err)?;
+    std::fs::set_permissions(&bound, std::fs::Permissions::from_mode(0o666)).map_err(listen_err)?;
     Ok(l)
 }
 

@@ -43,12 +43,28 @@ fn agent_env(status: u16, admin: u16, extra: &[(&str, String)]) -> Vec<(String, 
 }
 
 fn start_agent(proxy_type: &str, extra: &[(&str, String)]) -> AgentUnderTest {
-    start_agent_via(&[], proxy_type, extra)
+    start_agent_in_via(tempfile::tempdir().unwrap(), &[], proxy_type, extra)
+}
+
+fn start_agent_in(
+    cwd: tempfile::TempDir,
+    proxy_type: &str,
+    extra: &[(&str, String)],
+) -> AgentUnderTest {
+    start_agent_in_via(cwd, &[], proxy_type, extra)
 }
 
 /// [`start_agent`] through a wrapper command that execs the agent (e.g. `prlimit … --`).
 fn start_agent_via(wrapper: &[&str], proxy_type: &str, extra: &[(&str, String)]) -> AgentUnderTest {
-    let cwd = tempfile::tempdir().unwrap();
+    start_agent_in_via(tempfile::tempdir().unwrap(), wrapper, proxy_type, extra)
+}
+
+fn start_agent_in_via(
+    cwd: tempfile::TempDir,
+    wrapper: &[&str],
+    proxy_type: &str,
+    extra: &[(&str, String)],
+) -> AgentUnderTest {
     let status = free_port();
     let agent = env!("CARGO_BIN_EXE_meshagent");
     let mut cmd = match wrapper.split_first() {
@@ -241,6 +257,99 @@ async fn quitquitquit_from_loopback_stops_everything() {
     assert!(!Path::new(&format!("/proc/{envoy}")).exists());
 }
 
+/// Under a working directory so long that the absolute socket paths exceed a socket
+/// address (108 bytes), the SDS and XDS sockets still bind (relative to the working directory,
+/// as Istio binds them) and Envoy starts on them.
+#[tokio::test(flavor = "multi_thread")]
+async fn sidecar_starts_under_a_long_working_directory() {
+    let base = tempfile::tempdir().unwrap();
+    let long = base.path().join("a".repeat(60)).join("b".repeat(60));
+    std::fs::create_dir_all(&long).unwrap();
+    let sds = long.join("var/run/secrets/workload-spiffe-uds/socket");
+    assert!(sds.as_os_str().len() > 108, "{}", sds.display());
+    // A TempDir handle that removes `base` with the agent's directory.
+    let cwd = tempfile::Builder::new().tempdir_in(&long).unwrap();
+    let mut a = start_agent_in(cwd, "sidecar", &[]);
+    let status = a.status;
+    wait_for(
+        "Envoy up behind the agent (readiness reason from Envoy)",
+        DEADLINE,
+        || async move {
+            match http_get(status, "/healthz/ready").await {
+                Ok((503, body)) if body.contains("config not received") => Some(()),
+                _ => None,
+            }
+        },
+    )
+    .await;
+    assert!(
+        a.cwd
+            .path()
+            .join("var/run/secrets/workload-spiffe-uds/socket")
+            .exists()
+    );
+    assert!(a.cwd.path().join("etc/istio/proxy/XDS").exists());
+    signal(a.proc.pid(), "-TERM");
+    let st = wait_exit(&mut a.proc, Duration::from_secs(10)).await;
+    assert!(st.success(), "{st:?}");
+}
+
+/// `ISTIO_BOOTSTRAP` names a custom template: the agent renders it (here the project's own
+/// template of the default bootstrap) and Envoy runs on the result.
+#[tokio::test(flavor = "multi_thread")]
+async fn sidecar_runs_on_a_custom_template() {
+    let tmpl = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/data/default_bootstrap.json.tmpl");
+    let mut a = start_agent(
+        "sidecar",
+        &[("ISTIO_BOOTSTRAP", tmpl.display().to_string())],
+    );
+    let status = a.status;
+    wait_for(
+        "Envoy up on the template's bootstrap",
+        DEADLINE,
+        || async move {
+            match http_get(status, "/healthz/ready").await {
+                Ok((503, body)) if body.contains("config not received") => Some(()),
+                _ => None,
+            }
+        },
+    )
+    .await;
+    let b: serde_json::Value = serde_json::from_slice(
+        &std::fs::read(a.cwd.path().join("etc/istio/proxy/envoy-rev.json")).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(
+        b["node"]["id"],
+        "sidecar~127.0.0.1~app-7d9f.default~default.svc.cluster.local"
+    );
+    signal(a.proc.pid(), "-TERM");
+    let st = wait_exit(&mut a.proc, Duration::from_secs(10)).await;
+    assert!(st.success(), "{st:?}");
+}
+
+/// A custom template calling a function meshagent does not provide stops the agent at startup
+/// with the template, the line and the function named.
+#[test]
+fn custom_template_with_unknown_function_is_a_startup_error() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(
+        dir.path().join("t.json"),
+        "{\n  \"node\": {\"id\": \"{{ sha1sum .nodeID }}\"}\n}\n",
+    )
+    .unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_meshagent"))
+        .args(["proxy", "sidecar"])
+        .current_dir(dir.path())
+        .env_clear()
+        .envs([("ISTIO_BOOTSTRAP", "t.json"), ("POD_NAMESPACE", "ns")])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("t.json:2") && err.contains("sha1sum"), "{err}");
+}
+
 /// Every generated bootstrap variant passes `envoy --mode validate`.
 #[test]
 fn generated_bootstraps_validate() {
@@ -282,7 +391,7 @@ fn generated_bootstraps_validate() {
         };
         let cfg = config::load(&flags, &MapEnv::from_pairs(e), dir.path()).unwrap();
         let node = meshagent::bootstrap::Node::from_config(&cfg).unwrap();
-        let b = meshagent::bootstrap::render(&cfg, &node);
+        let b = meshagent::bootstrap::generate(&cfg, &node, None).unwrap();
         let path = meshagent::bootstrap::write(&cfg, dir.path(), &b).unwrap();
         let out = Command::new(envoy_bin())
             .args([
@@ -301,7 +410,7 @@ fn generated_bootstraps_validate() {
             out.status.success(),
             "{ty:?} {env:?}: {}\n{}",
             String::from_utf8_lossy(&out.stderr),
-            serde_json::to_string_pretty(&b).unwrap()
+            b.contents
         );
     }
 }

@@ -208,17 +208,20 @@ pub fn metadata(cfg: &Config, ips: &[IpAddr]) -> Result<Map<String, Value>, Node
                 origin: origin.clone(),
                 reason: format!("expected a JSON object: {e}"),
             })?;
-        if k == "LABELS" {
-            meta.insert("LABELS".into(), Value::Object(obj.clone()));
-            meta.insert("STATIC_LABELS".into(), Value::Object(obj));
-            origins.insert("LABELS".into(), origin);
-        } else {
-            for (kk, vv) in obj {
-                origins.insert(kk.clone(), origin.clone());
-                meta.insert(kk, vv);
-            }
+        // Every object is merged at the top level (pkg/bootstrap/config.go `GetNodeMetaData`);
+        // ISTIO_METAJSON_LABELS also becomes LABELS and STATIC_LABELS
+        // (`extractAttributesMetadata`), below.
+        for (kk, vv) in &obj {
+            origins.insert(kk.clone(), origin.clone());
+            meta.insert(kk.clone(), vv.clone());
         }
     }
+    let static_labels: Option<Map<String, Value>> = cfg
+        .bootstrap
+        .node_meta_json
+        .get("LABELS")
+        .and_then(|raw| serde_json::from_str::<Map<String, Value>>(raw).ok())
+        .filter(|m| !m.is_empty());
     if cfg.dns.proxy_addr_set {
         meta.insert(
             "DNS_PROXY_ADDR".into(),
@@ -231,6 +234,10 @@ pub fn metadata(cfg: &Config, ips: &[IpAddr]) -> Result<Map<String, Value>, Node
             .cloned()
             .unwrap_or_else(|| "node metadata".into())
     })?;
+    // Istio decodes these raw values into typed fields, sets its own, marshals the typed struct
+    // (`omitempty`) and adds back every raw key the typed output lacks
+    // (pkg/bootstrap/option/convert.go `nodeMetadataConverter`).
+    let raw = meta.clone();
 
     let s = |v: &str| Value::String(v.to_owned());
     let b = |v: bool| Value::String(v.to_string());
@@ -277,33 +284,21 @@ pub fn metadata(cfg: &Config, ips: &[IpAddr]) -> Result<Map<String, Value>, Node
         "WORKLOAD_IDENTITY_SOCKET_FILE".into(),
         s(&cfg.identity.workload_identity_socket_file),
     );
-    meta.insert(
-        "PROXY_CONFIG".into(),
-        serde_json::to_value(&cfg.proxy_config).unwrap_or(Value::Null),
-    );
-    let mut labels: Map<String, Value> = meta
-        .get("LABELS")
-        .and_then(Value::as_object)
-        .cloned()
-        .unwrap_or_default();
+    meta.insert("PROXY_CONFIG".into(), proxy_config_json(&cfg.proxy_config));
+    // LABELS: the static labels, then the pod labels file without `pod-template-hash`; label
+    // values are kept as given (pkg/bootstrap/config.go `GetNodeMetaData`).
+    let mut labels: Map<String, Value> = static_labels.clone().unwrap_or_default();
     for (k, v) in &cfg.pod_labels {
         if k != "pod-template-hash" {
             labels.insert(k.clone(), s(v));
         }
     }
-    // Locality from the topology label; Istio stores it back with slashes.
-    if let Some(loc) = labels
-        .get("topology.istio.io/locality")
-        .or_else(|| labels.get("istio-locality"))
-        .and_then(Value::as_str)
-        .map(|l| l.replace('.', "/"))
+    meta.insert("LABELS".into(), Value::Object(labels));
+    meta.insert(
+        "STATIC_LABELS".into(),
+        Value::Object(static_labels.unwrap_or_default()),
+    );
     {
-        labels.insert("topology.istio.io/locality".into(), s(&loc));
-    }
-    if !labels.is_empty() {
-        meta.insert("LABELS".into(), Value::Object(labels));
-    }
-    if !cfg.pod_annotations.is_empty() {
         meta.insert(
             "ANNOTATIONS".into(),
             Value::Object(
@@ -331,19 +326,145 @@ pub fn metadata(cfg: &Config, ips: &[IpAddr]) -> Result<Map<String, Value>, Node
         };
         meta.insert("PILOT_SAN".into(), json!([san]));
     }
-    if !cfg.flags.outlier_log_path.is_empty() {
-        meta.insert("OUTLIER_LOG_PATH".into(), s(&cfg.flags.outlier_log_path));
-    }
+    meta.insert("OUTLIER_LOG_PATH".into(), s(&cfg.flags.outlier_log_path));
+    omit_empty(&mut meta, &raw);
     Ok(meta)
 }
 
-/// Locality `{region, zone, sub_zone}` from the `topology.istio.io/locality` label.
+/// Istio's typed node metadata keys (pkg/model/proxy.go `NodeMetadata`, JSON names): all are
+/// `omitempty`, so an empty string, `false` StringBool, 0, or empty map/list is not emitted.
+const TYPED_KEYS: &[&str] = &[
+    "PROXY_CONFIG",
+    "ISTIO_VERSION",
+    "ISTIO_REVISION",
+    "LABELS",
+    "STATIC_LABELS",
+    "ANNOTATIONS",
+    "INSTANCE_IPS",
+    "NAMESPACE",
+    "NODE_NAME",
+    "WORKLOAD_NAME",
+    "INTERCEPTION_MODE",
+    "SERVICE_ACCOUNT",
+    "HTTP_PROXY_PORT",
+    "MESH_ID",
+    "CLUSTER_ID",
+    "NETWORK",
+    "REQUESTED_NETWORK_VIEW",
+    "POD_PORTS",
+    "TLS_SERVER_CERT_CHAIN",
+    "TLS_SERVER_KEY",
+    "TLS_SERVER_ROOT_CERT",
+    "TLS_CLIENT_CERT_CHAIN",
+    "TLS_CLIENT_KEY",
+    "TLS_CLIENT_ROOT_CERT",
+    "BASE",
+    "IDLE_TIMEOUT",
+    "HTTP10",
+    "GENERATOR",
+    "ENABLE_SELF_DISCOVERY",
+    "DNS_CAPTURE",
+    "DNS_AUTO_ALLOCATE",
+    "DNS_PROXY_ADDR",
+    "ENABLE_HBONE",
+    "DISABLE_HBONE_SEND",
+    "AUTO_REGISTER_GROUP",
+    "WORKLOAD_ENTRY",
+    "UNPRIVILEGED_POD",
+    "PLATFORM_METADATA",
+    "STS_PORT",
+    "ENVOY_STATUS_PORT",
+    "ENVOY_PROMETHEUS_PORT",
+    "ENVOY_SECURE_METRICS_PORT",
+    "ENVOY_SECURE_MERGED_METRICS_PORT",
+    "EXIT_ON_ZERO_ACTIVE_CONNECTIONS",
+    "INBOUND_LISTENER_EXACT_BALANCE",
+    "OUTBOUND_LISTENER_EXACT_BALANCE",
+    "CLOUDRUN_ADDR",
+    "ENVOY_SKIP_DEPRECATED_LOGS",
+    "WORKLOAD_IDENTITY_SOCKET_FILE",
+    "NAME",
+    "OWNER",
+    "PILOT_SAN",
+    "OUTLIER_LOG_PATH",
+    "APP_CONTAINERS",
+    "ISTIO_PROXY_SHA",
+];
+
+/// Drops typed keys whose value is empty (Go `omitempty`), then restores the raw value of any
+/// dropped key the raw metadata had. `METADATA_DISCOVERY` is a pointer in Istio, so
+/// `"false"` stays.
+fn omit_empty(meta: &mut Map<String, Value>, raw: &Map<String, Value>) {
+    let empty = |k: &str, v: &Value| match v {
+        Value::Null => true,
+        Value::String(s) => s.is_empty() || (s == "false" && STRING_BOOL_KEYS.contains(&k)),
+        Value::Bool(b) => !b,
+        Value::Number(n) => n.as_f64() == Some(0.0),
+        Value::Array(a) => a.is_empty(),
+        Value::Object(o) => o.is_empty(),
+    };
+    for k in TYPED_KEYS {
+        if meta.get(*k).is_some_and(|v| empty(k, v)) {
+            match raw.get(*k) {
+                Some(v) => {
+                    meta.insert((*k).to_owned(), v.clone());
+                }
+                None => {
+                    meta.remove(*k);
+                }
+            }
+        }
+    }
+}
+
+/// ProxyConfig fields that are protobuf wrappers (`google.protobuf.*Value`): proto-JSON emits
+/// them whenever they are set, zero included.
+const PROXY_CONFIG_WRAPPERS: &[&str] = &[
+    "concurrency",
+    "holdApplicationUntilProxyStarts",
+    "statsCompression",
+];
+
+/// The ProxyConfig as Istio's `protomarshal.Marshal` writes it: proto-JSON, so scalar fields
+/// at their zero value (`""`, 0, false, empty lists and maps, enum value 0) are absent.
+pub fn proxy_config_json(pc: &crate::config::ProxyConfig) -> Value {
+    let Ok(Value::Object(mut m)) = serde_json::to_value(pc) else {
+        return Value::Object(Map::new());
+    };
+    m.retain(|k, v| {
+        if PROXY_CONFIG_WRAPPERS.contains(&k.as_str()) {
+            return !v.is_null();
+        }
+        match v {
+            Value::Null => false,
+            // Enum zero values: InboundInterceptionMode REDIRECT, AuthenticationPolicy NONE.
+            Value::String(s) => !matches!(
+                (k.as_str(), s.as_str()),
+                (_, "") | ("interceptionMode", "REDIRECT") | ("controlPlaneAuthPolicy", "NONE")
+            ),
+            Value::Bool(b) => *b,
+            Value::Number(n) => n.as_f64() != Some(0.0),
+            Value::Array(a) => !a.is_empty(),
+            Value::Object(o) => !o.is_empty(),
+        }
+    });
+    Value::Object(m)
+}
+
+/// Locality `{region, zone, sub_zone}` from the `topology.istio.io/locality` label, else the
+/// legacy `istio-locality` label with dots read as slashes (pkg/model `GetLocalityLabel`,
+/// `ConvertLocality`).
 pub fn locality(meta: &Map<String, Value>) -> Value {
-    let loc = meta
-        .get("LABELS")
-        .and_then(|l| l.get("topology.istio.io/locality"))
-        .and_then(Value::as_str)
-        .unwrap_or("");
+    let label = |k: &str| {
+        meta.get("LABELS")
+            .and_then(|l| l.get(k))
+            .and_then(Value::as_str)
+            .filter(|s| !s.is_empty())
+    };
+    let loc = label("topology.istio.io/locality")
+        .map(str::to_owned)
+        .or_else(|| label("istio-locality").map(|l| l.replace('.', "/")))
+        .unwrap_or_default();
     let mut parts = loc.splitn(3, '/');
     let mut out = Map::new();
     for key in ["region", "zone", "sub_zone"] {
@@ -357,25 +478,47 @@ pub fn locality(meta: &Map<String, Value>) -> Value {
 /// Node `cluster`: serviceCluster unless it is the default, else the app label (or
 /// `WORKLOAD_NAME`, or `istio-proxy`) with the namespace.
 pub fn cluster(cfg: &Config, meta: &Map<String, Value>) -> String {
-    let sc = &cfg.proxy_config.service_cluster;
-    if !sc.is_empty() && sc != "istio-proxy" {
-        return sc.clone();
-    }
     let label = |k: &str| {
         meta.get("LABELS")
             .and_then(|l| l.get(k))
             .and_then(Value::as_str)
             .map(str::to_owned)
     };
+    let workload = || {
+        meta.get("WORKLOAD_NAME")
+            .and_then(Value::as_str)
+            .map(str::to_owned)
+    };
+    // pkg/bootstrap/config.go `getServiceCluster`: the tracingServiceName variants use the
+    // canonical service name (pkg/config/labels `CanonicalService`).
+    let canonical = || {
+        label("service.istio.io/canonical-name")
+            .or_else(|| label("app.kubernetes.io/name"))
+            .or_else(|| label("app"))
+            .or_else(workload)
+            .unwrap_or_default()
+    };
+    let sc = match cfg.proxy_config.tracing_service_name.as_deref() {
+        Some("CANONICAL_NAME_ONLY") => canonical(),
+        Some("CANONICAL_NAME_AND_NAMESPACE") if !cfg.pod.namespace.is_empty() => {
+            return format!("{}.{}", canonical(), cfg.pod.namespace);
+        }
+        Some("CANONICAL_NAME_AND_NAMESPACE") => canonical(),
+        Some(_) => String::new(),
+        None => cfg.proxy_config.service_cluster.clone(),
+    };
+    if !sc.is_empty() && sc != "istio-proxy" {
+        return sc;
+    }
     let name = label("app")
         .or_else(|| label("app.kubernetes.io/name"))
-        .or_else(|| {
-            meta.get("WORKLOAD_NAME")
-                .and_then(Value::as_str)
-                .map(str::to_owned)
-        })
-        .unwrap_or_else(|| "istio-proxy".into());
-    format!("{name}.{}", cfg.pod.namespace)
+        .or_else(workload)
+        .or_else(|| (!cfg.pod.namespace.is_empty()).then(|| "istio-proxy".into()));
+    match name {
+        Some(name) => format!("{name}.{}", cfg.pod.namespace),
+        // pkg/bootstrap/config.go `serviceClusterOrDefault`: no namespace, no suffix.
+        None => "istio-proxy".into(),
+    }
 }
 
 #[cfg(test)]
@@ -414,6 +557,40 @@ mod tests {
         assert_eq!(localhost_for(&none, None), IpAddr::from([127, 0, 0, 1]));
         let v6: Vec<IpAddr> = vec!["fd00::1".parse().unwrap()];
         assert!(localhost_for(&v6, None).is_ipv6());
+    }
+
+    #[test]
+    fn proxy_config_json_drops_zero_values_and_keeps_set_wrappers() {
+        let mut pc = crate::config::ProxyConfig {
+            concurrency: Some(0),
+            interception_mode: crate::config::InterceptionMode::Tproxy,
+            ..Default::default()
+        };
+        pc.passthrough
+            .insert("statsCompression".into(), json!(false));
+        let v = proxy_config_json(&pc);
+        let m = v.as_object().unwrap();
+        assert_eq!(m["concurrency"], json!(0));
+        assert_eq!(m["statsCompression"], json!(false));
+        assert_eq!(m["interceptionMode"], json!("TPROXY"));
+        for absent in [
+            "statsdUdpAddress",
+            "customConfigFile",
+            "proxyBootstrapTemplatePath",
+            "extraStatTags",
+            "proxyMetadata",
+            "runtimeValues",
+            "caCertificatesPem",
+            "meshId",
+        ] {
+            assert!(!m.contains_key(absent), "{absent} in {v}");
+        }
+        // REDIRECT is the enum's zero value: absent.
+        let v = proxy_config_json(&crate::config::ProxyConfig::default());
+        assert!(
+            v.get("interceptionMode").is_none() && v.get("concurrency").is_none(),
+            "{v}"
+        );
     }
 
     #[test]

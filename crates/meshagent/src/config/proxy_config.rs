@@ -177,18 +177,22 @@ pub struct ProxyConfig {
     /// Proxy image settings, passed through.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub image: Option<Value>,
-    /// Other ProxyConfig fields Istio defines but the agent does not
-    /// interpret (see [`PASSTHROUGH_FIELDS`]); kept verbatim.
+    /// Other ProxyConfig fields Istio defines, kept verbatim as JSON (see
+    /// [`PASSTHROUGH_FIELDS`] for who reads them).
     #[serde(flatten)]
     pub passthrough: BTreeMap<String, Value>,
 }
 
-/// Real ProxyConfig fields that are accepted silently and kept as JSON.
+/// Real ProxyConfig fields kept as JSON (and in `PROXY_CONFIG` metadata as given). The
+/// bootstrap reads `envoyMetricsService`, `envoyAccessLogService`, `connectionSettings` and
+/// `statsCompression`; Envoy's argv reads `fileFlushMinSizeKb`.
 pub const PASSTHROUGH_FIELDS: &[&str] = &[
     "envoyAccessLogService",
     "envoyMetricsService",
     "gatewayTopology",
     "fileFlushMinSizeKb",
+    "connectionSettings",
+    "statsCompression",
 ];
 
 impl Default for ProxyConfig {

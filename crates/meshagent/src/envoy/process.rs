@@ -13,6 +13,8 @@ pub struct EnvoyArgs {
     pub drain_duration: Duration,
     pub ipv6: bool,
     pub file_flush_interval: Duration,
+    /// ProxyConfig `fileFlushMinSizeKb`: `--file-flush-min-size-kb` when > 0.
+    pub file_flush_min_size_kb: u32,
     /// `--proxyLogLevel`, e.g. `warning` or `info,misc:error`.
     pub log_level: String,
     /// `--proxyComponentLogLevel`, used only when `log_level` has no `scope:level` parts.
@@ -41,6 +43,11 @@ impl EnvoyArgs {
             "--disable-hot-restart".into(),
             "--allow-unknown-static-fields".into(),
         ];
+        // pkg/envoy/proxy.go `args`: right after the fixed flags.
+        if self.file_flush_min_size_kb > 0 {
+            a.push("--file-flush-min-size-kb".into());
+            a.push(self.file_flush_min_size_kb.to_string());
+        }
         let (level, components) = split_log_level(&self.log_level);
         if let Some(level) = level {
             a.push("-l".into());
@@ -121,6 +128,7 @@ mod tests {
             drain_duration: Duration::from_secs(45),
             ipv6: false,
             file_flush_interval: Duration::from_secs(1),
+            file_flush_min_size_kb: 0,
             log_level: "warning".into(),
             component_log_level: "misc:error".into(),
             skip_deprecated_logs: true,
@@ -138,6 +146,17 @@ mod tests {
              --local-address-ip-version v4 --file-flush-interval-msec 1000 --disable-hot-restart \
              --allow-unknown-static-fields -l warning --component-log-level misc:error \
              --skip-deprecated-logs --concurrency 2"
+        );
+    }
+
+    #[test]
+    fn file_flush_min_size_follows_the_fixed_flags() {
+        let mut a = base();
+        a.file_flush_min_size_kb = 64;
+        let argv = a.argv().join(" ");
+        assert!(
+            argv.contains("--allow-unknown-static-fields --file-flush-min-size-kb 64 -l warning"),
+            "{argv}"
         );
     }
 
