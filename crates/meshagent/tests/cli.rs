@@ -117,7 +117,7 @@ fn dump_config_fails_as_a_start_fails() {
         (
             "ISTIO_BOOTSTRAP",
             "/t.json",
-            "custom bootstrap templates are not supported",
+            "cannot read bootstrap template /t.json (ISTIO_BOOTSTRAP)",
         ),
         ("CA_ADDR", "ca:xyz", "invalid control plane address"),
     ];

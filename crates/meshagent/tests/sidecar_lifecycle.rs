@@ -271,16 +271,19 @@ async fn sidecar_starts_under_a_long_working_directory() {
     let cwd = tempfile::Builder::new().tempdir_in(&long).unwrap();
     let mut a = start_agent_in(cwd, "sidecar", &[]);
     let status = a.status;
-    wait_for(
-        "Envoy up behind the agent (readiness reason from Envoy)",
-        DEADLINE,
-        || async move {
-            match http_get(status, "/healthz/ready").await {
-                Ok((503, body)) if body.contains("config not received") => Some(()),
-                _ => None,
-            }
-        },
-    )
+    // Readiness answers (not ready: no CA here) and Envoy was started: nothing got stuck
+    // binding the sockets.
+    wait_for("the agent's readiness answer", DEADLINE, || async move {
+        match http_get(status, "/healthz/ready").await {
+            Ok((503, body)) if body.contains("no workload certificate yet") => Some(()),
+            _ => None,
+        }
+    })
+    .await;
+    let pid = a.proc.pid();
+    wait_for("Envoy started behind the agent", DEADLINE, || async move {
+        (children_of(pid).len() == 1).then_some(())
+    })
     .await;
     assert!(
         a.cwd
@@ -309,12 +312,19 @@ async fn sidecar_runs_on_a_custom_template() {
         DEADLINE,
         || async move {
             match http_get(status, "/healthz/ready").await {
-                Ok((503, body)) if body.contains("config not received") => Some(()),
+                // Not ready (no CA here), with Envoy running: the template rendered and loaded.
+                Ok((503, body)) if body.contains("no workload certificate yet") => Some(()),
                 _ => None,
             }
         },
     )
     .await;
+    let pid = a.proc.pid();
+    assert_eq!(
+        children_of(pid).len(),
+        1,
+        "Envoy runs on the rendered template"
+    );
     let b: serde_json::Value = serde_json::from_slice(
         &std::fs::read(a.cwd.path().join("etc/istio/proxy/envoy-rev.json")).unwrap(),
     )

@@ -577,15 +577,13 @@ fn service_cluster_flag_fills_empty_value() {
 
 #[test]
 fn template_file_flag() {
-    // The flag fills proxyBootstrapTemplatePath, which a start refuses (templates are not
-    // supported), so loading refuses it with the start's message.
+    // The flag fills proxyBootstrapTemplatePath; a start reads the template, so loading reads
+    // it too and a missing file fails with the start's message.
     let mut f = Fixture::new();
     f.flags.template_file = PathBuf::from("/t.json");
     assert_contains(
         &f.err(),
-        &[
-            "custom bootstrap templates are not supported (--templateFile/proxyBootstrapTemplatePath=/t.json)",
-        ],
+        &["cannot read bootstrap template /t.json (ProxyConfig proxyBootstrapTemplatePath)"],
     );
 
     let mut f = Fixture::new().env("PROXY_CONFIG", "customConfigFile: /envoy.yaml");
@@ -746,7 +744,7 @@ fn start_time_checks_run_at_load() {
         ),
         (
             &[("ISTIO_BOOTSTRAP", "/custom.json")],
-            "custom bootstrap templates are not supported (ISTIO_BOOTSTRAP=/custom.json)",
+            "cannot read bootstrap template /custom.json (ISTIO_BOOTSTRAP)",
         ),
         (
             &[
