@@ -258,6 +258,21 @@ pub enum ConnectError {
     Dial { addr: String, reason: String },
 }
 
+/// A call's status with dial failures as gRPC names them. tonic reports a lazy channel's failed
+/// dial (a connect or TLS handshake timeout, e.g. istiod black-holed by a NetworkPolicy) as
+/// `Unknown: transport error`; grpc-go, whose codes Istio's CA retry interceptor
+/// (`security/pkg/nodeagent/caclient/providers/citadel/client.go`) and xDS proxy reconnect
+/// logic (`pkg/istio-agent/xds_proxy.go`) key on, reports `Unavailable`. A status decoded from
+/// the wire never carries a source, so `Unknown` with one is always local.
+pub fn transport_status(s: tonic::Status) -> tonic::Status {
+    match std::error::Error::source(&s) {
+        Some(cause) if s.code() == tonic::Code::Unknown => {
+            tonic::Status::unavailable(format!("{}: {}", s.message(), error_chain(cause)))
+        }
+        _ => s,
+    }
+}
+
 /// `e` and its causes on one line (tonic's transport error alone says only "transport error").
 fn error_chain(e: &dyn std::error::Error) -> String {
     let mut out = e.to_string();
