@@ -515,6 +515,24 @@ mod tests {
     use super::*;
 
     #[test]
+    fn local_transport_failures_are_unavailable_and_wire_statuses_are_kept() {
+        let local = tonic::Status::from_error(Box::new(std::io::Error::new(
+            std::io::ErrorKind::TimedOut,
+            "handshake timed out",
+        )));
+        assert_eq!(local.code(), tonic::Code::Unknown);
+        let mapped = transport_status(local);
+        assert_eq!(mapped.code(), tonic::Code::Unavailable);
+        assert!(mapped.message().contains("handshake timed out"), "{mapped}");
+        // From the wire (no source): istiod's own `Unknown` stays what it is.
+        let wire = transport_status(tonic::Status::unknown("boom"));
+        assert_eq!(wire.code(), tonic::Code::Unknown);
+        assert_eq!(wire.message(), "boom");
+        let other = transport_status(tonic::Status::permission_denied("no"));
+        assert_eq!(other.code(), tonic::Code::PermissionDenied);
+    }
+
+    #[test]
     fn server_names() {
         assert_eq!(server_name_for("localhost"), ISTIOD_SVC);
         assert_eq!(server_name_for("istiod.foo.svc"), "istiod.foo.svc");
