@@ -258,6 +258,21 @@ pub enum ConnectError {
     Dial { addr: String, reason: String },
 }
 
+/// A call's status with dial failures as gRPC names them. tonic reports a lazy channel's failed
+/// dial (a connect or TLS handshake timeout, e.g. istiod black-holed by a NetworkPolicy) as
+/// `Unknown: transport error`; grpc-go, whose codes Istio's CA retry interceptor
+/// (`security/pkg/nodeagent/caclient/providers/citadel/client.go`) and xDS proxy reconnect
+/// logic (`pkg/istio-agent/xds_proxy.go`) key on, reports `Unavailable`. A status decoded from
+/// the wire never carries a source, so `Unknown` with one is always local.
+pub fn transport_status(s: tonic::Status) -> tonic::Status {
+    match std::error::Error::source(&s) {
+        Some(cause) if s.code() == tonic::Code::Unknown => {
+            tonic::Status::unavailable(format!("{}: {}", s.message(), error_chain(cause)))
+        }
+        _ => s,
+    }
+}
+
 /// `e` and its causes on one line (tonic's transport error alone says only "transport error").
 fn error_chain(e: &dyn std::error::Error) -> String {
     let mut out = e.to_string();
@@ -498,6 +513,24 @@ impl CallMetadata {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn local_transport_failures_are_unavailable_and_wire_statuses_are_kept() {
+        let local = tonic::Status::from_error(Box::new(std::io::Error::new(
+            std::io::ErrorKind::TimedOut,
+            "handshake timed out",
+        )));
+        assert_eq!(local.code(), tonic::Code::Unknown);
+        let mapped = transport_status(local);
+        assert_eq!(mapped.code(), tonic::Code::Unavailable);
+        assert!(mapped.message().contains("handshake timed out"), "{mapped}");
+        // From the wire (no source): istiod's own `Unknown` stays what it is.
+        let wire = transport_status(tonic::Status::unknown("boom"));
+        assert_eq!(wire.code(), tonic::Code::Unknown);
+        assert_eq!(wire.message(), "boom");
+        let other = transport_status(tonic::Status::permission_denied("no"));
+        assert_eq!(other.code(), tonic::Code::PermissionDenied);
+    }
 
     #[test]
     fn server_names() {

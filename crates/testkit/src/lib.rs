@@ -611,13 +611,30 @@ impl Sidecar {
         extra_env: &[(&str, String)],
         proxy_config: Value,
     ) -> Sidecar {
+        let token = dp.token(namespace, sa, 3600).await;
+        Self::start_with_token(dp, workload, namespace, sa, extra_env, proxy_config, &token).await
+    }
+
+    /// [`Sidecar::start_with`] with `token` as the projected token, published the way the
+    /// kubelet does (`..data` symlink swap, see [`kubelet::atomic_write`]) so a test can rotate
+    /// it with another [`kubelet::atomic_write`] of `var/run/secrets/tokens` in [`Sidecar::cwd`].
+    pub async fn start_with_token(
+        dp: &Devplane,
+        workload: &str,
+        namespace: &str,
+        sa: &str,
+        extra_env: &[(&str, String)],
+        proxy_config: Value,
+        token: &str,
+    ) -> Sidecar {
         let cwd = tempfile::tempdir().unwrap();
         let root = cwd.path().join("var/run/secrets/istio/root-cert.pem");
         std::fs::create_dir_all(root.parent().unwrap()).unwrap();
         std::fs::copy(dp.root_cert_path(), &root).unwrap();
-        let token = cwd.path().join("var/run/secrets/tokens/istio-token");
-        std::fs::create_dir_all(token.parent().unwrap()).unwrap();
-        std::fs::write(&token, dp.token(namespace, sa, 3600).await).unwrap();
+        kubelet::atomic_write(
+            &cwd.path().join("var/run/secrets/tokens"),
+            &[("istio-token", token.as_bytes())],
+        );
 
         let (status, admin, envoy_status) = (free_addr(), free_addr(), free_addr());
         // `localhost:<port>` exercises Istio's server-name rule (→ istiod.istio-system.svc).

@@ -176,7 +176,11 @@ impl IstioCaClient {
         });
         req.set_timeout(Duration::from_secs(30));
         self.metadata.apply(req.metadata_mut()).await;
-        let resp: IstioCertificateResponse = client.create_certificate(req).await?.into_inner();
+        let resp: IstioCertificateResponse = client
+            .create_certificate(req)
+            .await
+            .map_err(control_plane::transport_status)?
+            .into_inner();
         Ok(resp.cert_chain)
     }
 

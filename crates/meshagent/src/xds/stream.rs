@@ -314,7 +314,11 @@ async fn connect(
         Api::Sotw => SOTW_PATH,
         Api::Delta => DELTA_PATH,
     });
-    Ok(grpc.streaming(req, path, RawCodec).await?.into_inner())
+    Ok(grpc
+        .streaming(req, path, RawCodec)
+        .await
+        .map_err(control_plane::transport_status)?
+        .into_inner())
 }
 
 fn send_up(up: &mpsc::Sender<Bytes>, msg: Bytes) {
