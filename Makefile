@@ -9,7 +9,7 @@ export ENVOY_BIN
 
 NEXTEST := $(shell cargo nextest --version >/dev/null 2>&1 && echo yes)
 
-.PHONY: all build agent test lint unit envoy peers bench demo clean-tools
+.PHONY: all build agent test lint unit envoy peers dnspeers bench demo clean-tools
 
 all: build
 
@@ -43,11 +43,18 @@ peers:
 	  python3 -m pip install --quiet --disable-pip-version-check --no-warn-script-location \
 	    --root-user-action=ignore --target "$(TOOLS)/pip" grpcio grpcio-health-checking; fi
 
+# Debian DNS peers for the DNS proxy tests and benchmark: dnsmasq (upstream and baseline),
+# dig (a real resolver client), dnsperf (load). Installed only when missing.
+dnspeers:
+	@if command -v dnsmasq >/dev/null && command -v dig >/dev/null && command -v dnsperf >/dev/null; then :; \
+	else echo "installing dnsmasq bind9-dnsutils dnsperf"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq dnsmasq bind9-dnsutils dnsperf >/dev/null; fi
+
 lint:
 	cargo fmt --all -- --check
 	cargo clippy --workspace --all-targets -- -D warnings
 
-test: envoy peers lint build
+test: envoy peers dnspeers lint build
 ifeq ($(NEXTEST),yes)
 	cargo nextest run --workspace --no-fail-fast
 else
