@@ -167,7 +167,24 @@ pub async fn start(
             metrics.cache_misses.clone(),
         )
     });
-    let (table_tx, table_rx) = watch::channel(None);
+    // Tables are built off the reactor: a 5,000-name table is milliseconds of CPU.
+    let scope = Scope {
+        namespace: opts.namespace.clone(),
+        domain: opts.domain.clone(),
+        search: resolv.search.clone(),
+    };
+    // A table that is already known is served from the first query on.
+    let initial = match tables.borrow_and_update().clone() {
+        Some(nt) => {
+            let scope = scope.clone();
+            tokio::task::spawn_blocking(move || LookupTable::build(&nt, &scope))
+                .await
+                .ok()
+                .map(Arc::new)
+        }
+        None => None,
+    };
+    let (table_tx, table_rx) = watch::channel(initial);
     let core = Arc::new(Core {
         table: table_rx,
         upstreams: resolv.servers.clone(),
@@ -179,16 +196,14 @@ pub async fn start(
     });
     tracing::info!(addrs = ?addrs, upstreams = ?resolv.servers, search = ?resolv.search, "DNS proxy listening");
 
-    // Tables are built off the reactor: a 5,000-name table is milliseconds of CPU.
-    let scope = Scope {
-        namespace: opts.namespace.clone(),
-        domain: opts.domain.clone(),
-        search: resolv.search.clone(),
-    };
     let builder_stop = stop.clone();
     tokio::spawn(tracing::Instrument::instrument(
         async move {
             loop {
+                tokio::select! {
+                    () = builder_stop.cancelled() => return,
+                    r = tables.changed() => if r.is_err() { return },
+                }
                 let nt = tables.borrow_and_update().clone();
                 if let Some(nt) = nt {
                     let scope = scope.clone();
@@ -200,10 +215,6 @@ pub async fn start(
                         }
                         Err(e) => tracing::error!(error = %e, "building the DNS table failed"),
                     }
-                }
-                tokio::select! {
-                    () = builder_stop.cancelled() => return,
-                    r = tables.changed() => if r.is_err() { return },
                 }
             }
         },
