@@ -62,11 +62,12 @@ else
 endif
 
 # Benchmarks (not tests): release builds against real Envoy and devplane; results go to BENCHMARKS.md.
-bench: envoy agent
+bench: envoy agent dnspeers
 	cargo build --release --bins
 	cargo bench -p meshagent --bench sds
 	cargo bench -p meshagent --bench xds
 	cargo bench -p meshagent --bench merge
+	cargo bench -p meshagent --bench dns
 	MESHAGENT_BIN=$(AGENT_BIN) cargo bench -p meshagent --bench startup
 
 demo: envoy
