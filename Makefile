@@ -9,7 +9,7 @@ export ENVOY_BIN
 
 NEXTEST := $(shell cargo nextest --version >/dev/null 2>&1 && echo yes)
 
-.PHONY: all build agent test lint unit envoy peers dnspeers bench demo clean-tools
+.PHONY: all build agent test lint unit envoy peers dnspeers fuzz-dns bench demo clean-tools
 
 all: build
 
@@ -50,11 +50,21 @@ dnspeers:
 	else echo "installing dnsmasq bind9-dnsutils dnsperf"; \
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq dnsmasq bind9-dnsutils dnsperf >/dev/null; fi
 
+# The DNS request-path fuzz target (crates/meshagent/fuzz): a short run in `make test`;
+# longer runs: FUZZ_SECONDS=3600 make fuzz-dns. Needs the nightly toolchain and cargo-fuzz.
+FUZZ_SECONDS ?= 20
+fuzz-dns:
+	@rustup toolchain list | grep -q '^nightly' || rustup toolchain install nightly --profile minimal
+	@cargo fuzz --version >/dev/null 2>&1 || cargo install cargo-fuzz --locked
+	mkdir -p $(TOOLS)/fuzz/dns_request
+	cd crates/meshagent && cargo +nightly fuzz run dns_request $(TOOLS)/fuzz/dns_request fuzz/corpus/dns_request -- \
+	  -max_total_time=$(FUZZ_SECONDS) -max_len=4096
+
 lint:
 	cargo fmt --all -- --check
 	cargo clippy --workspace --all-targets -- -D warnings
 
-test: envoy peers dnspeers lint build
+test: envoy peers dnspeers lint build fuzz-dns
 ifeq ($(NEXTEST),yes)
 	cargo nextest run --workspace --no-fail-fast
 else

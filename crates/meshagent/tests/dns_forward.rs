@@ -249,6 +249,34 @@ async fn malformed_packets_get_formerr_or_are_dropped_and_the_server_keeps_servi
         let (m, _) = udp(proxy.addr, &good).await;
         assert_eq!(answers(&m), ["productpage. A 10.0.0.1"], "after {what}");
     }
+    // The fuzz target's seed corpus (crates/meshagent/fuzz/corpus/dns_request): any reply or
+    // none, but every reply decodes with the request's ID, and serving goes on.
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("fuzz/corpus/dns_request");
+    let mut seeds: Vec<_> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .collect();
+    seeds.sort();
+    assert!(seeds.len() >= 10, "{}", dir.display());
+    for path in &seeds {
+        let pkt = std::fs::read(path).unwrap();
+        sock.send(&pkt).await.unwrap();
+        let mut buf = vec![0u8; 65535];
+        if let Ok(Ok(n)) =
+            tokio::time::timeout(Duration::from_millis(300), sock.recv(&mut buf)).await
+        {
+            assert_eq!(buf[..2], pkt[..2], "{}: ID echoed", path.display());
+            hickory_proto::op::Message::from_vec(&buf[..n]).unwrap();
+        }
+        let (m, _) = udp(proxy.addr, &good).await;
+        assert_eq!(
+            answers(&m),
+            ["productpage. A 10.0.0.1"],
+            "after {}",
+            path.display()
+        );
+        corpus.push(("seed", pkt, None));
+    }
     // The same corpus over TCP, then a good query on the same connection kind.
     for (what, pkt, _) in &corpus {
         if pkt.is_empty() {
