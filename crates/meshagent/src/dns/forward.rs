@@ -74,29 +74,78 @@ fn id_of(raw: &[u8]) -> u16 {
     u16::from_be_bytes([raw[0], raw[1]])
 }
 
-/// The reply must answer our query: same ID, a response, and the same question.
+/// The reply must answer our query: same ID (checked by the caller), and the same question
+/// (compared on the wire, names case-insensitively: the query is forwarded unchanged, but some
+/// servers normalise case).
 fn check(reply: &[u8], query: &[u8]) -> Result<Message, String> {
     let m = Message::from_vec(reply).map_err(|e| format!("malformed reply: {e}"))?;
-    let q = Message::from_vec(query).map_err(|e| format!("malformed query: {e}"))?;
-    let same = m.queries.len() == q.queries.len()
-        && m.queries.iter().zip(&q.queries).all(|(a, b)| {
-            a.query_type() == b.query_type() && a.name().eq_ignore_root_case(b.name())
-        });
     // A reply with no question section (some servers on FORMERR/SERVFAIL) is still ours.
-    if !same && !m.queries.is_empty() {
+    // A query without exactly one plain question is not checked further.
+    if !m.queries.is_empty()
+        && let Some(qq) = question(query)
+        && !question(reply).is_some_and(|rq| rq.eq_ignore_ascii_case(qq))
+    {
         return Err("reply question does not match the query".to_owned());
     }
     Ok(m)
 }
 
+/// The raw first question (name, type, class) of a message whose question count is 1 and
+/// whose name is not compressed (true of every query, and of the question section of
+/// replies from common servers); `None` otherwise.
+fn question(msg: &[u8]) -> Option<&[u8]> {
+    if msg.len() < 12 || msg[4..6] != [0, 1] {
+        return None;
+    }
+    let mut i = 12;
+    loop {
+        let len = *msg.get(i)? as usize;
+        if len == 0 {
+            i += 1;
+            break;
+        }
+        if len & 0xc0 != 0 {
+            return None;
+        }
+        i += 1 + len;
+    }
+    msg.get(12..i + 4)
+}
+
+/// Connected UDP sockets to upstreams, kept for reuse: creating, binding and connecting a
+/// socket per query (what miekg does) costs more than the exchange itself on loopback. A
+/// socket goes back only after a clean exchange, so a late reply to a timed-out query is never
+/// waiting in it (and would be discarded by the ID and question checks anyway).
+static POOL: std::sync::Mutex<Vec<(SocketAddr, UdpSocket)>> = std::sync::Mutex::new(Vec::new());
+const POOL_MAX: usize = 64;
+
+fn pooled(server: SocketAddr) -> Option<UdpSocket> {
+    let mut p = POOL.lock().unwrap_or_else(|e| e.into_inner());
+    let i = p.iter().rposition(|(a, _)| *a == server)?;
+    Some(p.swap_remove(i).1)
+}
+
+fn give_back(server: SocketAddr, sock: UdpSocket) {
+    let mut p = POOL.lock().unwrap_or_else(|e| e.into_inner());
+    if p.len() < POOL_MAX {
+        p.push((server, sock));
+    }
+}
+
 async fn udp(server: SocketAddr, raw: &[u8]) -> Result<Reply, String> {
-    let local: SocketAddr = if server.is_ipv4() {
-        (std::net::Ipv4Addr::UNSPECIFIED, 0).into()
-    } else {
-        (std::net::Ipv6Addr::UNSPECIFIED, 0).into()
+    let sock = match pooled(server) {
+        Some(s) => s,
+        None => {
+            let local: SocketAddr = if server.is_ipv4() {
+                (std::net::Ipv4Addr::UNSPECIFIED, 0).into()
+            } else {
+                (std::net::Ipv6Addr::UNSPECIFIED, 0).into()
+            };
+            let sock = UdpSocket::bind(local).await.map_err(|e| e.to_string())?;
+            sock.connect(server).await.map_err(|e| e.to_string())?;
+            sock
+        }
     };
-    let sock = UdpSocket::bind(local).await.map_err(|e| e.to_string())?;
-    sock.connect(server).await.map_err(|e| e.to_string())?;
     sock.send(raw).await.map_err(|e| e.to_string())?;
     let mut buf = vec![0u8; 65535];
     loop {
@@ -107,6 +156,7 @@ async fn udp(server: SocketAddr, raw: &[u8]) -> Result<Reply, String> {
         }
         let m = check(&buf[..n], raw)?;
         buf.truncate(n);
+        give_back(server, sock);
         return Ok((buf, m));
     }
 }
