@@ -237,3 +237,35 @@ fn enabled_exactly_as_istio() {
     assert_eq!(o.domain, "default.svc.cluster.local");
     assert_eq!(o.namespace, "default");
 }
+
+/// The agent binary as a pod runs it (`meshagent proxy sidecar`, real Envoy, devplane): with
+/// `ISTIO_META_DNS_CAPTURE=true` it is ready only once the table arrived, and then its DNS
+/// proxy on `DNS_PROXY_ADDR` answers the mesh's names over UDP and TCP. (The binary reads the
+/// machine's /etc/resolv.conf, so only local names are asked here: nothing leaves loopback.)
+#[tokio::test(flavor = "multi_thread")]
+async fn the_agent_binary_serves_dns_once_ready() {
+    let dp = Devplane::start(&mesh_yaml(false)).await;
+    let dns_addr = meshagent_testkit::free_addr();
+    let mut a = meshagent_testkit::Sidecar::start(
+        &dp,
+        "a",
+        "default",
+        "a",
+        &[
+            ("ISTIO_META_DNS_CAPTURE", "true".to_owned()),
+            ("DNS_PROXY_ADDR", dns_addr.to_string()),
+        ],
+    )
+    .await;
+    a.wait_ready(DEADLINE).await;
+    let (m, _) = udp(
+        dns_addr,
+        &query("b.default.svc.cluster.local.", RecordType::A, None),
+    )
+    .await;
+    assert_eq!(m.metadata.response_code, ResponseCode::NoError);
+    assert_eq!(m.answers.len(), 1, "{m:?}\n{}", a.proc.log_text());
+    let (m, _) = tcp(dns_addr, &query("b.", RecordType::A, Some(1232))).await;
+    assert_eq!(m.answers.len(), 1, "{m:?}");
+    assert!(m.metadata.authoritative && m.metadata.recursion_available);
+}
