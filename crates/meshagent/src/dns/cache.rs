@@ -188,3 +188,77 @@ fn soa_negative_ttl(r: &Record) -> Option<u32> {
         _ => None,
     }
 }
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+    use hickory_proto::op::{MessageType, OpCode, Query};
+    use hickory_proto::rr::rdata::{A, SOA};
+    use hickory_proto::rr::{Name, RecordType};
+
+    fn reply(rcode: ResponseCode) -> Message {
+        let mut m = Message::new(7, MessageType::Response, OpCode::Query);
+        m.metadata.response_code = rcode;
+        m.add_query(Query::query(
+            Name::from_ascii("x.example.").unwrap(),
+            RecordType::A,
+        ));
+        m
+    }
+
+    fn soa(ttl: u32, minimum: u32) -> Record {
+        let n = Name::from_ascii("example.").unwrap();
+        Record::from_rdata(
+            n.clone(),
+            ttl,
+            RData::SOA(SOA::new(n.clone(), n, 1, 60, 60, 60, minimum)),
+        )
+    }
+
+    #[test]
+    fn what_is_cached_and_for_how_long() {
+        let mut ok = reply(ResponseCode::NoError);
+        let n = Name::from_ascii("x.example.").unwrap();
+        ok.add_answer(Record::from_rdata(
+            n.clone(),
+            300,
+            RData::A(A::new(1, 1, 1, 1)),
+        ));
+        ok.add_answer(Record::from_rdata(n, 40, RData::A(A::new(1, 1, 1, 2))));
+        assert_eq!(cacheable_ttl(&ok), Some(40));
+        // RFC 2308: min(SOA TTL, SOA minimum); no SOA, no negative caching.
+        let mut nx = reply(ResponseCode::NXDomain);
+        assert_eq!(cacheable_ttl(&nx), None);
+        nx.add_authority(soa(900, 30));
+        assert_eq!(cacheable_ttl(&nx), Some(30));
+        let mut nodata = reply(ResponseCode::NoError);
+        nodata.add_authority(soa(20, 300));
+        assert_eq!(cacheable_ttl(&nodata), Some(20));
+        let mut tc = ok.clone();
+        tc.metadata.truncation = true;
+        assert_eq!(cacheable_ttl(&tc), None);
+        assert_eq!(cacheable_ttl(&reply(ResponseCode::ServFail)), None);
+    }
+
+    #[test]
+    fn bounded_oldest_goes_first() {
+        let c = Cache::new(2, Counter::default(), Counter::default());
+        let mut keys = Vec::new();
+        for name in ["a.example.", "b.example.", "c.example."] {
+            let mut m = reply(ResponseCode::NoError);
+            let n = Name::from_ascii(name).unwrap();
+            m.queries = vec![Query::query(n.clone(), RecordType::A)];
+            m.add_answer(Record::from_rdata(n, 60, RData::A(A::new(1, 1, 1, 1))));
+            let k = Key::of(&m).unwrap();
+            c.insert(k.clone(), &m);
+            keys.push((k, m));
+        }
+        assert_eq!(c.len(), 2);
+        assert!(c.get(&keys[0].0, &keys[0].1).is_none(), "oldest evicted");
+        let hit = c.get(&keys[2].0, &keys[2].1).unwrap();
+        assert_eq!(hit.metadata.id, 7);
+        assert_eq!(c.hits.get(), 1);
+        assert_eq!(c.misses.get(), 1);
+    }
+}

@@ -350,10 +350,18 @@ mod tests {
             ask(&t, "productpage.ns1.svc.cluster.local.", RecordType::AAAA),
             Some(vec![])
         );
-        // And through the CNAME: no CNAME either (Istio).
+        // And through the CNAME: no CNAME either (Istio), while A gets the chain.
         assert_eq!(
-            ask(&t, "productpage.ns1.svc.cluster.local.", RecordType::AAAA),
+            ask(
+                &t,
+                "productpage.ns1.ns1.svc.cluster.local.",
+                RecordType::AAAA
+            ),
             Some(vec![])
+        );
+        assert_eq!(
+            ask(&t, "productpage.ns1.ns1.svc.cluster.local.", RecordType::A).map(|v| v.len()),
+            Some(2)
         );
         assert_eq!(
             ask(&t, "reviews.ns2.svc.cluster.local.", RecordType::AAAA),
