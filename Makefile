@@ -9,7 +9,7 @@ export ENVOY_BIN
 
 NEXTEST := $(shell cargo nextest --version >/dev/null 2>&1 && echo yes)
 
-.PHONY: all build agent test lint unit envoy peers netpeers bench demo clean-tools
+.PHONY: all build agent test lint unit envoy peers netpeers dnspeers fuzz-dns bench demo clean-tools
 
 all: build
 
@@ -52,11 +52,29 @@ netpeers:
 	if [ -n "$$missing" ]; then echo "installing iptables nftables iproute2 util-linux (missing:$$missing)"; \
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq iptables nftables iproute2 util-linux >/dev/null; fi
 
+# Debian DNS peers for the DNS proxy tests and benchmark: dnsmasq (upstream and baseline),
+# dig (a real resolver client), dnsperf (load). Installed only when missing.
+dnspeers:
+	@if command -v dnsmasq >/dev/null && command -v dig >/dev/null && command -v dnsperf >/dev/null; then :; \
+	else echo "installing dnsmasq bind9-dnsutils dnsperf"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq dnsmasq bind9-dnsutils dnsperf >/dev/null; fi
+
+# The DNS request-path fuzz target (crates/meshagent/fuzz); longer runs:
+# FUZZ_SECONDS=3600 make fuzz-dns. Needs the nightly toolchain and cargo-fuzz, so it is not part
+# of `make test` (which replays the corpus in a normal test instead).
+FUZZ_SECONDS ?= 20
+fuzz-dns:
+	@rustup toolchain list | grep -q '^nightly' || rustup toolchain install nightly --profile minimal
+	@cargo fuzz --version >/dev/null 2>&1 || cargo install cargo-fuzz --locked
+	mkdir -p $(TOOLS)/fuzz/dns_request
+	cd crates/meshagent && cargo +nightly fuzz run dns_request $(TOOLS)/fuzz/dns_request fuzz/corpus/dns_request -- \
+	  -max_total_time=$(FUZZ_SECONDS) -max_len=4096
+
 lint:
 	cargo fmt --all -- --check
 	cargo clippy --workspace --all-targets -- -D warnings
 
-test: envoy peers netpeers lint build
+test: envoy peers netpeers dnspeers lint build
 ifeq ($(NEXTEST),yes)
 	cargo nextest run --workspace --no-fail-fast
 	# nextest does not run doctests (metrics: a label-count mismatch must not compile).
@@ -66,12 +84,13 @@ else
 endif
 
 # Benchmarks (not tests): release builds against real Envoy and devplane; results go to BENCHMARKS.md.
-bench: envoy agent netpeers
+bench: envoy agent netpeers dnspeers
 	cargo build --release --bins
 	cargo bench -p meshagent --bench sds
 	cargo bench -p meshagent --bench xds
 	cargo bench -p meshagent --bench merge
 	cargo bench -p meshagent --bench bootstrap
+	cargo bench -p meshagent --bench dns
 	MESHAGENT_BIN=$(AGENT_BIN) cargo bench -p meshagent --bench startup
 	MESHAGENT_BIN=$(AGENT_BIN) cargo bench -p meshagent --bench iptables
 

@@ -16,7 +16,6 @@ use meshagent_proto::envoy::pb::envoy::extensions::transport_sockets::tls::v3 as
 use meshagent_proto::envoy::pb::envoy::r#type::matcher::v3 as matcher;
 use meshagent_proto::envoy::pb::google::protobuf::{Any, Duration, UInt32Value};
 use meshagent_proto::envoy::util::pack_any;
-use meshagent_proto::nds::{NameTable, name_table::NameInfo};
 use meshagent_proto::type_url;
 
 use crate::mesh::{Mesh, ProxyIdentity, Service, Workload};
@@ -94,7 +93,7 @@ pub fn generate(mesh: &Mesh, proxy: &ProxyIdentity) -> Resources {
                 .map(|m| m.insert(cluster_name.clone(), pack_any(r)));
         }
     }
-    let table = name_table(mesh);
+    let table = crate::nds::name_table(mesh);
     out.get_mut(type_url::NAME_TABLE)
         .map(|m| m.insert(NAME_TABLE_RESOURCE.into(), pack_any(table)));
     out
@@ -102,27 +101,6 @@ pub fn generate(mesh: &Mesh, proxy: &ProxyIdentity) -> Resources {
 
 pub fn outbound_cluster_name(mesh: &Mesh, svc: &Service, port: u16) -> String {
     format!("outbound|{port}||{}", mesh.hostname(svc))
-}
-
-fn name_table(mesh: &Mesh) -> NameTable {
-    NameTable {
-        table: mesh
-            .name_table()
-            .into_iter()
-            .map(|(host, (ips, s))| {
-                (
-                    host,
-                    NameInfo {
-                        ips,
-                        registry: "Kubernetes".into(),
-                        shortname: s.name.clone(),
-                        namespace: s.namespace.clone(),
-                        alt_hosts: vec![],
-                    },
-                )
-            })
-            .collect(),
-    }
 }
 
 fn ads_config_source() -> core::ConfigSource {
@@ -435,6 +413,7 @@ fn bool_value(value: bool) -> meshagent_proto::envoy::pb::google::protobuf::Bool
 #[cfg(test)]
 mod tests {
     use super::*;
+    use meshagent_proto::nds::NameTable;
     use prost::Message;
     use std::path::Path;
 

@@ -13,6 +13,7 @@ pub mod conn;
 pub mod debug;
 pub mod generate;
 pub mod mesh;
+pub mod nds;
 pub mod state;
 pub mod token;
 

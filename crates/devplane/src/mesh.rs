@@ -49,6 +49,28 @@ pub struct Mesh {
     pub workloads: Vec<Workload>,
     #[serde(default)]
     pub services: Vec<Service>,
+    /// ServiceEntry-like hosts (registry `External` in the NDS table).
+    #[serde(default)]
+    pub service_entries: Vec<ServiceEntry>,
+}
+
+/// A ServiceEntry's hosts and addresses, as far as DNS sees them.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct ServiceEntry {
+    pub hosts: Vec<String>,
+    #[serde(default = "default_namespace")]
+    pub namespace: String,
+    /// Without addresses, each non-wildcard host gets one from 240.240.0.0/16 (and one from
+    /// 2001:2::/48 with `dualStack`), as istiod's `ISTIO_META_DNS_AUTO_ALLOCATE`; wildcard
+    /// hosts are never allocated (and so are not in the table without addresses).
+    #[serde(default)]
+    pub addresses: Vec<IpAddr>,
+    #[serde(default)]
+    pub dual_stack: bool,
+    /// Filled by auto-allocation: host → addresses.
+    #[serde(skip)]
+    pub allocated: BTreeMap<String, Vec<IpAddr>>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
@@ -100,6 +122,10 @@ pub struct Service {
     /// Virtual IP published in the DNS name table; auto-allocated from 240.240.0.0/16 if absent.
     #[serde(default)]
     pub vip: Option<IpAddr>,
+    /// A headless service (`clusterIP: None`): no VIP; its name resolves to the addresses of
+    /// the selected workloads.
+    #[serde(default)]
+    pub headless: bool,
     /// Names of workloads (same namespace) backing this service.
     #[serde(default)]
     pub selector: Vec<String>,
@@ -147,6 +173,7 @@ impl Mesh {
                 domain_suffix: default_domain_suffix(),
                 workloads: vec![],
                 services: vec![],
+                service_entries: vec![],
             }
         } else {
             serde_yaml::from_str(text).map_err(|source| MeshError::Parse {
@@ -227,16 +254,46 @@ impl Mesh {
     /// Gives services without a `vip` one from 240.240.0.0/16 (as Istio's DNS auto-allocation),
     /// skipping addresses already used, in file order so the result is stable.
     fn allocate_vips(&mut self) {
-        let used: HashSet<IpAddr> = self.services.iter().filter_map(|s| s.vip).collect();
+        let used: HashSet<IpAddr> = self
+            .services
+            .iter()
+            .filter_map(|s| s.vip)
+            .chain(
+                self.service_entries
+                    .iter()
+                    .flat_map(|e| e.addresses.clone()),
+            )
+            .collect();
         let mut next: u32 = 1;
-        for s in self.services.iter_mut().filter(|s| s.vip.is_none()) {
-            loop {
-                let ip = IpAddr::V4(Ipv4Addr::from(0xF0F0_0000 | (next & 0xFFFF)));
-                next += 1;
-                if !used.contains(&ip) {
-                    s.vip = Some(ip);
-                    break;
+        let mut alloc = || loop {
+            let ip = IpAddr::V4(Ipv4Addr::from(0xF0F0_0000 | (next & 0xFFFF)));
+            next += 1;
+            if !used.contains(&ip) {
+                return ip;
+            }
+        };
+        for s in self
+            .services
+            .iter_mut()
+            .filter(|s| s.vip.is_none() && !s.headless)
+        {
+            s.vip = Some(alloc());
+        }
+        let mut next6: u16 = 1;
+        for e in self
+            .service_entries
+            .iter_mut()
+            .filter(|e| e.addresses.is_empty())
+        {
+            for h in e.hosts.iter().filter(|h| !h.starts_with('*')) {
+                let mut ips = vec![alloc()];
+                if e.dual_stack {
+                    ips.push(IpAddr::V6(std::net::Ipv6Addr::new(
+                        0x2001, 0x2, 0, 0, 0, 0, 0, next6,
+                    )));
+                    next6 += 1;
                 }
+                e.allocated.insert(h.clone(), ips);
             }
         }
     }
@@ -287,17 +344,6 @@ impl Mesh {
                         .is_some_and(|rest| rest.starts_with('-'))
             })
             .max_by_key(|w| w.name.len())
-    }
-
-    /// Service name table as istiod's NDS would publish it.
-    pub fn name_table(&self) -> BTreeMap<String, (Vec<String>, &Service)> {
-        self.services
-            .iter()
-            .filter_map(|s| {
-                s.vip
-                    .map(|ip| (self.hostname(s), (vec![ip.to_string()], s)))
-            })
-            .collect()
     }
 }
 

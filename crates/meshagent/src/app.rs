@@ -43,6 +43,8 @@ pub enum AppError {
     Identity(#[from] crate::identity::IdentityError),
     #[error(transparent)]
     Xds(#[from] crate::xds::XdsError),
+    #[error(transparent)]
+    Dns(#[from] crate::dns::DnsError),
     #[error("cannot set up TLS for application probes: {0}")]
     ProbeTls(#[source] rustls::Error),
     #[error(transparent)]
@@ -60,7 +62,7 @@ pub struct Agent {
     pub started: tokio::time::Instant,
     /// Where the xDS proxy publishes each NDS name table it receives; read by the DNS
     /// readiness probe and `/debug/ndsz`.
-    pub name_table: tokio::sync::watch::Sender<Option<Arc<status::NameTable>>>,
+    pub name_table: tokio::sync::watch::Sender<Option<Arc<crate::dns::NameTable>>>,
     /// The agent's long-lived tasks, waited for (with a deadline) at shutdown.
     pub tasks: Tasks,
     /// Supervised internal servers that are down (SDS, xDS proxy): not ready while any is.
@@ -137,15 +139,14 @@ impl Agent {
                 self.drain.clone(),
             )?);
         }
-        // Istio's order (spec §7.2): Envoy, gRPC bootstrap, DNS table.
-        // Nothing writes the gRPC bootstrap yet, so a missing file does not block readiness.
-        // GRPC_XDS_BOOTSTRAP="" turns the gRPC bootstrap (and this check) off, as in Istio.
+        // Istio's order (`pilot/cmd/pilot-agent/status/ready/probe.go`): Envoy, gRPC
+        // bootstrap, DNS table. Nothing writes the gRPC bootstrap yet, so a missing file does
+        // not block readiness; GRPC_XDS_BOOTSTRAP="" turns it (and this check) off, as in Istio.
         if !cfg.grpc.xds_bootstrap.as_os_str().is_empty() {
             self.readiness
                 .add_grpc_bootstrap(self.cwd.join(&cfg.grpc.xds_bootstrap), false);
         }
-        let dns_enabled = (cfg.dns.capture && cfg.proxy_type == crate::config::ProxyType::Sidecar)
-            || cfg.dns.enable_server;
+        let dns_enabled = crate::dns::enabled(cfg);
         if dns_enabled {
             self.readiness.add_dns_table(self.name_table.subscribe());
         }
@@ -216,6 +217,24 @@ impl Agent {
         if envoy_enabled || cfg.identity.output_certs.is_some() {
             let _ = identity_slot.set(identity.status());
         }
+        // Istio starts the DNS proxy before the xDS proxy (`initLocalDNSServer`): it answers
+        // SERVFAIL (or forwards, in `:53` root mode) until the first table arrives. An
+        // unreadable resolv.conf or an address that cannot be bound is a startup error.
+        let dns = if dns_enabled {
+            let mut opts = crate::dns::Options::from_config(cfg);
+            opts.servers = self.servers.clone();
+            Some(
+                crate::dns::start(
+                    opts,
+                    &self.registry,
+                    self.name_table.subscribe(),
+                    services.clone(),
+                )
+                .await?,
+            )
+        } else {
+            None
+        };
         let mut xds_opts = crate::xds::XdsOptions::from_config(cfg, &self.cwd)?;
         xds_opts.servers = self.servers.clone();
         let xds = crate::xds::start_with(xds_opts, &self.cwd, &self.registry, services.clone())?;
@@ -287,6 +306,9 @@ impl Agent {
         };
         services.cancel();
         self.tasks.spawn("xds-proxy", xds.wait());
+        if let Some(dns) = dns {
+            self.tasks.spawn("dns-proxy", dns.wait());
+        }
         self.tasks
             .spawn("identity", async move { identity.stopped().await });
         status_stop.cancel();

@@ -11,6 +11,7 @@ pub mod bootstrap;
 pub mod cli;
 pub mod config;
 pub mod control_plane;
+pub mod dns;
 pub mod envoy;
 pub mod fsio;
 pub mod http_client;

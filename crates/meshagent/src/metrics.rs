@@ -702,10 +702,17 @@ mod tests {
         )
         .unwrap();
         crate::status::MergeMetrics::register(&r).unwrap();
+        crate::dns::metrics::Metrics::new(&r).unwrap();
         let mut names = r.names();
         names.sort();
         let mut want: Vec<String> = [
             "cert_expiry_seconds",
+            "dns_cache_hits_total",
+            "dns_cache_misses_total",
+            "dns_requests_total",
+            "dns_upstream_failures_total",
+            "dns_upstream_request_duration_seconds",
+            "dns_upstream_requests_total",
             "envoy_connection_terminations",
             "istiod_connection_failures",
             "istiod_connection_terminations",

@@ -28,7 +28,6 @@ use axum::extract::{ConnectInfo, State};
 use axum::http::{HeaderMap, Method, StatusCode, Uri};
 use axum::response::{IntoResponse, Response};
 use axum::routing::any;
-use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
 use crate::config::ProxyType;
@@ -39,9 +38,7 @@ pub use merge::{MergeMetrics, Merger};
 pub use probes::AppProbes;
 pub use ready::{EnvoyProbe, Probe, Readiness};
 
-/// The DNS name table as the xDS proxy publishes it (NDS); `None` until the first push.
-pub type NameTable = meshagent_proto::nds::NameTable;
-pub type NameTableWatch = watch::Receiver<Option<Arc<NameTable>>>;
+pub use crate::dns::{NameTable, NameTableWatch};
 
 /// What the status server needs.
 #[derive(Clone)]
@@ -441,7 +438,7 @@ mod tests {
         let mut s = state();
         let (code, body) = call(s.clone(), "127.0.0.1:1", "GET", "/debug/ndsz").await;
         assert_eq!((code, body.as_str()), (StatusCode::NOT_FOUND, "{}"));
-        let (tx, rx) = watch::channel(None);
+        let (tx, rx) = tokio::sync::watch::channel(None);
         s.name_table = Some(rx);
         let mut table = NameTable::default();
         table.table.insert(

@@ -56,7 +56,7 @@ use tonic::{Status, Streaming};
 
 pub use intercept::{Api, EcdsRewrite, Health, PassThrough};
 
-use crate::config::{Config, ProxyType};
+use crate::config::Config;
 use crate::control_plane::{self, CallMetadata, DialError, Keepalive, Target, TokenSource};
 use crate::metrics::{Counter, CounterVec, Gauge, MetricsError, Registry};
 use crate::supervise;
@@ -187,9 +187,8 @@ impl XdsOptions {
             },
             metadata: CallMetadata::new(&cfg.identity.cluster_id, &cfg.xds.headers, token),
             max_streams: cfg.xds.max_streams,
-            // Istio starts the DNS proxy (and so subscribes to NDS) for sidecars with DNS
-            // capture, and for any proxy with ISTIO_META_ENABLE_DNS_SERVER.
-            nds: (cfg.dns.capture && cfg.proxy_type == ProxyType::Sidecar) || cfg.dns.enable_server,
+            // NDS is subscribed exactly when the DNS proxy runs.
+            nds: crate::dns::enabled(cfg),
             pcds: cfg.xds.proxy_config_xds_agent,
             ecds: Arc::new(PassThrough),
             interceptors: Vec::new(),

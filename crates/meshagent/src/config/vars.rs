@@ -281,6 +281,13 @@ pub struct DnsConfig {
     pub forward_timeout: Duration,
     /// `ISTIO_META_DNS_AUTO_ALLOCATE` (default false): istiod-side; read for metadata.
     pub auto_allocate: bool,
+    /// Where upstream servers and the search list come from: `/etc/resolv.conf` (Istio reads
+    /// that path only; in `:53` root mode `/var/lib/istio/resolv.conf` wins when present). Not
+    /// an environment variable: a field so tests can point it at their own file.
+    pub resolv_conf: std::path::PathBuf,
+    /// `MESHAGENT_DNS_CACHE_SIZE` (default 4096, 0 turns it off): entries in the cache of
+    /// forwarded answers. Istio has no cache (istio#58806); this is meshagent's own knob.
+    pub cache_size: usize,
 }
 
 impl DnsConfig {
@@ -309,6 +316,8 @@ impl DnsConfig {
             forward_parallel: r.bool("DNS_FORWARD_PARALLEL", false),
             forward_timeout: r.duration("DNS_FORWARD_TIMEOUT", Duration::from_secs(5)),
             auto_allocate: r.bool("ISTIO_META_DNS_AUTO_ALLOCATE", false),
+            resolv_conf: std::path::PathBuf::from("/etc/resolv.conf"),
+            cache_size: r.int("MESHAGENT_DNS_CACHE_SIZE", 4096, 0, 1 << 20),
         }
     }
 }

@@ -1,0 +1,248 @@
+//! DNS proxy benchmark (issue 13): dnsperf 2.10 on loopback, UDP, fixed flags, same run.
+//!
+//! * table: the proxy answering 100 names from a 5,000-name NDS table, vs dnsmasq answering
+//!   the same 100 names from a hosts file;
+//! * forwarding: the proxy (cache off) forwarding 100 unknown names to that dnsmasq, vs
+//!   querying dnsmasq directly; and the same with the proxy's cache on.
+//!
+//! Each case: saturated `dnsperf -c 1 -q 100 -l 5` (QPS, mean latency), then a throttled
+//! `-c 1 -Q 5000 -l 3 -v` run for p50/p99 (dnsperf prints no percentiles; `-v` gives one line
+//! per reply). The proxy runs on its own current-thread runtime, as in the agent.
+//!
+//! `cargo bench -p meshagent --bench dns` (or `make bench`); needs dnsmasq and dnsperf
+//! (`make dnspeers`) and root (dnsmasq listens on 127.0.53.100:53, as resolv.conf implies).
+
+#![allow(clippy::unwrap_used, clippy::print_stdout)] // a benchmark binary, not the agent
+
+use std::net::SocketAddr;
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::time::Duration;
+
+use meshagent::dns::{self, NameInfo, NameTable};
+use meshagent::metrics::Registry;
+
+const UPSTREAM: &str = "127.0.53.100";
+const NAMES: usize = 100;
+const TABLE: usize = 5000;
+
+struct Dnsmasq(Child);
+
+impl Drop for Dnsmasq {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn table() -> NameTable {
+    let mut t = NameTable::default();
+    for i in 0..TABLE {
+        let ns = format!("ns-{}", i % 50);
+        let short = format!("svc-{i}");
+        t.table.insert(
+            format!("{short}.{ns}.svc.cluster.local"),
+            NameInfo {
+                ips: vec![format!("10.{}.{}.{}", i / 65536, (i / 256) % 256, i % 256)],
+                registry: "Kubernetes".into(),
+                shortname: short,
+                namespace: ns,
+                alt_hosts: vec![],
+            },
+        );
+    }
+    t
+}
+
+fn mesh_name(i: usize) -> String {
+    format!("svc-{i}.ns-{}.svc.cluster.local", i % 50)
+}
+
+fn ext_name(i: usize) -> String {
+    format!("ext-{i}.bench.local")
+}
+
+struct Run {
+    qps: f64,
+    mean_ms: f64,
+    p50_ms: f64,
+    p99_ms: f64,
+    lost: u64,
+}
+
+fn dnsperf(addr: SocketAddr, queries: &std::path::Path) -> Run {
+    let base = |extra: &[&str]| {
+        let out = Command::new("dnsperf")
+            .args(["-s", &addr.ip().to_string(), "-p", &addr.port().to_string()])
+            .arg("-d")
+            .arg(queries)
+            .args(["-c", "1"])
+            .args(extra)
+            .output()
+            .expect("dnsperf (make dnspeers)");
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    let sat = base(&["-q", "100", "-l", "5"]);
+    let field = |text: &str, key: &str| -> f64 {
+        text.lines()
+            .find_map(|l| l.trim().strip_prefix(key))
+            .and_then(|r| r.split_whitespace().next())
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(f64::NAN)
+    };
+    let qps = field(&sat, "Queries per second:");
+    let mean_ms = field(&sat, "Average Latency (s):") * 1000.0;
+    let lost = field(&sat, "Queries lost:") as u64;
+    let verbose = base(&["-Q", "5000", "-l", "3", "-v"]);
+    let mut lat: Vec<f64> = verbose
+        .lines()
+        .filter(|l| l.starts_with('>'))
+        .filter_map(|l| l.split_whitespace().last()?.parse().ok())
+        .collect();
+    lat.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    let pct = |p: f64| {
+        if lat.is_empty() {
+            f64::NAN
+        } else {
+            lat[((lat.len() as f64 * p) as usize).min(lat.len() - 1)] * 1000.0
+        }
+    };
+    Run {
+        qps,
+        mean_ms,
+        p50_ms: pct(0.50),
+        p99_ms: pct(0.99),
+        lost,
+    }
+}
+
+/// Starts the proxy on its own current-thread runtime (like the agent); returns its address.
+fn proxy(
+    resolv: &std::path::Path,
+    cache: usize,
+) -> (SocketAddr, tokio_util::sync::CancellationToken) {
+    let (tx, rx) = std::sync::mpsc::channel();
+    let resolv = resolv.to_path_buf();
+    let stop = tokio_util::sync::CancellationToken::new();
+    let stop2 = stop.clone();
+    std::thread::spawn(move || {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        rt.block_on(async move {
+            let opts = dns::Options {
+                addr: "127.0.0.1:0".into(),
+                resolv_conf: resolv,
+                namespace: "ns-0".into(),
+                domain: "ns-0.svc.cluster.local".into(),
+                parallel: false,
+                timeout: Duration::from_secs(5),
+                cache_size: cache,
+                forward_before_table: false,
+                servers: meshagent::supervise::Servers::new(),
+            };
+            let (_ttx, trx) = tokio::sync::watch::channel(Some(Arc::new(table())));
+            let h = dns::start(opts, &Registry::new(), trx, stop2.clone())
+                .await
+                .unwrap();
+            tx.send(h.addrs[0]).unwrap();
+            stop2.cancelled().await;
+        });
+    });
+    (rx.recv().unwrap(), stop)
+}
+
+fn row(name: &str, r: &Run, base: Option<&Run>) {
+    let ratio = base.map_or(String::new(), |b| {
+        format!(
+            " | {:.2}x qps, {:.2}x p50, {:.2}x p99",
+            r.qps / b.qps,
+            r.p50_ms / b.p50_ms,
+            r.p99_ms / b.p99_ms
+        )
+    });
+    println!(
+        "| {name} | {:.0} | {:.3} | {:.3} | {:.3} | {}{ratio} |",
+        r.qps, r.mean_ms, r.p50_ms, r.p99_ms, r.lost
+    );
+}
+
+fn main() {
+    let dir = tempfile::tempdir().unwrap();
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    let hosts = dir.path().join("hosts");
+    let mut h = String::new();
+    for i in 0..NAMES {
+        h.push_str(&format!("10.0.{}.{} {}\n", i / 256, i % 256, mesh_name(i)));
+        h.push_str(&format!("10.9.{}.{} {}\n", i / 256, i % 256, ext_name(i)));
+    }
+    std::fs::write(&hosts, h).unwrap();
+    let q_mesh = dir.path().join("mesh.txt");
+    let q_ext = dir.path().join("ext.txt");
+    std::fs::write(
+        &q_mesh,
+        (0..NAMES)
+            .map(|i| format!("{} A\n", mesh_name(i)))
+            .collect::<String>(),
+    )
+    .unwrap();
+    std::fs::write(
+        &q_ext,
+        (0..NAMES)
+            .map(|i| format!("{} A\n", ext_name(i)))
+            .collect::<String>(),
+    )
+    .unwrap();
+    let resolv = dir.path().join("resolv.conf");
+    std::fs::write(&resolv, format!("nameserver {UPSTREAM}\n")).unwrap();
+
+    // dnsmasq's answers from /etc/hosts-style files carry TTL 0 unless --local-ttl: 60 s so
+    // the proxy's cache has something to keep in the cache-on case.
+    let _dnsmasq = Dnsmasq(
+        Command::new("dnsmasq")
+            .args([
+                "-k",
+                "--port=53",
+                &format!("--listen-address={UPSTREAM}"),
+                "--bind-interfaces",
+                "--no-resolv",
+                "--no-hosts",
+                &format!("--addn-hosts={}", hosts.display()),
+                "--cache-size=1000",
+                "--local-ttl=60",
+                &format!("--pid-file={}", dir.path().join("pid").display()),
+                &format!("--log-facility={}", dir.path().join("log").display()),
+            ])
+            .stdout(Stdio::null())
+            .spawn()
+            .expect("dnsmasq (make dnspeers)"),
+    );
+    std::thread::sleep(Duration::from_millis(500));
+    let direct: SocketAddr = format!("{UPSTREAM}:53").parse().unwrap();
+
+    let (table_addr, stop1) = proxy(&resolv, 0);
+    println!(
+        "DNS proxy benchmark: dnsperf -c 1 -q 100 -l 5 (qps, mean) and -c 1 -Q 5000 -l 3 -v (p50/p99), UDP, loopback"
+    );
+    println!("| case | qps | mean ms | p50 ms | p99 ms | lost | vs baseline |");
+    println!("|---|---|---|---|---|---|---|");
+    let base_table = dnsperf(direct, &q_mesh);
+    row("dnsmasq, hosts file (baseline)", &base_table, None);
+    let t = dnsperf(table_addr, &q_mesh);
+    row("proxy, NDS table (5,000 names)", &t, Some(&base_table));
+    let base_fwd = dnsperf(direct, &q_ext);
+    row("dnsmasq direct, external names (baseline)", &base_fwd, None);
+    let f = dnsperf(table_addr, &q_ext);
+    row(
+        "proxy forwarding to dnsmasq, cache off",
+        &f,
+        Some(&base_fwd),
+    );
+    stop1.cancel();
+    let (cached_addr, stop2) = proxy(&resolv, 4096);
+    let c = dnsperf(cached_addr, &q_ext);
+    row("proxy forwarding, cache on", &c, Some(&base_fwd));
+    stop2.cancel();
+}

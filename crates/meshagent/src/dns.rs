@@ -1,0 +1,363 @@
+//! The DNS proxy on `DNS_PROXY_ADDR` (default `localhost:15053`), Istio's
+//! `pkg/dns/client` (`dns.go` `NewLocalDNSServer`/`ServeDNS`, `proxy.go`): names in the NDS
+//! table are answered locally (A/AAAA, authoritative, TTL 30), everything else is forwarded to
+//! the resolv.conf servers over the client's protocol.
+//!
+//! | module | does |
+//! |---|---|
+//! | [`table`] | NDS table → lookup table: Istio's short names, search-domain CNAMEs, wildcards |
+//! | [`handler`] | one request → reply / forward / drop; truncation; RA and EDNS echo |
+//! | [`forward`] | upstream exchanges (UDP with a 64 KiB buffer, TCP), sequential or parallel |
+//! | [`cache`] | bounded TTL cache of forwarded answers (Istio has none) |
+//! | [`server`] | the UDP and TCP loops |
+//! | [`resolv`] | resolv.conf servers and search list |
+//!
+//! Each listen address gets a UDP and a TCP server; all of them run under one supervisor
+//! ([`crate::supervise`]): if one dies they are rebound and readiness names the `dns` server
+//! until they serve again.
+
+pub mod cache;
+pub mod forward;
+pub mod handler;
+pub mod metrics;
+pub mod resolv;
+pub mod server;
+pub mod table;
+
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
+use std::path::{Path, PathBuf};
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::net::{TcpListener, UdpSocket};
+use tokio::sync::watch;
+use tokio_util::sync::CancellationToken;
+
+use crate::config::{Config, ProxyType};
+use crate::metrics::Registry;
+use crate::supervise;
+
+pub use handler::{Core, Proto};
+pub use resolv::ResolvConf;
+pub use table::{LookupTable, Scope};
+
+/// The DNS name table as the xDS proxy publishes it (NDS); `None` until the first push.
+pub type NameTable = meshagent_proto::nds::NameTable;
+pub type NameInfo = meshagent_proto::nds::name_table::NameInfo;
+pub type NameTableWatch = watch::Receiver<Option<Arc<NameTable>>>;
+
+/// Istio's one rule (`pkg/istio-agent/agent.go` `initLocalDNSServer`, and the NDS
+/// subscription in `xds_proxy.go`): sidecars with `ISTIO_META_DNS_CAPTURE`, or any proxy with
+/// `ISTIO_META_ENABLE_DNS_SERVER`.
+pub fn enabled(cfg: &Config) -> bool {
+    (cfg.dns.capture && cfg.proxy_type == ProxyType::Sidecar) || cfg.dns.enable_server
+}
+
+/// Where root mode (`DNS_PROXY_ADDR` on port 53) reads resolv.conf when the file exists
+/// (Istio's `pilot/cmd/pilot-agent/options`: the original pod resolv.conf saved there).
+const ROOT_RESOLV_CONF: &str = "/var/lib/istio/resolv.conf";
+const DEFAULT_ADDR: &str = "localhost:15053";
+
+#[derive(Debug, thiserror::Error)]
+pub enum DnsError {
+    #[error("the DNS proxy needs its upstream servers: {0}")]
+    ResolvConf(#[source] crate::fsio::ReadError),
+    #[error(
+        "invalid DNS_PROXY_ADDR {value:?}: {reason} (expected host:port, e.g. localhost:15053)"
+    )]
+    Addr { value: String, reason: String },
+    #[error("cannot listen for DNS on {proto} {addr}: {source}")]
+    Bind {
+        proto: &'static str,
+        addr: SocketAddr,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error(transparent)]
+    Metrics(#[from] crate::metrics::MetricsError),
+}
+
+/// Everything the DNS proxy needs; [`Options::from_config`] gives Istio's behaviour.
+#[derive(Debug, Clone)]
+pub struct Options {
+    pub addr: String,
+    pub resolv_conf: PathBuf,
+    pub namespace: String,
+    pub domain: String,
+    pub parallel: bool,
+    pub timeout: Duration,
+    pub cache_size: usize,
+    /// `:53` root mode: forward before the first table instead of SERVFAIL.
+    pub forward_before_table: bool,
+    /// Where the supervisor reports the servers down.
+    pub servers: supervise::Servers,
+}
+
+impl Options {
+    pub fn from_config(cfg: &Config) -> Options {
+        let mut addr = cfg.dns.proxy_addr.clone();
+        let mut resolv_conf = cfg.dns.resolv_conf.clone();
+        let mut forward_before_table = false;
+        if addr.ends_with(":53") {
+            if nix::unistd::Uid::effective().is_root() {
+                forward_before_table = true;
+                let saved = Path::new(ROOT_RESOLV_CONF);
+                if resolv_conf == Path::new("/etc/resolv.conf") && saved.exists() {
+                    resolv_conf = saved.to_path_buf();
+                }
+            } else {
+                tracing::error!(addr = %addr, "DNS_PROXY_ADDR on port 53 needs root; falling back to {DEFAULT_ADDR}");
+                addr = DEFAULT_ADDR.to_owned();
+            }
+        }
+        Options {
+            addr,
+            resolv_conf,
+            namespace: cfg.pod.namespace.clone(),
+            domain: cfg.domain.clone(),
+            parallel: cfg.dns.forward_parallel,
+            timeout: cfg.dns.forward_timeout,
+            cache_size: cfg.dns.cache_size,
+            forward_before_table,
+            servers: supervise::Servers::new(),
+        }
+    }
+}
+
+/// The running proxy.
+pub struct DnsHandle {
+    /// The addresses actually bound (UDP and TCP share each).
+    pub addrs: Vec<SocketAddr>,
+    pub core: Arc<Core>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl DnsHandle {
+    pub async fn wait(self) {
+        let _ = self.task.await;
+    }
+}
+
+/// Reads resolv.conf, binds every address (a failure here is a startup error), and serves
+/// until `stop`. `tables` is the NDS table feed.
+pub async fn start(
+    opts: Options,
+    registry: &Registry,
+    mut tables: NameTableWatch,
+    stop: CancellationToken,
+) -> Result<DnsHandle, DnsError> {
+    let text = crate::fsio::read(opts.resolv_conf.clone(), 1 << 20, Duration::from_secs(5))
+        .await
+        .map_err(DnsError::ResolvConf)?;
+    let resolv = ResolvConf::parse(&String::from_utf8_lossy(&text));
+    let addrs = listen_addrs(&opts.addr, &resolv)?;
+    let mut bound = Vec::new();
+    for a in &addrs {
+        bound.push(bind(*a).await?);
+    }
+    let addrs: Vec<SocketAddr> = bound
+        .iter()
+        .filter_map(|(u, _)| u.local_addr().ok())
+        .collect();
+
+    let metrics = metrics::Metrics::new(registry)?;
+    let cache = (opts.cache_size > 0).then(|| {
+        cache::Cache::new(
+            opts.cache_size,
+            metrics.cache_hits.clone(),
+            metrics.cache_misses.clone(),
+        )
+    });
+    // Tables are built off the reactor: a 5,000-name table is milliseconds of CPU.
+    let scope = Scope {
+        namespace: opts.namespace.clone(),
+        domain: opts.domain.clone(),
+        search: resolv.search.clone(),
+    };
+    // A table that is already known is served from the first query on.
+    let initial = match tables.borrow_and_update().clone() {
+        Some(nt) => {
+            let scope = scope.clone();
+            tokio::task::spawn_blocking(move || LookupTable::build(&nt, &scope))
+                .await
+                .ok()
+                .map(Arc::new)
+        }
+        None => None,
+    };
+    let (table_tx, table_rx) = watch::channel(initial);
+    let core = Arc::new(Core {
+        table: table_rx,
+        upstreams: resolv.servers.clone(),
+        parallel: opts.parallel,
+        timeout: opts.timeout,
+        forward_before_table: opts.forward_before_table,
+        cache,
+        metrics,
+    });
+    tracing::info!(addrs = ?addrs, upstreams = ?resolv.servers, search = ?resolv.search, "DNS proxy listening");
+
+    let builder_stop = stop.clone();
+    tokio::spawn(tracing::Instrument::instrument(
+        async move {
+            loop {
+                tokio::select! {
+                    () = builder_stop.cancelled() => return,
+                    r = tables.changed() => if r.is_err() { return },
+                }
+                let nt = tables.borrow_and_update().clone();
+                if let Some(nt) = nt {
+                    let scope = scope.clone();
+                    match tokio::task::spawn_blocking(move || LookupTable::build(&nt, &scope)).await
+                    {
+                        Ok(t) => {
+                            tracing::debug!(names = t.len(), "DNS lookup table built");
+                            table_tx.send_replace(Some(Arc::new(t)));
+                        }
+                        Err(e) => tracing::error!(error = %e, "building the DNS table failed"),
+                    }
+                }
+            }
+        },
+        tracing::info_span!("task", name = "dns-table"),
+    ));
+
+    let mut first = Some(bound);
+    let serve_core = core.clone();
+    let bind_addrs = addrs.clone();
+    let task = tokio::spawn(tracing::Instrument::instrument(
+        supervise::run(
+            "dns",
+            opts.servers.clone(),
+            supervise::Backoff::default(),
+            stop,
+            move || {
+                let bound = first.take();
+                let (core, addrs) = (serve_core.clone(), bind_addrs.clone());
+                async move {
+                    let bound = match bound {
+                        Some(b) => b,
+                        None => {
+                            let mut v = Vec::new();
+                            for a in &addrs {
+                                v.push(bind(*a).await.map_err(|e| e.to_string())?);
+                            }
+                            v
+                        }
+                    };
+                    let mut loops = Vec::new();
+                    for (udp, tcp) in bound {
+                        loops.push(futures::FutureExt::boxed(server::serve_udp(
+                            Arc::new(udp),
+                            core.clone(),
+                        )));
+                        loops.push(futures::FutureExt::boxed(server::serve_tcp(
+                            tcp,
+                            core.clone(),
+                        )));
+                    }
+                    Ok(supervise::Serving {
+                        serve: Box::pin(async move {
+                            futures::future::try_join_all(loops).await.map(|_| ())
+                        }),
+                        socket: None,
+                    })
+                }
+            },
+        ),
+        tracing::info_span!("task", name = "dns"),
+    ));
+    Ok(DnsHandle { addrs, core, task })
+}
+
+async fn bind(a: SocketAddr) -> Result<(UdpSocket, TcpListener), DnsError> {
+    let udp = UdpSocket::bind(a).await.map_err(|source| DnsError::Bind {
+        proto: "udp",
+        addr: a,
+        source,
+    })?;
+    // Port 0 (tests): TCP takes the port UDP got.
+    let a = udp.local_addr().unwrap_or(a);
+    let tcp = TcpListener::bind(a)
+        .await
+        .map_err(|source| DnsError::Bind {
+            proto: "tcp",
+            addr: a,
+            source,
+        })?;
+    Ok((udp, tcp))
+}
+
+/// Istio's listen rule: with host `localhost` and servers in resolv.conf, `127.0.0.1` if any
+/// is IPv4 and `::1` if any is IPv6; otherwise the address as given (empty host: all).
+pub fn listen_addrs(addr: &str, resolv: &ResolvConf) -> Result<Vec<SocketAddr>, DnsError> {
+    let bad = |reason: &str| DnsError::Addr {
+        value: addr.to_owned(),
+        reason: reason.to_owned(),
+    };
+    let (host, port) = addr.rsplit_once(':').ok_or_else(|| bad("no port"))?;
+    let port: u16 = port.parse().map_err(|_| bad("the port is not a number"))?;
+    let host = host.trim_start_matches('[').trim_end_matches(']');
+    let ips: Vec<IpAddr> = match host {
+        "localhost" if !resolv.servers.is_empty() => {
+            let mut v = Vec::new();
+            if resolv.has_v4() {
+                v.push(Ipv4Addr::LOCALHOST.into());
+            }
+            if resolv.has_v6() {
+                v.push(Ipv6Addr::LOCALHOST.into());
+            }
+            v
+        }
+        "localhost" => vec![Ipv4Addr::LOCALHOST.into()],
+        "" => vec![Ipv6Addr::UNSPECIFIED.into()],
+        h => vec![
+            h.parse()
+                .map_err(|_| bad("the host is not an IP address or localhost"))?,
+        ],
+    };
+    Ok(ips
+        .into_iter()
+        .map(|ip| SocketAddr::new(ip, port))
+        .collect())
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    #[test]
+    fn listen_rule() {
+        let v4 = ResolvConf::parse("nameserver 10.0.0.1\n");
+        let both = ResolvConf::parse("nameserver 10.0.0.1\nnameserver fd00::1\n");
+        let v6 = ResolvConf::parse("nameserver fd00::1\n");
+        let none = ResolvConf::default();
+        let s = |v: Vec<SocketAddr>| v.iter().map(|a| a.to_string()).collect::<Vec<_>>();
+        assert_eq!(
+            s(listen_addrs("localhost:15053", &v4).unwrap()),
+            ["127.0.0.1:15053"]
+        );
+        assert_eq!(
+            s(listen_addrs("localhost:15053", &both).unwrap()),
+            ["127.0.0.1:15053", "[::1]:15053"]
+        );
+        assert_eq!(
+            s(listen_addrs("localhost:15053", &v6).unwrap()),
+            ["[::1]:15053"]
+        );
+        assert_eq!(
+            s(listen_addrs("localhost:15053", &none).unwrap()),
+            ["127.0.0.1:15053"]
+        );
+        assert_eq!(s(listen_addrs(":53", &v4).unwrap()), ["[::]:53"]);
+        assert_eq!(
+            s(listen_addrs("127.0.0.2:5353", &v4).unwrap()),
+            ["127.0.0.2:5353"]
+        );
+        let e = listen_addrs("dns.local:53", &v4).unwrap_err().to_string();
+        assert!(e.contains("DNS_PROXY_ADDR"), "{e}");
+        assert!(listen_addrs("15053", &v4).is_err());
+    }
+}

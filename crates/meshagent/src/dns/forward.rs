@@ -1,0 +1,184 @@
+//! Upstream exchanges. Unlike Istio's miekg client (512-byte UDP buffer unless the client's
+//! OPT says more, istio#61371), UDP replies are read into a 64 KiB buffer: whatever the
+//! upstream sends is relayed, truncated to the client's own limit afterwards.
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use futures::FutureExt;
+use hickory_proto::op::Message;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpStream, UdpSocket};
+
+use super::handler::Proto;
+
+type Reply = (Vec<u8>, Message);
+
+pub async fn sequential(
+    servers: &[SocketAddr],
+    raw: &[u8],
+    proto: Proto,
+    timeout: Duration,
+) -> Result<Reply, String> {
+    let mut last = "no upstream servers in resolv.conf".to_owned();
+    for s in servers {
+        match exchange(*s, raw, proto, timeout).await {
+            Ok(r) => return Ok(r),
+            Err(e) => {
+                tracing::debug!(upstream = %s, error = %e, "upstream exchange failed");
+                last = format!("{s}: {e}");
+            }
+        }
+    }
+    Err(last)
+}
+
+pub async fn parallel(
+    servers: &[SocketAddr],
+    raw: &[u8],
+    proto: Proto,
+    timeout: Duration,
+) -> Result<Reply, String> {
+    if servers.is_empty() {
+        return Err("no upstream servers in resolv.conf".to_owned());
+    }
+    let all = servers.iter().map(|s| {
+        exchange(*s, raw, proto, timeout)
+            .map(move |r| r.map_err(|e| format!("{s}: {e}")))
+            .boxed()
+    });
+    futures::future::select_ok(all).await.map(|(r, _)| r)
+}
+
+/// One exchange with one server, bounded by `timeout` as a whole (Istio applies it to dial,
+/// write and read each).
+pub async fn exchange(
+    server: SocketAddr,
+    raw: &[u8],
+    proto: Proto,
+    timeout: Duration,
+) -> Result<Reply, String> {
+    let io = async {
+        match proto {
+            Proto::Udp => udp(server, raw).await,
+            Proto::Tcp => tcp(server, raw).await,
+        }
+    };
+    match tokio::time::timeout(timeout, io).await {
+        Ok(r) => r,
+        Err(_) => Err(format!("i/o timeout after {timeout:?}")),
+    }
+}
+
+fn id_of(raw: &[u8]) -> u16 {
+    u16::from_be_bytes([raw[0], raw[1]])
+}
+
+/// The reply must answer our query: same ID (checked by the caller), and the same question
+/// (compared on the wire, names case-insensitively: the query is forwarded unchanged, but some
+/// servers normalise case).
+fn check(reply: &[u8], query: &[u8]) -> Result<Message, String> {
+    let m = Message::from_vec(reply).map_err(|e| format!("malformed reply: {e}"))?;
+    // A reply with no question section (some servers on FORMERR/SERVFAIL) is still ours.
+    // A query without exactly one plain question is not checked further.
+    if !m.queries.is_empty()
+        && let Some(qq) = question(query)
+        && !question(reply).is_some_and(|rq| rq.eq_ignore_ascii_case(qq))
+    {
+        return Err("reply question does not match the query".to_owned());
+    }
+    Ok(m)
+}
+
+/// The raw first question (name, type, class) of a message whose question count is 1 and
+/// whose name is not compressed (true of every query, and of the question section of
+/// replies from common servers); `None` otherwise.
+fn question(msg: &[u8]) -> Option<&[u8]> {
+    if msg.len() < 12 || msg[4..6] != [0, 1] {
+        return None;
+    }
+    let mut i = 12;
+    loop {
+        let len = *msg.get(i)? as usize;
+        if len == 0 {
+            i += 1;
+            break;
+        }
+        if len & 0xc0 != 0 {
+            return None;
+        }
+        i += 1 + len;
+    }
+    msg.get(12..i + 4)
+}
+
+/// Connected UDP sockets to upstreams, kept for reuse: creating, binding and connecting a
+/// socket per query (what miekg does) costs more than the exchange itself on loopback. A
+/// socket goes back only after a clean exchange, so a late reply to a timed-out query is never
+/// waiting in it (and would be discarded by the ID and question checks anyway).
+static POOL: std::sync::Mutex<Vec<(SocketAddr, UdpSocket)>> = std::sync::Mutex::new(Vec::new());
+const POOL_MAX: usize = 64;
+
+fn pooled(server: SocketAddr) -> Option<UdpSocket> {
+    let mut p = POOL.lock().unwrap_or_else(|e| e.into_inner());
+    let i = p.iter().rposition(|(a, _)| *a == server)?;
+    Some(p.swap_remove(i).1)
+}
+
+fn give_back(server: SocketAddr, sock: UdpSocket) {
+    let mut p = POOL.lock().unwrap_or_else(|e| e.into_inner());
+    if p.len() < POOL_MAX {
+        p.push((server, sock));
+    }
+}
+
+async fn udp(server: SocketAddr, raw: &[u8]) -> Result<Reply, String> {
+    let sock = match pooled(server) {
+        Some(s) => s,
+        None => {
+            let local: SocketAddr = if server.is_ipv4() {
+                (std::net::Ipv4Addr::UNSPECIFIED, 0).into()
+            } else {
+                (std::net::Ipv6Addr::UNSPECIFIED, 0).into()
+            };
+            let sock = UdpSocket::bind(local).await.map_err(|e| e.to_string())?;
+            sock.connect(server).await.map_err(|e| e.to_string())?;
+            sock
+        }
+    };
+    sock.send(raw).await.map_err(|e| e.to_string())?;
+    let mut buf = vec![0u8; 65535];
+    loop {
+        let n = sock.recv(&mut buf).await.map_err(|e| e.to_string())?;
+        // Stray datagrams (wrong ID) are ignored, as miekg does; the timeout bounds the wait.
+        if n < 12 || id_of(&buf[..n]) != id_of(raw) {
+            continue;
+        }
+        let m = check(&buf[..n], raw)?;
+        buf.truncate(n);
+        give_back(server, sock);
+        return Ok((buf, m));
+    }
+}
+
+async fn tcp(server: SocketAddr, raw: &[u8]) -> Result<Reply, String> {
+    let mut s = TcpStream::connect(server)
+        .await
+        .map_err(|e| e.to_string())?;
+    let _ = s.set_nodelay(true);
+    let len = u16::try_from(raw.len()).map_err(|_| "query too large for TCP".to_owned())?;
+    let mut out = Vec::with_capacity(raw.len() + 2);
+    out.extend_from_slice(&len.to_be_bytes());
+    out.extend_from_slice(raw);
+    s.write_all(&out).await.map_err(|e| e.to_string())?;
+    loop {
+        let n = s.read_u16().await.map_err(|e| e.to_string())? as usize;
+        let mut buf = vec![0u8; n];
+        s.read_exact(&mut buf).await.map_err(|e| e.to_string())?;
+        if n < 12 || id_of(&buf) != id_of(raw) {
+            continue;
+        }
+        let m = check(&buf, raw)?;
+        return Ok((buf, m));
+    }
+}

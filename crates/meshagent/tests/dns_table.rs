@@ -1,0 +1,271 @@
+//! The DNS proxy answering from the NDS table that devplane (stand-in istiod) sends through
+//! the agent's xDS proxy to a real Envoy: every expansion form, CNAME chains, wildcards,
+//! families, sizes — over UDP and TCP, with hickory-proto messages and with `dig`.
+#![allow(clippy::unwrap_used)] // tests fail loudly by design
+
+mod dns_support;
+mod xds_support;
+
+use hickory_proto::op::ResponseCode;
+use hickory_proto::rr::RecordType;
+use meshagent_proto::type_url;
+use meshagent_testkit::{DEADLINE, Devplane, wait_for};
+use prost::Message as _;
+
+use dns_support::*;
+use xds_support::*;
+
+#[tokio::test(flavor = "multi_thread")]
+async fn mesh_names_answered_from_the_nds_table() {
+    let dp = Devplane::start(&mesh_yaml(false)).await;
+    // devplane's own table plus every shape the proxy must handle.
+    dp.set_resource(type_url::NAME_TABLE, "", &mesh_table().encode_to_vec())
+        .await;
+    let dir = tempfile::tempdir().unwrap();
+    let agent = agent_for(&dp, dir.path(), &[("ISTIO_META_DNS_CAPTURE", "true")]).await;
+    // No upstream is needed: every name here is local. (An unreachable one proves it.)
+    let proxy = Proxy::start(
+        &format!("nameserver 127.0.53.254\n{SEARCH}"),
+        agent.handle.name_table(),
+        |_| {},
+    )
+    .await;
+    let addr = proxy.addr;
+
+    // Before the table: SERVFAIL at once, not a hang.
+    let (m, _) = udp(addr, &query("api.example.com.", RecordType::A, None)).await;
+    assert_eq!(m.metadata.response_code, ResponseCode::ServFail);
+
+    let (_envoy, _sds) = envoy_through(&dp, &agent, dir.path(), false).await;
+    wait_for("the table in the DNS proxy", DEADLINE, || async {
+        let (m, _) = udp(addr, &query("api.example.com.", RecordType::A, None)).await;
+        (m.metadata.response_code == ResponseCode::NoError).then_some(())
+    })
+    .await;
+
+    for proto in ["udp", "tcp"] {
+        let ask = |name: &'static str, ty: RecordType| async move {
+            let q = query(name, ty, Some(1232));
+            if proto == "udp" {
+                udp(addr, &q).await.0
+            } else {
+                tcp(addr, &q).await.0
+            }
+        };
+        let a = |name: &'static str| async move {
+            let m = ask(name, RecordType::A).await;
+            assert_eq!(m.metadata.response_code, ResponseCode::NoError, "{name}");
+            assert!(m.metadata.authoritative, "{name}: AA");
+            assert!(m.metadata.recursion_available, "{name}: RA");
+            assert!(m.edns.is_some(), "{name}: EDNS echoed");
+            for r in &m.answers {
+                assert_eq!(r.ttl, 30, "{name}");
+            }
+            answers(&m)
+        };
+        // FQDN, name.ns., short name in the proxy's namespace, name.ns.svc.
+        assert_eq!(
+            a("productpage.default.svc.cluster.local.").await,
+            ["productpage.default.svc.cluster.local. A 10.0.0.1"]
+        );
+        assert_eq!(
+            a("productpage.default.").await,
+            ["productpage.default. A 10.0.0.1"]
+        );
+        assert_eq!(a("productpage.").await, ["productpage. A 10.0.0.1"]);
+        assert_eq!(
+            a("productpage.default.svc.").await,
+            ["productpage.default.svc. A 10.0.0.1"]
+        );
+        assert_eq!(a("reviews.ns2.").await, ["reviews.ns2. A 10.0.0.2"]);
+        // devplane's own services arrive too (devplane's table merged with ours).
+        assert_eq!(
+            ask("reviews.", RecordType::A).await.metadata.response_code,
+            ResponseCode::ServFail,
+            "a short name of another namespace is not local (forwarded; the upstream is down)"
+        );
+        // The first search domain's CNAME chain: a stub resolver asks `reviews.ns2.` with
+        // the search suffix appended first.
+        assert_eq!(
+            a("reviews.ns2.default.svc.cluster.local.").await,
+            [
+                "reviews.ns2. A 10.0.0.2",
+                "reviews.ns2.default.svc.cluster.local. CNAME reviews.ns2."
+            ]
+        );
+        assert_eq!(
+            a("api.example.com.default.svc.cluster.local.").await,
+            [
+                "api.example.com. A 240.240.0.1",
+                "api.example.com.default.svc.cluster.local. CNAME api.example.com."
+            ]
+        );
+        // Case-insensitive; owner names are the lower-cased keys (Istio).
+        assert_eq!(
+            a("ProductPage.Default.SVC.cluster.local.").await,
+            ["productpage.default.svc.cluster.local. A 10.0.0.1"]
+        );
+        // Wildcards at any depth, renamed to the question.
+        assert_eq!(
+            a("x.wild.example.com.").await,
+            ["x.wild.example.com. A 240.240.0.9"]
+        );
+        assert_eq!(
+            a("a.b.c.wild.example.com.").await,
+            ["a.b.c.wild.example.com. A 240.240.0.9"]
+        );
+        // AAAA on a v4-only name: NOERROR, no answers, never NXDOMAIN; through the CNAME
+        // too (and then no CNAME either, as Istio).
+        for name in [
+            "productpage.default.svc.cluster.local.",
+            "api.example.com.default.svc.cluster.local.",
+        ] {
+            let m = ask(name, RecordType::AAAA).await;
+            assert_eq!(m.metadata.response_code, ResponseCode::NoError, "{name}");
+            assert!(m.answers.is_empty(), "{name}: {:?}", m.answers);
+        }
+        // Dual stack.
+        assert_eq!(
+            answers(&ask("dual.default.svc.cluster.local.", RecordType::AAAA).await),
+            ["dual.default.svc.cluster.local. AAAA fd00::3"]
+        );
+        assert_eq!(a("dual.").await, ["dual. A 10.0.0.3"]);
+    }
+
+    // The 40-address host: without EDNS over UDP it does not fit in 512 bytes: TC=1.
+    let (m, size) = udp(addr, &query("big.example.com.", RecordType::A, None)).await;
+    assert!(m.metadata.truncation, "TC=1 without EDNS");
+    assert!(size <= 512, "{size} bytes");
+    assert!(m.answers.len() < 40);
+    // Complete over TCP.
+    let (m, _) = tcp(addr, &query("big.example.com.", RecordType::A, None)).await;
+    assert!(!m.metadata.truncation);
+    assert_eq!(m.answers.len(), 40);
+    // With EDNS 1232 and 4096 it fits (16 bytes a record with name compression).
+    for size in [1232, 4096] {
+        let (m, n) = udp(addr, &query("big.example.com.", RecordType::A, Some(size))).await;
+        assert!(!m.metadata.truncation, "EDNS {size}");
+        assert_eq!(m.answers.len(), 40, "EDNS {size}");
+        assert!(n <= size as usize);
+        assert_eq!(m.edns.as_ref().unwrap().max_payload(), size);
+    }
+    // Shuffled per response: the order changes across a few answers.
+    let mut orders = std::collections::BTreeSet::new();
+    for _ in 0..8 {
+        let (m, _) = tcp(addr, &query("big.example.com.", RecordType::A, None)).await;
+        orders.insert(format!(
+            "{:?}",
+            m.answers
+                .iter()
+                .map(|r| r.data.to_string())
+                .collect::<Vec<_>>()
+        ));
+    }
+    assert!(
+        orders.len() > 1,
+        "40 addresses came back in one order 8 times"
+    );
+
+    // dig, an independent resolver client: UDP (EDNS by default), TCP, and no EDNS.
+    let out = dig(addr, &["+short", "productpage"]);
+    assert_eq!(out.trim(), "10.0.0.1", "{out}");
+    let out = dig(
+        addr,
+        &["+tcp", "+short", "reviews.ns2.default.svc.cluster.local"],
+    );
+    assert_eq!(out.trim(), "reviews.ns2.\n10.0.0.2", "{out}");
+    let out = dig(addr, &["+noedns", "+ignore", "big.example.com"]);
+    assert!(out.contains(" tc"), "{out}");
+    assert!(out.contains("flags: qr aa tc rd ra"), "{out}");
+    let out = dig(addr, &["+noedns", "big.example.com"]);
+    // dig retries over TCP on TC=1 and gets all 40.
+    assert!(out.contains("ANSWER: 40"), "{out}");
+    let out = dig(addr, &["AAAA", "productpage.default.svc.cluster.local"]);
+    assert!(
+        out.contains("status: NOERROR") && out.contains("ANSWER: 0"),
+        "{out}"
+    );
+
+    // Istio's metric names.
+    assert!(proxy.metric("istio_agent_dns_requests_total") > 10.0);
+}
+
+#[test]
+fn enabled_exactly_as_istio() {
+    use meshagent::config::{self, MapEnv, ProxyFlags, ProxyType};
+    let dir = tempfile::tempdir().unwrap();
+    let load = |ty: ProxyType, env: &[(&str, &str)]| {
+        let flags = ProxyFlags {
+            proxy_type: ty,
+            ..Default::default()
+        };
+        let mut pairs = vec![("POD_NAMESPACE", "default")];
+        pairs.extend_from_slice(env);
+        config::load(&flags, &MapEnv::from_pairs(pairs), dir.path()).unwrap()
+    };
+    let on = |ty, env: &[(&str, &str)]| meshagent::dns::enabled(&load(ty, env));
+    assert!(!on(ProxyType::Sidecar, &[]));
+    assert!(on(
+        ProxyType::Sidecar,
+        &[("ISTIO_META_DNS_CAPTURE", "true")]
+    ));
+    assert!(!on(
+        ProxyType::Router,
+        &[("ISTIO_META_DNS_CAPTURE", "true")]
+    ));
+    assert!(on(
+        ProxyType::Router,
+        &[("ISTIO_META_ENABLE_DNS_SERVER", "true")]
+    ));
+    assert!(on(
+        ProxyType::Sidecar,
+        &[("ISTIO_META_ENABLE_DNS_SERVER", "1")]
+    ));
+    let cfg = load(
+        ProxyType::Sidecar,
+        &[
+            ("ISTIO_META_DNS_CAPTURE", "true"),
+            ("DNS_FORWARD_TIMEOUT", "750ms"),
+            ("DNS_FORWARD_PARALLEL", "true"),
+        ],
+    );
+    let o = meshagent::dns::Options::from_config(&cfg);
+    assert_eq!(o.addr, "localhost:15053");
+    assert_eq!(o.resolv_conf, std::path::Path::new("/etc/resolv.conf"));
+    assert_eq!(o.timeout, std::time::Duration::from_millis(750));
+    assert!(o.parallel);
+    assert_eq!(o.domain, "default.svc.cluster.local");
+    assert_eq!(o.namespace, "default");
+}
+
+/// The agent binary as a pod runs it (`meshagent proxy sidecar`, real Envoy, devplane): with
+/// `ISTIO_META_DNS_CAPTURE=true` it is ready only once the table arrived, and then its DNS
+/// proxy on `DNS_PROXY_ADDR` answers the mesh's names over UDP and TCP. (The binary reads the
+/// machine's /etc/resolv.conf, so only local names are asked here: nothing leaves loopback.)
+#[tokio::test(flavor = "multi_thread")]
+async fn the_agent_binary_serves_dns_once_ready() {
+    let dp = Devplane::start(&mesh_yaml(false)).await;
+    let dns_addr = meshagent_testkit::free_addr();
+    let mut a = meshagent_testkit::Sidecar::start(
+        &dp,
+        "a",
+        "default",
+        "a",
+        &[
+            ("ISTIO_META_DNS_CAPTURE", "true".to_owned()),
+            ("DNS_PROXY_ADDR", dns_addr.to_string()),
+        ],
+    )
+    .await;
+    a.wait_ready(DEADLINE).await;
+    let (m, _) = udp(
+        dns_addr,
+        &query("b.default.svc.cluster.local.", RecordType::A, None),
+    )
+    .await;
+    assert_eq!(m.metadata.response_code, ResponseCode::NoError);
+    assert_eq!(m.answers.len(), 1, "{m:?}\n{}", a.proc.log_text());
+    let (m, _) = tcp(dns_addr, &query("b.", RecordType::A, Some(1232))).await;
+    assert_eq!(m.answers.len(), 1, "{m:?}");
+    assert!(m.metadata.authoritative && m.metadata.recursion_available);
+}
