@@ -12,6 +12,8 @@ pub mod cli;
 pub mod config;
 pub mod control_plane;
 pub mod envoy;
+#[doc(hidden)]
+pub mod fuzzing;
 pub mod fsio;
 pub mod http_client;
 pub mod identity;
