@@ -103,9 +103,16 @@ pub fn xds_wire(data: &[u8]) {
             Ok(p) => {
                 assert_eq!(p.type_url, req.type_url, "Delta request type_url");
                 assert_eq!(p.nonce, req.response_nonce, "Delta request nonce");
-                assert_eq!(p.has_error, req.error_detail.is_some(), "Delta error_detail");
+                assert_eq!(
+                    p.has_error,
+                    req.error_detail.is_some(),
+                    "Delta error_detail"
+                );
             }
-            Err(e) => assert!(groups(&e), "prost decodes a DeltaDiscoveryRequest, peek: {e}"),
+            Err(e) => assert!(
+                groups(&e),
+                "prost decodes a DeltaDiscoveryRequest, peek: {e}"
+            ),
         }
     }
 }
@@ -171,14 +178,16 @@ pub fn sds(data: &[u8]) {
     let service = crate::sds::SdsService::new(store, Default::default());
     runtime().block_on(async move {
         if mode & 1 == 0 {
-            let mut codec = tonic_prost::ProstCodec::<DiscoveryResponse, DiscoveryRequest>::default();
+            let mut codec =
+                tonic_prost::ProstCodec::<DiscoveryResponse, DiscoveryRequest>::default();
             let inbound = Streaming::new_request(codec.decoder(), body, None, Some(1 << 20));
             if let Ok(resp) = service.stream_secrets(tonic::Request::new(inbound)).await {
                 let mut out = resp.into_inner();
                 while out.next().await.is_some() {}
             }
         } else {
-            let mut codec = tonic_prost::ProstCodec::<DeltaDiscoveryResponse, DeltaDiscoveryRequest>::default();
+            let mut codec =
+                tonic_prost::ProstCodec::<DeltaDiscoveryResponse, DeltaDiscoveryRequest>::default();
             let inbound = Streaming::new_request(codec.decoder(), body, None, Some(1 << 20));
             if let Ok(resp) = service.delta_secrets(tonic::Request::new(inbound)).await {
                 let mut out = resp.into_inner();

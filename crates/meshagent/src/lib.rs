@@ -12,9 +12,9 @@ pub mod cli;
 pub mod config;
 pub mod control_plane;
 pub mod envoy;
+pub mod fsio;
 #[doc(hidden)]
 pub mod fuzzing;
-pub mod fsio;
 pub mod http_client;
 pub mod identity;
 pub mod iptables;

@@ -17,7 +17,10 @@ fn replay(target: &str) {
     let dir = corpus_dir().join(target);
     let mut entries: Vec<PathBuf> = std::fs::read_dir(&dir)
         .unwrap_or_else(|e| panic!("corpus {}: {e}", dir.display()))
-        .map(|e| e.map(|e| e.path()).unwrap_or_else(|e| panic!("{}: {e}", dir.display())))
+        .map(|e| {
+            e.map(|e| e.path())
+                .unwrap_or_else(|e| panic!("{}: {e}", dir.display()))
+        })
         .filter(|p| p.is_file())
         .collect();
     entries.sort();
@@ -51,7 +54,10 @@ fn every_fuzz_target_has_a_corpus() {
         .map(|(n, _)| (*n).to_owned())
         .collect();
     targets.sort();
-    assert_eq!(dirs, targets, "fuzz/corpus/* must match meshagent::fuzzing::TARGETS");
+    assert_eq!(
+        dirs, targets,
+        "fuzz/corpus/* must match meshagent::fuzzing::TARGETS"
+    );
 }
 
 #[test]
