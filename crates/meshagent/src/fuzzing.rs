@@ -251,8 +251,11 @@ pub fn metrics_dedupe(data: &[u8]) {
     let _ = run(usize::from(seed % 7) + 1, true);
 }
 
+/// A fuzz entry point.
+pub type Target = fn(&[u8]);
+
 /// Every fuzz target by name, for the corpus replay test.
-pub const TARGETS: &[(&str, fn(&[u8]))] = &[
+pub const TARGETS: &[(&str, Target)] = &[
     ("config_env", config_env),
     ("proxy_config", proxy_config),
     ("probers", probers),
