@@ -9,7 +9,7 @@ export ENVOY_BIN
 
 NEXTEST := $(shell cargo nextest --version >/dev/null 2>&1 && echo yes)
 
-.PHONY: all build agent test lint unit envoy peers netpeers dnspeers fuzz-dns bench demo clean-tools
+.PHONY: all build agent test lint unit envoy peers netpeers dnspeers fuzz-dns bench demo fuzz fuzz-tools clean-tools
 
 all: build
 
@@ -93,6 +93,26 @@ bench: envoy agent netpeers dnspeers
 	cargo bench -p meshagent --bench dns
 	MESHAGENT_BIN=$(AGENT_BIN) cargo bench -p meshagent --bench startup
 	MESHAGENT_BIN=$(AGENT_BIN) cargo bench -p meshagent --bench iptables
+
+# Fuzzing (not part of `make test`, which replays fuzz/corpus through the same entry points
+# in tests/fuzz_corpus.rs): a short libFuzzer run of every target. cargo-fuzz needs nightly
+# features (-Zsanitizer=address); RUSTC_BOOTSTRAP=1 enables them on the stable toolchain.
+# New inputs go to fuzz/corpus-run/<target> (gitignored); crashes to fuzz/artifacts/<target>.
+# A crash is a defect: fix it and commit the input under fuzz/corpus/<target>/.
+CARGO_FUZZ_VERSION := 0.13.2
+FUZZ_TARGETS := config_env proxy_config probers xds_wire xds_framing sds metrics_dedupe
+FUZZ_SECONDS ?= 30
+fuzz-tools:
+	@if cargo fuzz --version 2>/dev/null | grep -q "$(CARGO_FUZZ_VERSION)"; then :; \
+	else cargo install cargo-fuzz --locked --version $(CARGO_FUZZ_VERSION); fi
+
+fuzz: fuzz-tools
+	RUSTC_BOOTSTRAP=1 cargo fuzz build --fuzz-dir fuzz
+	@for t in $(FUZZ_TARGETS); do \
+	  mkdir -p fuzz/corpus-run/$$t; echo "== fuzz $$t ($(FUZZ_SECONDS) s)"; \
+	  RUSTC_BOOTSTRAP=1 cargo fuzz run --fuzz-dir fuzz $$t fuzz/corpus-run/$$t fuzz/corpus/$$t -- \
+	    -max_total_time=$(FUZZ_SECONDS) -timeout=10 -rss_limit_mb=4096 -print_final_stats=1 || exit 1; \
+	done
 
 demo: envoy
 	cargo build --workspace --bins

@@ -14,6 +14,8 @@ pub mod control_plane;
 pub mod dns;
 pub mod envoy;
 pub mod fsio;
+#[doc(hidden)]
+pub mod fuzzing;
 pub mod http_client;
 pub mod identity;
 pub mod iptables;

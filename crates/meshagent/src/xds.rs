@@ -64,10 +64,13 @@ use crate::supervise;
 /// The socket's file name inside `configPath`.
 pub const SOCKET_NAME: &str = "XDS";
 
-/// Largest message the downstream server accepts: the gRPC length prefix's own limit, so the
-/// agent never refuses what Envoy would accept (`ISTIO_GPRC_MAXRECVMSGSIZE` is not applied:
-/// its 4 MiB default is the failure in istio#52815).
-const MAX_MESSAGE: usize = u32::MAX as usize;
+/// Largest message the downstream server accepts from Envoy. Responses from istiod are not
+/// limited (istio#52815: its 4 MiB default broke large meshes), but Envoy's requests are small
+/// (node metadata, resource names), and the socket is reachable by any local process: gRPC
+/// decoding reserves the declared length up front, so an unbounded limit let a 5-byte prefix
+/// make the agent allocate 4 GiB (found by the `xds_framing` fuzz target). 64 MiB is far above
+/// any real request (a Delta request naming 100,000 resources is ~10 MiB).
+pub const MAX_MESSAGE: usize = 64 * 1024 * 1024;
 
 #[derive(Debug, thiserror::Error)]
 pub enum XdsError {

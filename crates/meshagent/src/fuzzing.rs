@@ -1,0 +1,267 @@
+//! Entry points for the cargo-fuzz targets in `fuzz/` and for the corpus replay test
+//! (`tests/fuzz_corpus.rs`), so both exercise exactly the same code.
+//!
+//! Every function takes arbitrary bytes and must never panic: the inputs model what reaches
+//! the agent from the environment, pod files, Envoy, istiod and applications. Where a
+//! property stronger than "no panic" holds (the wire peek agrees with a real protobuf decoder;
+//! the metrics filter does not depend on how a body is chunked), it is asserted, so a fuzz
+//! run also finds wrong answers, not only crashes.
+
+use std::path::Path;
+use std::sync::Arc;
+
+use bytes::Bytes;
+use futures::StreamExt;
+use meshagent_proto::envoy::pb::envoy::service::discovery::v3::{
+    DeltaDiscoveryRequest, DeltaDiscoveryResponse, DiscoveryRequest, DiscoveryResponse,
+};
+use meshagent_proto::envoy::pb::envoy::service::secret::v3::secret_discovery_service_server::SecretDiscoveryService;
+use prost::Message;
+use tonic::codec::{Codec, Streaming};
+
+use crate::config::{self, MapEnv, ProxyFlags};
+use crate::identity::store::{Aliases, SecretData, SecretState, SecretStore, Subscription};
+use crate::status::lines::{Seen, SourceFilter};
+use crate::xds::codec::RawCodec;
+use crate::xds::wire::{self, Kind, WireError};
+
+/// Files are read relative to this directory while loading; it does not exist, so the
+/// mesh config, pod annotations and labels are absent and only the environment varies.
+const NO_FILES: &str = "/nonexistent/meshagent-fuzz";
+
+/// Fuzz target `config_env`: the input is an environment, one `NAME=VALUE` per line (lines
+/// without `=` are ignored), loaded exactly as the agent's start loads it.
+pub fn config_env(data: &[u8]) {
+    let text = String::from_utf8_lossy(data);
+    let env = MapEnv::from_pairs(text.lines().filter_map(|l| l.split_once('=')));
+    let _ = config::load(&ProxyFlags::default(), &env, Path::new(NO_FILES));
+}
+
+/// Fuzz target `proxy_config`: the input is the value of `PROXY_CONFIG` (a YAML or JSON
+/// ProxyConfig), merged over the defaults and validated as at start.
+pub fn proxy_config(data: &[u8]) {
+    let Ok(text) = std::str::from_utf8(data) else {
+        return;
+    };
+    let env = MapEnv::from_pairs([("PROXY_CONFIG", text)]);
+    let _ = config::load(&ProxyFlags::default(), &env, Path::new(NO_FILES));
+}
+
+/// Fuzz target `probers`: the input is `ISTIO_KUBE_APP_PROBERS` and, with the status port
+/// taken from its first two bytes, `ISTIO_PROMETHEUS_ANNOTATIONS`.
+pub fn probers(data: &[u8]) {
+    let Ok(text) = std::str::from_utf8(data) else {
+        return;
+    };
+    if let Ok(probers) = config::probers::parse_app_probers(text) {
+        for p in probers.values() {
+            let _ = p.timeout();
+        }
+    }
+    let status_port = match data {
+        [a, b, ..] => u16::from_be_bytes([*a, *b]),
+        _ => 15020,
+    };
+    let _ = config::probers::parse_prometheus_annotations(text, status_port);
+    let _ = config::probers::parse_prometheus_annotations(text, 15020);
+}
+
+/// Fuzz target `xds_wire`: the input is one xDS message as the proxy sees it. It is peeked
+/// as each of the four message kinds, and wherever prost (a real decoder) accepts it, the
+/// peek must succeed and agree on every field it reports.
+pub fn xds_wire(data: &[u8]) {
+    for kind in [
+        Kind::SotwRequest,
+        Kind::SotwResponse,
+        Kind::DeltaRequest,
+        Kind::DeltaResponse,
+    ] {
+        let _ = wire::peek(kind, data);
+    }
+    for number in [2, 3, 4, 5] {
+        let _ = wire::repeated_strings(data, number);
+    }
+    // The peek stops at groups (wire types 3 and 4: proto2 only, absent from xDS), which
+    // prost skips; that one difference is by design.
+    let groups = |e: &WireError| matches!(e, WireError::WireType(3 | 4));
+    if let Ok(req) = DiscoveryRequest::decode(data) {
+        match wire::peek(Kind::SotwRequest, data) {
+            Ok(p) => {
+                assert_eq!(p.type_url, req.type_url, "SotW request type_url");
+                assert_eq!(p.nonce, req.response_nonce, "SotW request nonce");
+                assert_eq!(p.version, req.version_info, "SotW request version");
+                assert_eq!(p.has_error, req.error_detail.is_some(), "SotW error_detail");
+            }
+            Err(e) => assert!(groups(&e), "prost decodes a DiscoveryRequest, peek: {e}"),
+        }
+        if let Ok(names) = wire::repeated_strings(data, 3) {
+            assert_eq!(names, req.resource_names, "SotW resource_names");
+        }
+    }
+    if let Ok(req) = DeltaDiscoveryRequest::decode(data) {
+        match wire::peek(Kind::DeltaRequest, data) {
+            Ok(p) => {
+                assert_eq!(p.type_url, req.type_url, "Delta request type_url");
+                assert_eq!(p.nonce, req.response_nonce, "Delta request nonce");
+                assert_eq!(
+                    p.has_error,
+                    req.error_detail.is_some(),
+                    "Delta error_detail"
+                );
+            }
+            Err(e) => assert!(
+                groups(&e),
+                "prost decodes a DeltaDiscoveryRequest, peek: {e}"
+            ),
+        }
+    }
+}
+
+fn runtime() -> tokio::runtime::Runtime {
+    // A current-thread runtime, as the agent runs; building one cannot fail without I/O
+    // drivers enabled.
+    tokio::runtime::Builder::new_current_thread()
+        .build()
+        .unwrap_or_else(|e| panic!("current-thread runtime: {e}"))
+}
+
+/// Fuzz target `xds_framing`: the input is the HTTP/2 request body of a downstream ADS
+/// stream (gRPC length-prefixed frames), decoded by the very `Streaming` + [`RawCodec`] pair
+/// the proxy uses, and every message is peeked.
+pub fn xds_framing(data: &[u8]) {
+    let body = http_body_util::Full::new(Bytes::copy_from_slice(data));
+    runtime().block_on(async {
+        let mut stream =
+            Streaming::new_request(RawCodec, body, None, Some(crate::xds::MAX_MESSAGE));
+        while let Ok(Some(msg)) = stream.message().await {
+            let _ = wire::peek(Kind::SotwRequest, &msg);
+            let _ = wire::peek(Kind::DeltaRequest, &msg);
+        }
+    });
+}
+
+/// A file resource that failed to load; streams asking for it must end with its error.
+const FAILING: &str = "file-root:/nonexistent/meshagent-fuzz/root.pem";
+
+fn sds_store() -> (Arc<SecretStore>, Subscription) {
+    let (store, _file_requests) = SecretStore::new(Aliases::default());
+    store.set(
+        "default",
+        SecretState::Ready(Arc::new(SecretData::Cert {
+            chain: "-----BEGIN CERTIFICATE-----\n".into(),
+            key: "-----BEGIN PRIVATE KEY-----\n".into(),
+        })),
+    );
+    store.set(
+        "ROOTCA",
+        SecretState::Ready(Arc::new(SecretData::Root {
+            pem: "-----BEGIN CERTIFICATE-----\n".into(),
+            crl: None,
+        })),
+    );
+    // Only a subscribed file resource can hold a state.
+    let failing = store.subscribe(FAILING);
+    store.set(FAILING, SecretState::Failed("no such file".into()));
+    (store, failing)
+}
+
+/// Fuzz target `sds`: the input is the request body of an SDS stream. The first byte picks
+/// SotW or Delta; the rest is gRPC-framed `DiscoveryRequest`s (or `DeltaDiscoveryRequest`s)
+/// fed to the real [`SdsService`](crate::sds::SdsService) over a store holding `default`,
+/// `ROOTCA` and one failed file resource ([`FAILING`]) (file resources stay pending: nothing loads files here).
+/// Every response is drained until the service ends the stream.
+pub fn sds(data: &[u8]) {
+    let Some((&mode, body)) = data.split_first() else {
+        return;
+    };
+    let body = http_body_util::Full::new(Bytes::copy_from_slice(body));
+    let (store, _failing) = sds_store();
+    let service = crate::sds::SdsService::new(store, Default::default());
+    runtime().block_on(async move {
+        if mode & 1 == 0 {
+            let mut codec =
+                tonic_prost::ProstCodec::<DiscoveryResponse, DiscoveryRequest>::default();
+            let inbound = Streaming::new_request(codec.decoder(), body, None, Some(1 << 20));
+            if let Ok(resp) = service.stream_secrets(tonic::Request::new(inbound)).await {
+                let mut out = resp.into_inner();
+                while out.next().await.is_some() {}
+            }
+        } else {
+            let mut codec =
+                tonic_prost::ProstCodec::<DeltaDiscoveryResponse, DeltaDiscoveryRequest>::default();
+            let inbound = Streaming::new_request(codec.decoder(), body, None, Some(1 << 20));
+            if let Ok(resp) = service.delta_secrets(tonic::Request::new(inbound)).await {
+                let mut out = resp.into_inner();
+                while out.next().await.is_some() {}
+            }
+        }
+    });
+}
+
+/// Fuzz target `metrics_dedupe`: the input is up to four exposition bodies separated by NUL
+/// bytes (the agent's, Envoy's, applications'), merged by the filter of `/stats/prometheus`.
+/// The first byte picks a chunk size; the output must be the same whether each body arrives
+/// in one piece or in chunks of that size, and every output line must be an input line.
+pub fn metrics_dedupe(data: &[u8]) {
+    let Some((&seed, rest)) = data.split_first() else {
+        return;
+    };
+    let sources: Vec<&[u8]> = rest.splitn(4, |b| *b == 0).collect();
+    let run = |chunk: usize, abort_last: bool| -> Vec<u8> {
+        let mut seen = Seen::default();
+        let mut ready = Vec::new();
+        for (i, s) in sources.iter().enumerate() {
+            let mut f = SourceFilter::default();
+            for c in s.chunks(chunk.max(1)) {
+                f.push(&mut seen, c, &mut ready);
+            }
+            if abort_last && i + 1 == sources.len() {
+                f.abort(&mut ready);
+            } else {
+                f.finish(&mut seen, &mut ready);
+            }
+        }
+        ready.concat()
+    };
+    let whole = run(usize::MAX, false);
+    // Lines longer than MAX_LINE are dropped only when they span chunks; inputs that small
+    // are all a fuzzer produces, and the property holds for them.
+    if rest.len() < crate::status::lines::MAX_LINE {
+        let chunked = run(usize::from(seed % 32) + 1, false);
+        assert_eq!(
+            String::from_utf8_lossy(&whole),
+            String::from_utf8_lossy(&chunked),
+            "output depends on chunking"
+        );
+    }
+    let input_lines: std::collections::HashSet<&[u8]> = sources
+        .iter()
+        .flat_map(|s| s.split(|b| *b == b'\n'))
+        .map(|l| l.strip_suffix(b"\r").unwrap_or(l))
+        .collect();
+    if !whole.is_empty() {
+        assert_eq!(whole.last(), Some(&b'\n'), "output ends mid-line");
+    }
+    for line in whole.split(|b| *b == b'\n').filter(|l| !l.is_empty()) {
+        assert!(
+            input_lines.contains(line),
+            "output line not in the input: {:?}",
+            String::from_utf8_lossy(line)
+        );
+    }
+    let _ = run(usize::from(seed % 7) + 1, true);
+}
+
+/// A fuzz entry point.
+pub type Target = fn(&[u8]);
+
+/// Every fuzz target by name, for the corpus replay test.
+pub const TARGETS: &[(&str, Target)] = &[
+    ("config_env", config_env),
+    ("proxy_config", proxy_config),
+    ("probers", probers),
+    ("xds_wire", xds_wire),
+    ("xds_framing", xds_framing),
+    ("sds", sds),
+    ("metrics_dedupe", metrics_dedupe),
+];
