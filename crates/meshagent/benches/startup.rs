@@ -19,7 +19,14 @@ use meshagent_testkit::{
     Devplane, Envoy, Sidecar, Value, ca_client, envoy_bin, http_get, json, two_workload_mesh,
 };
 
-const RUNS: usize = 11;
+/// Rounds per figure; `STARTUP_RUNS` overrides (e.g. 1 with `STARTUP_TRACE` to read one log).
+fn runs() -> usize {
+    std::env::var("STARTUP_RUNS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .filter(|&n| n > 0)
+        .unwrap_or(11)
+}
 
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(|a, b| a.total_cmp(b));
@@ -261,7 +268,7 @@ async fn main() {
     let _ = ca_client::workload_cert(dp.grpc_addr, &dp.root_cert_path(), &token).await;
 
     let mut ca = vec![];
-    for _ in 0..RUNS {
+    for _ in 0..runs() {
         let t = tokio::time::Instant::now();
         let _ = ca_client::workload_cert(dp.grpc_addr, &dp.root_cert_path(), &token).await;
         ca.push(t.elapsed().as_secs_f64() * 1e3);
@@ -269,8 +276,16 @@ async fn main() {
 
     // Warm-up, discarded: one run of each path. The RSA run also gives the equivalent static
     // config and the Envoy flags for the bare baseline.
-    let ecdsa_env = [("ECC_SIGNATURE_ALGORITHM", "ECDSA".to_owned())];
-    let rsa_env = [("OUTPUT_CERTS", "./out".to_owned())];
+    // `STARTUP_AGENT_ENV="K=V K2=V2"` adds variables to every agent run (experiments).
+    let extra = std::env::var("STARTUP_AGENT_ENV").unwrap_or_default();
+    let extra: Vec<(&str, String)> = extra
+        .split_whitespace()
+        .filter_map(|kv| kv.split_once('=').map(|(k, v)| (k, v.to_owned())))
+        .collect();
+    let mut ecdsa_env = vec![("ECC_SIGNATURE_ALGORITHM", "ECDSA".to_owned())];
+    let mut rsa_env = vec![("OUTPUT_CERTS", "./out".to_owned())];
+    ecdsa_env.extend(extra.iter().cloned());
+    rsa_env.extend(extra.iter().cloned());
     let (s, _) = ready_sidecar(&dp, &rsa_env).await;
     // The bootstrap the agent generated (removed when its Envoy exits).
     let rev = s.cwd.path().join("etc/istio/proxy/envoy-rev.json");
@@ -301,7 +316,7 @@ async fn main() {
     // Each start is preceded by a pause, so the previous run's processes are gone and their
     // memory reclaimed before the clock starts.
     let settle = || tokio::time::sleep(Duration::from_millis(300));
-    for _ in 0..RUNS {
+    for _ in 0..runs() {
         settle().await;
         bare.push(bare_ready(&b, &args).await);
         settle().await;
@@ -309,6 +324,10 @@ async fn main() {
         settle().await;
         let (s, ms) = ready_sidecar(&dp, &ecdsa_env).await;
         agent_ecdsa.push(ms);
+        if std::env::var_os("STARTUP_TRACE").is_some() {
+            println!("--- ECDSA agent log ({ms:.0} ms to ready)");
+            s.proc.print_log();
+        }
         stop(s).await;
         settle().await;
         let (s, ms) = ready_sidecar(&dp, &rsa_env).await;
@@ -338,7 +357,7 @@ async fn main() {
     let (a, e, c) = (median(agent), median(bare), median(ca));
     let (ae, d) = (median(agent_ecdsa), median(envoy_direct));
     println!("envoy: {}", envoy_bin().display());
-    println!("runs per figure: {RUNS}, interleaved (medians)");
+    println!("runs per figure: {}, interleaved (medians)", runs());
     println!("bare Envoy has the agent's Envoy flags: {}", args.join(" "));
     println!("bare Envoy, static config → /ready LIVE: {e:.1} ms");
     println!(

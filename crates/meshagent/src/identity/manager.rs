@@ -151,32 +151,62 @@ fn spawn_key(spec: KeySpec) -> KeyJob {
 }
 
 /// The first key is on the sidecar's start-up path, and RSA generation time is a random
-/// prime search (p50 ~60 ms, long tail on 2 cores): with a spare CPU, two generations race and
-/// the first one wins (the loser finishes in the background and is dropped). ECDSA takes
-/// well under a millisecond and is never raced. BENCHMARKS.md, sidecar startup, has the
-/// numbers.
+/// prime search (p50 ~60 ms, long tail): with more than one CPU, two generations race and the
+/// first one wins. The race must not take CPU from Envoy, which is initialising at the same
+/// time and whose cluster warming waits for this key anyway: the second racer runs at nice 19
+/// (it gets the CPU only when nothing else wants it), and the loser is dropped to nice 19 the
+/// moment the race is decided (it cannot be cancelled inside aws-lc; its thread ends when it
+/// finishes). Both racers are dedicated threads, so no blocking-pool thread keeps the lowered
+/// priority. ECDSA takes well under a millisecond and is never raced. BENCHMARKS.md, sidecar
+/// startup, has the numbers.
 fn spawn_first_key(spec: KeySpec) -> KeyJob {
     let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
-    let racers = match spec.kind {
-        super::keys::KeyKind::Rsa(_) if cpus > 1 => 2,
-        _ => 1,
-    };
-    if racers == 1 {
+    if !matches!(spec.kind, super::keys::KeyKind::Rsa(_)) || cpus < 2 {
+        return spawn_key(spec);
+    }
+    const RACERS: usize = 2;
+    const IDLE_NICE: i32 = 19;
+    let (tx, mut rx) = tokio::sync::mpsc::channel(RACERS);
+    let tids: Arc<std::sync::Mutex<[Option<rustix::process::Pid>; RACERS]>> = Arc::default();
+    let mut started = 0;
+    for i in 0..RACERS {
+        let (tx, tids) = (tx.clone(), tids.clone());
+        let racer = std::thread::Builder::new()
+            .name(format!("first-key-{i}"))
+            .spawn(move || {
+                let tid = rustix::thread::gettid();
+                tids.lock().unwrap_or_else(|e| e.into_inner())[i] = Some(tid);
+                if i > 0 {
+                    // `None`: the calling thread (Linux keeps a nice value per thread).
+                    let _ = rustix::process::setpriority_process(None, IDLE_NICE);
+                }
+                let _ = tx.blocking_send((i, WorkloadKey::generate(spec)));
+            });
+        match racer {
+            Ok(_) => started += 1,
+            Err(e) => tracing::debug!(error = %e, "cannot start a key generation racer"),
+        }
+    }
+    drop(tx);
+    if started == 0 {
         return spawn_key(spec);
     }
     tokio::spawn(async move {
-        let (tx, mut rx) = tokio::sync::mpsc::channel(racers);
-        for _ in 0..racers {
-            let tx = tx.clone();
-            tokio::task::spawn_blocking(move || {
-                let _ = tx.blocking_send(WorkloadKey::generate(spec));
-            });
-        }
-        drop(tx);
         let mut failed = None;
-        while let Some(r) = rx.recv().await {
+        // A racer that has reported is ending: its thread id may soon be reused.
+        let mut reported = [false; RACERS];
+        while let Some((winner, r)) = rx.recv().await {
+            reported[winner] = true;
             match r {
-                Ok(k) => return Ok(k),
+                Ok(k) => {
+                    let tids = *tids.lock().unwrap_or_else(|e| e.into_inner());
+                    for (i, tid) in tids.iter().enumerate() {
+                        if !reported[i] && tid.is_some() {
+                            let _ = rustix::process::setpriority_process(*tid, IDLE_NICE);
+                        }
+                    }
+                    return Ok(k);
+                }
                 Err(e) => failed = Some(e),
             }
         }
