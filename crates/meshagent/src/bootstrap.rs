@@ -348,23 +348,33 @@ pub fn template_path(cfg: &Config) -> Option<(PathBuf, &'static str)> {
 
 /// Loads and checks the custom template, if any, at startup: a missing file, a parse error,
 /// or a function or parameter meshagent does not provide is an error naming it and the line.
+/// Says once, when Envoy's bootstrap is about to be rendered, that the image's template is
+/// not used (config validation calls [`load_template`], which stays quiet).
 pub fn check_template(
     cfg: &Config,
     cwd: &Path,
 ) -> Result<Option<template::Template>, BootstrapError> {
+    let t = load_template(cfg, cwd)?;
+    if t.is_none()
+        && cfg.proxy_config.custom_config_file.as_os_str().is_empty()
+        && cwd.join(IMAGE_TEMPLATE_PATH).exists()
+    {
+        ::tracing::info!(
+            template = IMAGE_TEMPLATE_PATH,
+            "not rendering the image's bootstrap template: the built-in renderer \
+             produces Istio's default bootstrap (set ISTIO_BOOTSTRAP to render a template)"
+        );
+    }
+    Ok(t)
+}
+
+/// [`check_template`] without the log line.
+pub fn load_template(
+    cfg: &Config,
+    cwd: &Path,
+) -> Result<Option<template::Template>, BootstrapError> {
     match template_path(cfg) {
-        None => {
-            if cfg.proxy_config.custom_config_file.as_os_str().is_empty()
-                && cwd.join(IMAGE_TEMPLATE_PATH).exists()
-            {
-                ::tracing::info!(
-                    template = IMAGE_TEMPLATE_PATH,
-                    "not rendering the image's bootstrap template: the built-in renderer \
-                     produces Istio's default bootstrap (set ISTIO_BOOTSTRAP to render a template)"
-                );
-            }
-            Ok(None)
-        }
+        None => Ok(None),
         Some((path, origin)) => Ok(Some(template::Template::load(
             &cwd.join(&path),
             &path,

@@ -629,7 +629,7 @@ async fn f11_upstream_reset_mid_cds_push_reconnects_once() {
 
     // Cut the path after 1 MiB of the 8 MiB cluster has been relayed.
     relay.arm_reset_after(1024 * 1024);
-    dp.set_resource(type_url::CLUSTER, "big", &big_cluster(SIZE))
+    dp.set_resource(type_url::CLUSTER, "big", &big_cluster("big", SIZE))
         .await;
     wait_for("the reset", DEADLINE, || async {
         (relay.reset_at.load(Ordering::SeqCst) == u64::MAX).then_some(())
@@ -663,42 +663,6 @@ async fn f11_upstream_reset_mid_cds_push_reconnects_once() {
         "{}",
         agent.registry.encode()
     );
-}
-
-/// A CDS cluster named `big` whose metadata carries `size` bytes.
-fn big_cluster(size: usize) -> Vec<u8> {
-    use meshagent_proto::envoy::pb::envoy::config::cluster::v3::Cluster;
-    use meshagent_proto::envoy::pb::envoy::config::core::v3::Metadata;
-    use meshagent_proto::envoy::pb::google::protobuf::{
-        Duration as PbDuration, Struct, Value as PbValue, value::Kind,
-    };
-    use prost::Message;
-    let blob: String = (0..size).map(|i| (b'a' + (i % 26) as u8) as char).collect();
-    Cluster {
-        name: "big".into(),
-        connect_timeout: Some(PbDuration {
-            seconds: 1,
-            nanos: 0,
-        }),
-        metadata: Some(Metadata {
-            filter_metadata: [(
-                "test".to_owned(),
-                Struct {
-                    fields: [(
-                        "blob".to_owned(),
-                        PbValue {
-                            kind: Some(Kind::StringValue(blob)),
-                        },
-                    )]
-                    .into(),
-                },
-            )]
-            .into(),
-            ..Default::default()
-        }),
-        ..Default::default()
-    }
-    .encode_to_vec()
 }
 
 // === F12 ===

@@ -6,14 +6,8 @@ mod xds_support;
 use std::time::Duration;
 
 use meshagent::xds::Health;
-use meshagent_proto::envoy::pb::envoy::config::cluster::v3::Cluster;
-use meshagent_proto::envoy::pb::envoy::config::core::v3::Metadata;
-use meshagent_proto::envoy::pb::google::protobuf::{
-    Duration as PbDuration, Struct, Value as PbValue, value::Kind,
-};
 use meshagent_proto::type_url;
 use meshagent_testkit::{DEADLINE, Devplane, json, wait_for};
-use prost::Message;
 use xds_support::*;
 
 async fn envoy_through_agent(delta: bool) {
@@ -125,36 +119,6 @@ async fn devplane_restart_envoy_reconverges_through_agent() {
         std::fs::metadata(agent.handle.socket()).is_ok(),
         "agent still serving"
     );
-}
-
-/// A cluster whose metadata carries `size` bytes, so the CDS response exceeds `size`.
-fn big_cluster(name: &str, size: usize) -> Vec<u8> {
-    let blob: String = (0..size).map(|i| (b'a' + (i % 26) as u8) as char).collect();
-    Cluster {
-        name: name.into(),
-        connect_timeout: Some(PbDuration {
-            seconds: 1,
-            nanos: 0,
-        }),
-        metadata: Some(Metadata {
-            filter_metadata: [(
-                "test".to_owned(),
-                Struct {
-                    fields: [(
-                        "blob".to_owned(),
-                        PbValue {
-                            kind: Some(Kind::StringValue(blob)),
-                        },
-                    )]
-                    .into(),
-                },
-            )]
-            .into(),
-            ..Default::default()
-        }),
-        ..Default::default()
-    }
-    .encode_to_vec()
 }
 
 #[tokio::test(flavor = "multi_thread")]

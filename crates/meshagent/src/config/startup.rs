@@ -18,7 +18,7 @@ use crate::identity::{self, IdentityError};
 pub(crate) fn check(cfg: &Config, base_dir: &Path) -> Vec<ConfigError> {
     let mut errors = Vec::new();
     let mut fail = |e: &dyn Display| errors.push(ConfigError::Startup(e.to_string()));
-    if let Err(e) = crate::bootstrap::check_template(cfg, base_dir) {
+    if let Err(e) = crate::bootstrap::load_template(cfg, base_dir) {
         fail(&e);
     }
     if let Err(e) = crate::bootstrap::Node::from_config(cfg) {

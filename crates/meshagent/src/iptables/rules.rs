@@ -343,101 +343,32 @@ pub fn build(cfg: &Config) -> RuleSet {
         &["-o", "lo", "-s", V, "-j", "RETURN"],
     );
     let dports = format!("53,{tunnel}");
-    for uid in &cfg.proxy_uid {
-        // Envoy calling the app through a VIP goes back through Envoy inbound; with DNS
-        // capture, port 53 is left out so the agent reaches its upstream resolver directly.
-        if dns {
-            b.versioned(
-                lo4,
-                lo6,
+    // Envoy calling the app through a VIP goes back through Envoy inbound. With DNS capture,
+    // port 53 is left out of the uid rule so the agent reaches its upstream resolver
+    // directly; Istio keeps `! --dport <tunnel>` in the gid rule even then.
+    let uid_ports: &[&str] = if dns {
+        &["-m", "multiport", "!", "--dports", &dports]
+    } else {
+        &["!", "--dport", &tunnel]
+    };
+    let gid_ports: &[&str] = &["!", "--dport", &tunnel];
+    let owners = [
+        ("--uid-owner", &cfg.proxy_uid, uid_ports),
+        ("--gid-owner", &cfg.proxy_gid, gid_ports),
+    ];
+    for (flag, ids, ports) in owners {
+        for id in ids {
+            let mut redirect = vec!["-o", "lo", "!", "-d", V, "-p", "tcp"];
+            redirect.extend_from_slice(ports);
+            redirect.extend_from_slice(&["-m", "owner", flag, id, "-j", ISTIO_IN_REDIRECT]);
+            b.versioned(lo4, lo6, Nat, ISTIO_OUTPUT, &redirect);
+            owner_loopback_return(&mut b, flag, id, dns, include_has_loopback);
+            b.append(
                 Nat,
                 ISTIO_OUTPUT,
-                &[
-                    "-o",
-                    "lo",
-                    "!",
-                    "-d",
-                    V,
-                    "-p",
-                    "tcp",
-                    "-m",
-                    "multiport",
-                    "!",
-                    "--dports",
-                    &dports,
-                    "-m",
-                    "owner",
-                    "--uid-owner",
-                    uid,
-                    "-j",
-                    ISTIO_IN_REDIRECT,
-                ],
-            );
-        } else {
-            b.versioned(
-                lo4,
-                lo6,
-                Nat,
-                ISTIO_OUTPUT,
-                &[
-                    "-o",
-                    "lo",
-                    "!",
-                    "-d",
-                    V,
-                    "-p",
-                    "tcp",
-                    "!",
-                    "--dport",
-                    &tunnel,
-                    "-m",
-                    "owner",
-                    "--uid-owner",
-                    uid,
-                    "-j",
-                    ISTIO_IN_REDIRECT,
-                ],
+                &["-m", "owner", flag, id, "-j", "RETURN"],
             );
         }
-        owner_loopback_return(&mut b, "--uid-owner", uid, dns, include_has_loopback);
-        b.append(
-            Nat,
-            ISTIO_OUTPUT,
-            &["-m", "owner", "--uid-owner", uid, "-j", "RETURN"],
-        );
-    }
-    for gid in &cfg.proxy_gid {
-        // Unlike the uid rule, Istio keeps `! --dport <tunnel>` here even with DNS capture.
-        b.versioned(
-            lo4,
-            lo6,
-            Nat,
-            ISTIO_OUTPUT,
-            &[
-                "-o",
-                "lo",
-                "!",
-                "-d",
-                V,
-                "-p",
-                "tcp",
-                "!",
-                "--dport",
-                &tunnel,
-                "-m",
-                "owner",
-                "--gid-owner",
-                gid,
-                "-j",
-                ISTIO_IN_REDIRECT,
-            ],
-        );
-        owner_loopback_return(&mut b, "--gid-owner", gid, dns, include_has_loopback);
-        b.append(
-            Nat,
-            ISTIO_OUTPUT,
-            &["-m", "owner", "--gid-owner", gid, "-j", "RETURN"],
-        );
     }
     // Owner-group filter (`handleCaptureByOwnerGroup`).
     let group_filter: Option<Vec<String>> = match &cfg.owner_groups {

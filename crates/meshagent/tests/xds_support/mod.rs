@@ -225,3 +225,39 @@ pub fn fingerprint(token: &str) -> String {
 }
 
 pub const SHORT: Duration = Duration::from_secs(2);
+
+/// A cluster whose metadata carries `size` bytes, so the CDS response exceeds `size`.
+pub fn big_cluster(name: &str, size: usize) -> Vec<u8> {
+    use meshagent_proto::envoy::pb::envoy::config::cluster::v3::Cluster;
+    use meshagent_proto::envoy::pb::envoy::config::core::v3::Metadata;
+    use meshagent_proto::envoy::pb::google::protobuf::{
+        Duration as PbDuration, Struct, Value as PbValue, value::Kind,
+    };
+    use prost::Message;
+    let blob: String = (0..size).map(|i| (b'a' + (i % 26) as u8) as char).collect();
+    Cluster {
+        name: name.into(),
+        connect_timeout: Some(PbDuration {
+            seconds: 1,
+            nanos: 0,
+        }),
+        metadata: Some(Metadata {
+            filter_metadata: [(
+                "test".to_owned(),
+                Struct {
+                    fields: [(
+                        "blob".to_owned(),
+                        PbValue {
+                            kind: Some(Kind::StringValue(blob)),
+                        },
+                    )]
+                    .into(),
+                },
+            )]
+            .into(),
+            ..Default::default()
+        }),
+        ..Default::default()
+    }
+    .encode_to_vec()
+}
