@@ -191,8 +191,12 @@ impl Agent {
             }));
             tracing::info!(port, "status server listening");
         }
-        spawn_signal_handler(self.shutdown.clone(), self.drain.clone())
-            .map_err(AppError::Signals)?;
+        spawn_signal_handler(
+            self.shutdown.clone(),
+            self.drain.clone(),
+            self.readiness.clone(),
+        )
+        .map_err(AppError::Signals)?;
 
         // Identity and xDS serve Envoy until it has drained and stopped, so they stop on their
         // own token, after Envoy — not on the shutdown signal.
@@ -317,6 +321,16 @@ impl Agent {
         }
         // The deadline in `run` bounds this wait.
         self.tasks.wait_all().await;
+        let code = if code == 0
+            && self
+                .drain
+                .signalled_before_ready
+                .load(std::sync::atomic::Ordering::SeqCst)
+        {
+            1
+        } else {
+            code
+        };
         tracing::info!(code, "agent exiting");
         Ok(code)
     }
@@ -441,12 +455,21 @@ pub fn shutdown_budget(cfg: &Config) -> std::time::Duration {
     drain + SHUTDOWN_MARGIN
 }
 
+/// How long the last readiness check on a signal before ready may take.
+const NOT_READY_CHECK: std::time::Duration = std::time::Duration::from_secs(1);
+
 /// SIGTERM or SIGINT starts graceful shutdown; a second one (either) skips the rest of the
 /// drain. SIGHUP, SIGUSR1 and SIGUSR2 are ignored, as a Go program ignores them unless it
 /// asks for them (their default action would kill the agent and orphan Envoy).
+///
+/// A signal before the proxy was ever ready (no readiness check passed, and one more check
+/// now fails) makes the agent exit 1 once it has shut down. Istio's agent exits 0, so a pod
+/// with `restartPolicy: OnFailure` whose `holdApplicationUntilProxyStarts` hook timed out is
+/// never retried (istio/istio#45627); an explicit `/quitquitquit` still exits 0.
 fn spawn_signal_handler(
     shutdown: CancellationToken,
     drain: Arc<DrainState>,
+    readiness: status::Readiness,
 ) -> std::io::Result<()> {
     use tokio::signal::unix::{SignalKind, signal};
     let mut term = signal(SignalKind::terminate())?;
@@ -466,6 +489,17 @@ fn spawn_signal_handler(
                 _ = term.recv() => tracing::info!("received SIGTERM; starting graceful shutdown"),
                 _ = int.recv() => tracing::info!("received SIGINT; starting graceful shutdown"),
                 _ = shutdown.cancelled() => {}
+            }
+            if !shutdown.is_cancelled() && !readiness.ready_once() {
+                let check = tokio::time::timeout(NOT_READY_CHECK, readiness.check()).await;
+                if !matches!(check, Ok(Ok(()))) {
+                    tracing::warn!(
+                        "terminated before the proxy was ever ready: exiting 1 after shutdown"
+                    );
+                    drain
+                        .signalled_before_ready
+                        .store(true, std::sync::atomic::Ordering::SeqCst);
+                }
             }
             shutdown.cancel();
             tokio::select! {

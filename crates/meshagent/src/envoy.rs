@@ -45,6 +45,8 @@ pub struct DrainState {
     pub shutting_down: AtomicBool,
     /// A second SIGTERM/SIGINT: end any drain wait now and stop Envoy.
     pub abort: CancellationToken,
+    /// SIGTERM/SIGINT arrived before the proxy was ever ready: the agent exits 1.
+    pub signalled_before_ready: AtomicBool,
 }
 
 /// How the agent drains Envoy.

@@ -200,14 +200,17 @@ async fn not_ready_without_config_then_sigterm_drains_and_exits() {
         "DELTA_GRPC"
     );
 
-    // SIGTERM: drain, wait terminationDrainDuration (2s), stop Envoy, exit 0, remove bootstrap.
+    // SIGTERM: drain, wait terminationDrainDuration (2s), stop Envoy, remove bootstrap, and
+    // exit 1 because the proxy was never ready (scenario F17: Istio exits 0, so a pod with
+    // `restartPolicy: OnFailure` is never retried).
     let envoy_pids = children_of(a.proc.pid());
     assert_eq!(envoy_pids.len(), 1, "one Envoy child");
     let t0 = tokio::time::Instant::now();
     signal(a.proc.pid(), "-TERM");
     let st = wait_exit(&mut a.proc, Duration::from_secs(10)).await;
     let took = t0.elapsed();
-    assert!(st.success(), "{st:?}");
+    assert_eq!(st.code(), Some(1), "{st:?}\n{}", a.proc.log_text());
+    assert!(a.proc.log_text().contains("terminated before the proxy was ever ready"));
     assert!(
         took >= Duration::from_millis(1900) && took < Duration::from_secs(7),
         "{took:?}"
@@ -294,7 +297,8 @@ async fn sidecar_starts_under_a_long_working_directory() {
     assert!(a.cwd.path().join("etc/istio/proxy/XDS").exists());
     signal(a.proc.pid(), "-TERM");
     let st = wait_exit(&mut a.proc, Duration::from_secs(10)).await;
-    assert!(st.success(), "{st:?}");
+    // A clean shutdown, reported as 1 because the proxy was never ready (scenario F17).
+    assert_eq!(st.code(), Some(1), "{st:?}\n{}", a.proc.log_text());
 }
 
 /// `ISTIO_BOOTSTRAP` names a custom template: the agent renders it (here the project's own
@@ -335,7 +339,8 @@ async fn sidecar_runs_on_a_custom_template() {
     );
     signal(a.proc.pid(), "-TERM");
     let st = wait_exit(&mut a.proc, Duration::from_secs(10)).await;
-    assert!(st.success(), "{st:?}");
+    // A clean shutdown, reported as 1 because the proxy was never ready (scenario F17).
+    assert_eq!(st.code(), Some(1), "{st:?}\n{}", a.proc.log_text());
 }
 
 /// A custom template calling a function meshagent does not provide stops the agent at startup
@@ -504,7 +509,8 @@ async fn second_sigterm_skips_the_drain() {
     assert!(a.proc.try_wait().is_none(), "exited before the drain ended");
     signal(pid, "-TERM");
     let st = wait_exit(&mut a.proc, Duration::from_secs(20)).await;
-    assert!(st.success(), "{st:?}\n{}", a.proc.log_text());
+    // Never ready (nothing at the discovery address): 1, see scenario F17.
+    assert_eq!(st.code(), Some(1), "{st:?}\n{}", a.proc.log_text());
     assert!(
         a.proc.log_text().contains("second termination signal"),
         "{}",

@@ -166,6 +166,8 @@ impl EnvoyProbe {
 #[derive(Clone, Default)]
 pub struct Readiness {
     probes: Arc<Mutex<Vec<Probe>>>,
+    /// Some check has passed since start (a kubelet probe, `wait`, or the agent's own).
+    ready_once: Arc<std::sync::atomic::AtomicBool>,
 }
 
 impl Readiness {
@@ -193,7 +195,14 @@ impl Readiness {
         for p in probes {
             p().await?;
         }
+        self.ready_once
+            .store(true, std::sync::atomic::Ordering::Relaxed);
         Ok(())
+    }
+
+    /// Whether a check has ever passed.
+    pub fn ready_once(&self) -> bool {
+        self.ready_once.load(std::sync::atomic::Ordering::Relaxed)
     }
 }
 
