@@ -210,7 +210,11 @@ async fn not_ready_without_config_then_sigterm_drains_and_exits() {
     let st = wait_exit(&mut a.proc, Duration::from_secs(10)).await;
     let took = t0.elapsed();
     assert_eq!(st.code(), Some(1), "{st:?}\n{}", a.proc.log_text());
-    assert!(a.proc.log_text().contains("terminated before the proxy was ever ready"));
+    assert!(
+        a.proc
+            .log_text()
+            .contains("terminated before the proxy was ever ready")
+    );
     assert!(
         took >= Duration::from_millis(1900) && took < Duration::from_secs(7),
         "{took:?}"

@@ -19,18 +19,32 @@ fn pythonpath() -> String {
 }
 
 fn agent_cmd(cwd: &Path, status: u16, extra: &[(&str, String)]) -> Command {
+    agent_cmd_in(None, cwd, status, extra)
+}
+
+/// [`agent_cmd`], run in network namespace `netns` when given (`ip netns exec`).
+fn agent_cmd_in(netns: Option<&str>, cwd: &Path, status: u16, extra: &[(&str, String)]) -> Command {
     let pc = json!({
         "binaryPath": "/nonexistent/envoy",
         "statusPort": status,
         "discoveryAddress": format!("127.0.0.1:{}", free_port()),
     });
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_meshagent"));
+    let bin = env!("CARGO_BIN_EXE_meshagent");
+    let mut cmd = match netns {
+        Some(ns) => {
+            let mut c = Command::new("ip");
+            c.args(["netns", "exec", ns, bin]);
+            c
+        }
+        None => Command::new(bin),
+    };
     cmd.args(["proxy", "sidecar"])
         .current_dir(cwd)
         .env_clear()
         .env("POD_NAME", "app-1")
         .env("POD_NAMESPACE", "default")
         .env("INSTANCE_IP", "127.0.0.1")
+        .env("PATH", std::env::var_os("PATH").unwrap_or_default())
         .env("DISABLE_ENVOY", "true")
         .env("PROXY_CONFIG", pc.to_string());
     for (k, v) in extra {
@@ -290,4 +304,158 @@ async fn binary_merges_annotated_app_metrics() {
     assert_eq!((code, body.as_str()), (404, "{}"));
     let (code, body) = http_get(status, "/healthz/ready").await.unwrap();
     assert_eq!(code, 200, "{body}");
+}
+
+/// A network namespace for one test, removed on drop.
+struct Netns(String);
+
+impl Netns {
+    /// A namespace with `lo` up and interface `pod0` (one end of a veth pair, both ends in
+    /// the namespace) holding `ip`/24, the pod IP.
+    fn new(tag: &str, ip: &str) -> Netns {
+        let ns = Netns(format!("ma-{tag}-{}", std::process::id()));
+        let _ = Command::new("ip").args(["netns", "del", &ns.0]).output();
+        for args in [
+            vec!["netns", "add", &ns.0],
+            vec!["-n", &ns.0, "link", "set", "lo", "up"],
+            vec![
+                "-n", &ns.0, "link", "add", "pod0", "type", "veth", "peer", "name", "pod0p",
+            ],
+            vec!["-n", &ns.0, "link", "set", "pod0p", "up"],
+            vec![
+                "-n",
+                &ns.0,
+                "addr",
+                "add",
+                &format!("{ip}/24"),
+                "dev",
+                "pod0",
+            ],
+            vec!["-n", &ns.0, "link", "set", "pod0", "up"],
+        ] {
+            let out = Command::new("ip").args(&args).output().unwrap();
+            assert!(out.status.success(), "ip {args:?}: {out:?}");
+        }
+        ns
+    }
+
+    fn command(&self, program: &str) -> Command {
+        let mut c = Command::new("ip");
+        c.args(["netns", "exec", &self.0, program]);
+        c
+    }
+
+    /// GET `url` from inside the namespace: (status code, body).
+    fn get(&self, url: &str) -> (u16, String) {
+        let out = self
+            .command("curl")
+            .args(["-s", "--max-time", "10", "-w", "\n%{http_code}", url])
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout).into_owned();
+        let (body, code) = text.rsplit_once('\n').unwrap_or(("", "0"));
+        (code.trim().parse().unwrap_or(0), body.to_owned())
+    }
+}
+
+impl Drop for Netns {
+    fn drop(&mut self) {
+        let _ = Command::new("ip").args(["netns", "del", &self.0]).output();
+    }
+}
+
+/// Scenario F21: an application bound only to the pod IP (not to localhost) is probed through
+/// the pod IP (INSTANCE_IP, Istio `status/server.go` `NewServer` `podIP`), over HTTP, TCP and
+/// gRPC, with probe connections from 127.0.0.6; with the legacy switch
+/// `REWRITE_PROBE_LEGACY_LOCALHOST_DESTINATION=true` the same probes go to localhost and fail.
+#[tokio::test]
+async fn f21_probes_reach_an_app_bound_only_to_the_pod_ip() {
+    const POD_IP: &str = "10.250.0.2";
+    let ns = Netns::new("f21", POD_IP);
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("healthz"), "ok").unwrap();
+    let (web, grpc) = (free_port(), free_port());
+    let mut cmd = ns.command("python3");
+    cmd.args(["-m", "http.server", "--bind", POD_IP])
+        .arg(web.to_string())
+        .current_dir(dir.path());
+    let web_proc = Proc::spawn("pod-ip-http-server", cmd, dir.path());
+    let mut cmd = ns.command("python3");
+    cmd.args([
+        "-c",
+        &GRPC_SERVER.replace("127.0.0.1", POD_IP),
+        &grpc.to_string(),
+    ])
+    .env("PYTHONPATH", pythonpath());
+    let _grpc_proc = Proc::spawn("pod-ip-grpc-health", cmd, dir.path());
+
+    let probers = json!({
+        "/app-health/web/livez": {"httpGet": {"path": "/healthz", "port": web}, "timeoutSeconds": 5},
+        "/app-health/tcp/livez": {"tcpSocket": {"port": web}},
+        "/app-health/grpc/livez": {"grpc": {"port": grpc, "service": "ok"}, "timeoutSeconds": 5},
+    });
+    let paths = [
+        "/app-health/web/livez",
+        "/app-health/tcp/livez",
+        "/app-health/grpc/livez",
+    ];
+    for (legacy, want) in [(false, 200), (true, 500)] {
+        let status = free_port();
+        let cwd = tempfile::tempdir().unwrap();
+        let mut env = vec![
+            ("ISTIO_KUBE_APP_PROBERS", probers.to_string()),
+            ("INSTANCE_IP", POD_IP.to_owned()),
+        ];
+        if legacy {
+            env.push(("REWRITE_PROBE_LEGACY_LOCALHOST_DESTINATION", "true".into()));
+        }
+        let cmd = agent_cmd_in(Some(&ns.0), cwd.path(), status, &env);
+        let agent = Proc::spawn("agent", cmd, cwd.path());
+        let ready = |url: String| {
+            let ns = &ns;
+            move || {
+                let url = url.clone();
+                async move { (ns.get(&url).0 != 0).then_some(()) }
+            }
+        };
+        wait_for(
+            "the agent's status port in the namespace",
+            DEADLINE,
+            ready(format!("http://127.0.0.1:{status}/healthz/ready")),
+        )
+        .await;
+        wait_for(
+            "the HTTP app on the pod IP",
+            DEADLINE,
+            ready(format!("http://{POD_IP}:{web}/healthz")),
+        )
+        .await;
+        wait_for("the gRPC app on the pod IP", DEADLINE, || {
+            let ns = &ns;
+            async move {
+                let probe = ns
+                    .command("python3")
+                    .args(["-c", "import socket,sys; socket.create_connection((sys.argv[1], int(sys.argv[2])), 1)", POD_IP, &grpc.to_string()])
+                    .output()
+                    .ok()?;
+                probe.status.success().then_some(())
+            }
+        })
+        .await;
+        for path in paths {
+            let (code, body) = ns.get(&format!("http://127.0.0.1:{status}{path}"));
+            assert_eq!(
+                code,
+                want,
+                "{path} (legacy localhost destination: {legacy}): {body}\n{}\n{}",
+                agent.log_text(),
+                web_proc.log_text()
+            );
+        }
+    }
+    assert!(
+        web_proc.log_text().contains("127.0.0.6 - - "),
+        "probe connections come from 127.0.0.6: {}",
+        web_proc.log_text()
+    );
 }
