@@ -28,6 +28,7 @@ fn agent_cmd(cwd: &Path, status: u16, extra: &[(&str, String)]) -> Command {
     cmd.args(["proxy", "sidecar"])
         .current_dir(cwd)
         .env_clear()
+        .env("CLOUD_PLATFORM", "none")
         .env("POD_NAME", "app-1")
         .env("POD_NAMESPACE", "default")
         .env("INSTANCE_IP", "127.0.0.1")
