@@ -39,14 +39,19 @@ echo "iptables: $(run /usr/sbin/iptables --version)"
 echo "nft: $(run /usr/sbin/nft --version)"
 # istio-init's command, as far as it goes without a network namespace of its own: the dry run
 # renders the rules with the image's own iptables.
-run /usr/local/bin/pilot-agent istio-iptables --dry-run -p 15001 -z 15006 -u 1337 -m REDIRECT -i '*' -b '*' -d 15090,15021,15020 >/dev/null
+run /usr/local/bin/pilot-agent istio-iptables --dry-run -p 15001 -z 15006 -u 1337 -m REDIRECT -i '*' -b '*' -d 15090,15021,15020 >/dev/null 2>&1
 echo "istio-iptables --dry-run: ok"
 # And for real, in a network namespace of its own (never the host's rules).
 ns=meshagent-image-check-$$
 ip netns add "$ns"
 trap 'ip netns del "$ns" 2>/dev/null || true' EXIT
+# A pod address (documentation range) on lo: istio-iptables picks IPv4/IPv6 from the pod's IPs.
+ip -n "$ns" link set lo up
+ip -n "$ns" addr add 198.51.100.2/32 dev lo
 nsenter --net="/run/netns/$ns" chroot "$root" /usr/local/bin/pilot-agent istio-iptables \
   -p 15001 -z 15006 -u 1337 -m REDIRECT -i '*' -b '*' -d 15090,15021,15020 >/dev/null 2>&1
 nsenter --net="/run/netns/$ns" chroot "$root" /usr/sbin/iptables-save -t nat | grep -q -- '-A ISTIO_REDIRECT -p tcp -j REDIRECT --to-ports 15001'
+ip netns del "$ns"
+trap - EXIT
 echo "istio-iptables applied in a network namespace with the image's iptables: ok"
 rm -rf "$work/oci" "$work/bundle"

@@ -9,7 +9,9 @@ set -euo pipefail
 agent=$1 envoy=$2 out=$3
 rm -rf "$out"
 root=$out/rootfs
-mkdir -p "$root"/{usr/local/bin,usr/sbin,etc,tmp,run,var/lib/istio/envoy,var/lib/istio/data,etc/istio/proxy,etc/istio/pod,var/run/secrets}
+# No directories where Istio mounts volumes (etc/istio/proxy, var/lib/istio/data, var/run/secrets/*):
+# the kubelet creates them, and an image directory there could lend the mount its owner and mode.
+mkdir -p "$root"/{usr/local/bin,usr/sbin,etc,tmp,run}
 chmod 1777 "$root/tmp"
 
 install -m 0755 "$agent" "$root/usr/local/bin/pilot-agent"

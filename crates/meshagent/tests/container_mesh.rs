@@ -16,8 +16,8 @@ use std::process::Command;
 use std::time::Duration;
 
 use meshagent_testkit::{
-    DEADLINE, Devplane, Proc, free_addr, free_port, http_get, identity_app, json, two_workload_mesh,
-    wait_for, workspace_root,
+    DEADLINE, Devplane, Proc, free_addr, free_port, http_get, identity_app, json,
+    two_workload_mesh, wait_for, workspace_root,
 };
 use serde_json::Value;
 
@@ -59,9 +59,6 @@ struct Container {
 
 impl Drop for Container {
     fn drop(&mut self) {
-        if std::thread::panicking() {
-            self.proc.print_log();
-        }
         let _ = Command::new("podman")
             .env("CONTAINERS_CONF", &self.conf)
             .args(["rm", "-f", "-t", "0", &self.name])
@@ -69,9 +66,10 @@ impl Drop for Container {
     }
 }
 
+/// Fields drop in order: the container (and its log) before the directory holding them.
 struct Pod {
-    _dir: tempfile::TempDir,
     container: Container,
+    _dir: tempfile::TempDir,
     status: std::net::SocketAddr,
     envoy_status: std::net::SocketAddr,
 }
@@ -142,8 +140,8 @@ async fn start(image: &str, dp: &Devplane, workload: &str) -> Pod {
         let vol = volumes.iter().find(|v| v["name"] == m["name"]).unwrap();
         let path = m["mountPath"].as_str().unwrap();
         if vol.get("emptyDir").is_some() {
-            // Kubernetes creates emptyDirs world-writable.
-            cmd.args(["--tmpfs", &format!("{path}:rw,mode=0777")]);
+            // Kubernetes mounts an empty, world-writable directory (no copy-up of the image's).
+            cmd.args(["--tmpfs", &format!("{path}:rw,mode=0777,notmpcopyup")]);
             emptydirs += 1;
             continue;
         }
@@ -175,10 +173,11 @@ async fn start(image: &str, dp: &Devplane, workload: &str) -> Pod {
     for a in proxy["args"].as_array().unwrap() {
         cmd.arg(a.as_str().unwrap().replace("$(POD_NAMESPACE)", "default"));
     }
+    eprintln!("{workload}: {cmd:?}");
     let proc = Proc::spawn(&format!("container-{workload}"), cmd, dir.path());
     Pod {
-        _dir: dir,
         container: Container { name, conf, proc },
+        _dir: dir,
         status,
         envoy_status,
     }
@@ -196,7 +195,10 @@ impl Pod {
             if let Ok((200, _)) = http_get(status, "/healthz/ready").await {
                 return;
             }
-            assert!(tokio::time::Instant::now() < deadline, "not ready within {READY:?}");
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "not ready within {READY:?}"
+            );
             tokio::time::sleep(Duration::from_millis(200)).await;
         }
     }
@@ -213,7 +215,9 @@ async fn demo_mesh_in_containers_with_read_only_root() {
     let (mesh, a_to_b, a_app, b_app) = two_workload_mesh();
     let dp = Devplane::start(&mesh).await;
     for (name, port) in [("a", a_app), ("b", b_app)] {
-        let l = tokio::net::TcpListener::bind(("127.0.0.1", port)).await.unwrap();
+        let l = tokio::net::TcpListener::bind(("127.0.0.1", port))
+            .await
+            .unwrap();
         tokio::spawn(identity_app(name, l, Duration::ZERO));
     }
     let mut a = start(&image, &dp, "a").await;
@@ -237,6 +241,10 @@ async fn demo_mesh_in_containers_with_read_only_root() {
         .args(["exec", &a.container.name, "meshagent", "version", "--short"])
         .output()
         .unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     assert!(!out.stdout.is_empty());
 }
