@@ -4,6 +4,8 @@
 //! the agent end to end: the platform reaches Envoy's node, and a hanging metadata server does
 //! not keep the proxy from becoming ready.
 
+#![allow(clippy::unwrap_used)] // tests fail loudly by design
+
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::path::PathBuf;
