@@ -115,7 +115,8 @@ impl Agent {
         // identity start; the node gets its result before the xDS proxy and Envoy need it.
         let platform = tokio::spawn({
             let cfg = cfg.clone();
-            let ipv6 = node.ipv6_only();
+            // Istio passes `proxy.SupportsIPv6()`: IPv6-only or dual-stack (pkg/model/proxy.go).
+            let ipv6 = node.ips.iter().any(std::net::IpAddr::is_ipv6);
             async move { crate::platform::discover(&cfg, ipv6).await }
         });
         let admin = std::net::SocketAddr::new(node.localhost, cfg.proxy_config.proxy_admin_port);

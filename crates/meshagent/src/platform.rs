@@ -142,7 +142,7 @@ pub struct Settings {
     pub gcp_metadata: String,
     /// `GCP_QUOTA_PROJECT`.
     pub gcp_quota_project: String,
-    /// Use the IPv6 EC2 endpoint (the proxy is IPv6-only).
+    /// Use the IPv6 EC2 endpoint (the proxy has an IPv6 address: Istio's `SupportsIPv6`).
     pub ipv6: bool,
 }
 
