@@ -113,7 +113,7 @@ impl Agent {
         let node = Node::from_config(cfg)?;
         // Cloud platform discovery (bounded, see `platform`) runs while the status server and
         // identity start; the node gets its result before the xDS proxy and Envoy need it.
-        let platform = tokio::spawn({
+        let platform = self.tasks.spawn("platform-discovery", {
             let cfg = cfg.clone();
             // Istio passes `proxy.SupportsIPv6()`: IPv6-only or dual-stack (pkg/model/proxy.go).
             let ipv6 = node.ips.iter().any(std::net::IpAddr::is_ipv6);
