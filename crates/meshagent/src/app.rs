@@ -111,7 +111,14 @@ impl Agent {
         crate::metrics::register_process_metrics(&self.registry)?;
         let template = bootstrap::check_template(cfg, &self.cwd)?;
         let node = Node::from_config(cfg)?;
-        tracing::info!(node = %node.id, ips = ?node.ips, "proxy node");
+        // Cloud platform discovery (bounded, see `platform`) runs while the status server and
+        // identity start; the node gets its result before the xDS proxy and Envoy need it.
+        let platform = self.tasks.spawn("platform-discovery", {
+            let cfg = cfg.clone();
+            // Istio passes `proxy.SupportsIPv6()`: IPv6-only or dual-stack (pkg/model/proxy.go).
+            let ipv6 = node.ips.iter().any(std::net::IpAddr::is_ipv6);
+            async move { crate::platform::discover(&cfg, ipv6).await }
+        });
         let admin = std::net::SocketAddr::new(node.localhost, cfg.proxy_config.proxy_admin_port);
         let envoy_enabled = !cfg.lifecycle.disable_envoy;
 
@@ -239,6 +246,11 @@ impl Agent {
         } else {
             None
         };
+        let platform = platform
+            .await
+            .unwrap_or_else(|_| crate::platform::Platform::unknown());
+        let node = Node::with_platform(cfg, node.ips, &platform)?;
+        tracing::info!(node = %node.id, ips = ?node.ips, locality = %node.locality, "proxy node");
         let mut xds_opts = crate::xds::XdsOptions::from_config(cfg, &self.cwd)?;
         xds_opts.servers = self.servers.clone();
         let xds = crate::xds::start_with(xds_opts, &self.cwd, &self.registry, services.clone())?;

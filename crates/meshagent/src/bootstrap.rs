@@ -97,11 +97,21 @@ impl Node {
 
     /// The node for the given instance IPs (tests pass fixed IPs).
     pub fn with_ips(cfg: &Config, ips: Vec<IpAddr>) -> Result<Node, BootstrapError> {
-        let metadata = node::metadata(cfg, &ips)?;
+        Self::with_platform(cfg, ips, &crate::platform::Platform::unknown())
+    }
+
+    /// The node on a discovered cloud platform: `PLATFORM_METADATA` and, without a locality
+    /// label, the platform's locality.
+    pub fn with_platform(
+        cfg: &Config,
+        ips: Vec<IpAddr>,
+        platform: &crate::platform::Platform,
+    ) -> Result<Node, BootstrapError> {
+        let metadata = node::metadata_with(cfg, &ips, platform)?;
         Ok(Node {
             id: node::node_id(cfg, &ips),
             cluster: node::cluster(cfg, &metadata),
-            locality: node::locality(&metadata),
+            locality: node::locality_with(&metadata, &platform.locality),
             localhost: node::localhost_for(&ips, cfg.pod.instance_ip),
             metadata,
             ips,

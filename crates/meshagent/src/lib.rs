@@ -21,6 +21,7 @@ pub mod identity;
 pub mod iptables;
 pub mod logging;
 pub mod metrics;
+pub mod platform;
 pub mod request;
 pub mod sds;
 pub mod status;

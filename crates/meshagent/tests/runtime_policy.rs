@@ -34,6 +34,7 @@ fn start_agent(cwd: &Path, status: u16) -> Proc {
     cmd.args(["proxy", "sidecar", "--proxyLogLevel=warning"])
         .current_dir(cwd)
         .env_clear()
+        .env("CLOUD_PLATFORM", "none")
         .envs([
             ("POD_NAME", "app-1"),
             ("POD_NAMESPACE", "default"),

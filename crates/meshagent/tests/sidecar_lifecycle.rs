@@ -83,6 +83,7 @@ fn start_agent_in_via(
     ])
     .current_dir(cwd.path())
     .env_clear()
+    .env("CLOUD_PLATFORM", "none")
     .envs(agent_env(status, free_port(), extra));
     let proc = Proc::spawn("agent", cmd, cwd.path());
     AgentUnderTest {
@@ -361,6 +362,7 @@ fn custom_template_with_unknown_function_is_a_startup_error() {
         .args(["proxy", "sidecar"])
         .current_dir(dir.path())
         .env_clear()
+        .env("CLOUD_PLATFORM", "none")
         .envs([("ISTIO_BOOTSTRAP", "t.json"), ("POD_NAMESPACE", "ns")])
         .output()
         .unwrap();
@@ -441,6 +443,7 @@ fn malformed_pod_ports_is_a_startup_error() {
         .args(["proxy", "sidecar"])
         .current_dir(dir.path())
         .env_clear()
+        .env("CLOUD_PLATFORM", "none")
         .envs([
             ("ISTIO_META_POD_PORTS", "8080,9090"),
             ("POD_NAMESPACE", "ns"),

@@ -41,6 +41,7 @@ fn agent_cmd_in(netns: Option<&str>, cwd: &Path, status: u16, extra: &[(&str, St
     cmd.args(["proxy", "sidecar"])
         .current_dir(cwd)
         .env_clear()
+        .env("CLOUD_PLATFORM", "none")
         .env("POD_NAME", "app-1")
         .env("POD_NAMESPACE", "default")
         .env("INSTANCE_IP", "127.0.0.1")

@@ -673,6 +673,9 @@ impl Sidecar {
         .env("ENVOY_STATUS_PORT", envoy_status.port().to_string())
         .env("ENVOY_PROMETHEUS_PORT", free_port().to_string())
         .env("PROXY_CONFIG", pc.to_string())
+        // No cloud metadata probes (link-local addresses) from tests; tests of platform
+        // discovery override this.
+        .env("CLOUD_PLATFORM", "none")
         .env("RUST_BACKTRACE", "1");
         for (k, v) in extra_env {
             cmd.env(k, v);

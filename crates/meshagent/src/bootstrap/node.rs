@@ -189,6 +189,16 @@ fn validate(
 /// Node metadata (spec §6.2): ProxyConfig `proxyMetadata` `ISTIO_META_*`, then env
 /// `ISTIO_META_*`, then `ISTIO_METAJSON_*` objects, then the fixed keys.
 pub fn metadata(cfg: &Config, ips: &[IpAddr]) -> Result<Map<String, Value>, NodeError> {
+    metadata_with(cfg, ips, &crate::platform::Platform::unknown())
+}
+
+/// [`metadata`] on a discovered platform: its metadata becomes `PLATFORM_METADATA`
+/// (pkg/bootstrap/config.go `extractAttributesMetadata`: set when non-empty, over any raw value).
+pub fn metadata_with(
+    cfg: &Config,
+    ips: &[IpAddr],
+    platform: &crate::platform::Platform,
+) -> Result<Map<String, Value>, NodeError> {
     let mut meta = Map::new();
     let mut origins: BTreeMap<String, String> = BTreeMap::new();
     for (k, v) in &cfg.proxy_config.proxy_metadata {
@@ -327,6 +337,18 @@ pub fn metadata(cfg: &Config, ips: &[IpAddr]) -> Result<Map<String, Value>, Node
         meta.insert("PILOT_SAN".into(), json!([san]));
     }
     meta.insert("OUTLIER_LOG_PATH".into(), s(&cfg.flags.outlier_log_path));
+    if !platform.metadata.is_empty() {
+        meta.insert(
+            "PLATFORM_METADATA".into(),
+            Value::Object(
+                platform
+                    .metadata
+                    .iter()
+                    .map(|(k, v)| (k.clone(), s(v)))
+                    .collect(),
+            ),
+        );
+    }
     omit_empty(&mut meta, &raw);
     Ok(meta)
 }
@@ -455,6 +477,12 @@ pub fn proxy_config_json(pc: &crate::config::ProxyConfig) -> Value {
 /// legacy `istio-locality` label with dots read as slashes (pkg/model `GetLocalityLabel`,
 /// `ConvertLocality`).
 pub fn locality(meta: &Map<String, Value>) -> Value {
+    locality_with(meta, &crate::platform::Locality::default())
+}
+
+/// [`locality`], falling back to the platform's locality when the pod has no locality label
+/// (pkg/bootstrap/config.go `GetNodeMetaData`: `options.Platform.Locality()`).
+pub fn locality_with(meta: &Map<String, Value>, platform: &crate::platform::Locality) -> Value {
     let label = |k: &str| {
         meta.get("LABELS")
             .and_then(|l| l.get(k))
@@ -465,8 +493,20 @@ pub fn locality(meta: &Map<String, Value>) -> Value {
         .map(str::to_owned)
         .or_else(|| label("istio-locality").map(|l| l.replace('.', "/")))
         .unwrap_or_default();
-    let mut parts = loc.splitn(3, '/');
     let mut out = Map::new();
+    if loc.is_empty() {
+        for (key, v) in [
+            ("region", &platform.region),
+            ("zone", &platform.zone),
+            ("sub_zone", &platform.sub_zone),
+        ] {
+            if !v.is_empty() {
+                out.insert(key.into(), Value::String(v.clone()));
+            }
+        }
+        return Value::Object(out);
+    }
+    let mut parts = loc.splitn(3, '/');
     for key in ["region", "zone", "sub_zone"] {
         if let Some(p) = parts.next().filter(|p| !p.is_empty()) {
             out.insert(key.into(), Value::String(p.to_owned()));

@@ -191,6 +191,15 @@ pub struct PlatformConfig {
     pub gcp_zone: String,
     /// `CLOUD_PLATFORM`.
     pub cloud_platform: String,
+    /// `GCE_METADATA_HOST` (Google's metadata client): the GCE metadata server `host[:port]`;
+    /// when set the agent takes it that it runs on GCE.
+    pub gce_metadata_host: String,
+    /// `MESHAGENT_TEST_METADATA_ADDR` (tests only): `host:port` used instead of the
+    /// link-local metadata addresses (169.254.169.254, `[fd00:ec2::254]`); also turns off
+    /// the `metadata.google.internal` DNS probe.
+    pub test_metadata_addr: String,
+    /// `MESHAGENT_TEST_DMI_DIR` (tests only): directory read instead of `/sys/class/dmi/id`.
+    pub test_dmi_dir: std::path::PathBuf,
 }
 
 impl PlatformConfig {
@@ -200,6 +209,9 @@ impl PlatformConfig {
             gcp_quota_project: r.string("GCP_QUOTA_PROJECT", ""),
             gcp_zone: r.string("GCP_ZONE", ""),
             cloud_platform: r.string("CLOUD_PLATFORM", ""),
+            gce_metadata_host: r.string("GCE_METADATA_HOST", ""),
+            test_metadata_addr: r.string("MESHAGENT_TEST_METADATA_ADDR", ""),
+            test_dmi_dir: r.string("MESHAGENT_TEST_DMI_DIR", "").into(),
         }
     }
 }
