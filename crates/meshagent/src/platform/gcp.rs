@@ -5,7 +5,6 @@
 
 use std::collections::BTreeMap;
 use std::net::IpAddr;
-use std::sync::LazyLock;
 use std::time::Duration;
 
 use http::Method;
@@ -30,11 +29,34 @@ pub const QUOTA_PROJECT: &str = "gcp_quota_project";
 pub const ZONE: &str = "gcp_zone";
 
 /// The GKE node's search list names its zone: `… us-central1-a.c.PROJECT.internal …`
-/// (pkg/bootstrap/platform, Istio 1.25+, #54786), matched per line.
-static RESOLV_ZONE: LazyLock<regex::Regex> = LazyLock::new(|| {
-    regex::Regex::new(r"^search.* ([^-]+-[^-]+-[^-]+)\.c\.[^.]+\.internal").expect("static regex")
-});
+/// (pkg/bootstrap/platform, Istio 1.25+, #54786), matched per line with Istio's expression
+/// `^search.* ([^-]+-[^-]+-[^-]+)\.c\.[^.]+\.internal`. Matched by hand with the same
+/// (leftmost-first, greedy) semantics: the regex crate would add ~1 MB to a binary whose pages
+/// are its resident memory, for one expression read once at start.
+fn zone_in_search_line(line: &str) -> Option<&str> {
+    let rest = line.strip_prefix("search")?;
+    // `.*` is greedy: the last space from which the rest matches wins.
+    rest.match_indices(' ')
+        .map(|(i, _)| i)
+        .collect::<Vec<_>>()
+        .into_iter()
+        .rev()
+        .find_map(|i| zone_at(&rest[i + 1..]))
+}
 
+/// `([^-]+-[^-]+-[^-]+)\.c\.[^.]+\.internal` at the start of `s`: the capture.
+fn zone_at(s: &str) -> Option<&str> {
+    let d1 = s.find('-').filter(|&d| d > 0)?;
+    let d2 = s[d1 + 1..].find('-').filter(|&d| d > 0)? + d1 + 1;
+    let c = d2 + 1;
+    // The third part holds no `-`; greedy, so the last `.c.` whose tail matches wins.
+    let c_end = s[c..].find('-').map_or(s.len(), |j| c + j);
+    (c + 1..=c_end).rev().find_map(|p| {
+        let tail = s.get(p..)?.strip_prefix(".c.")?;
+        let dot = tail.find('.').filter(|&k| k > 0)?;
+        tail[dot..].starts_with(".internal").then(|| &s[..p])
+    })
+}
 /// `GCP_METADATA` split Istio's way: exactly four `|`-separated parts, else ignored.
 pub fn parse_gcp_metadata(v: &str) -> Option<[String; 4]> {
     let parts: Vec<&str> = v.split('|').collect();
@@ -55,8 +77,8 @@ pub fn parse_gcp_metadata(v: &str) -> Option<[String; 4]> {
 /// The zone in a resolv.conf's search list, if it has a GKE one.
 pub fn zone_from_resolv_conf(text: &str) -> Option<String> {
     text.lines()
-        .find_map(|l| RESOLV_ZONE.captures(l))
-        .map(|c| c[1].to_owned())
+        .find_map(zone_in_search_line)
+        .map(str::to_owned)
 }
 
 /// Istio's `zoneToRegion`: everything before the last `-`.
@@ -289,6 +311,25 @@ mod tests {
             None
         );
         assert_eq!(zone_from_resolv_conf("nameserver 1.1.1.1\n"), None);
+        // What the expression's classes allow: `[^-]` takes spaces and dots, greedy parts
+        // take the last `.c.` that fits, `[^.]+` takes dashes.
+        assert_eq!(
+            zone_from_resolv_conf("search a-b-c d.c.x.internal\n").as_deref(),
+            Some("a-b-c d")
+        );
+        assert_eq!(
+            zone_from_resolv_conf("search a-b-c.c.d.c.my-p.internal\n").as_deref(),
+            Some("a-b-c.c.d")
+        );
+        assert_eq!(
+            zone_from_resolv_conf("search a-b-c.c.internal\n"),
+            None,
+            "[^.]+ needs a project"
+        );
+        assert_eq!(
+            zone_from_resolv_conf("searchx a-b-c.c.p.internal\n").as_deref(),
+            Some("a-b-c")
+        );
     }
 
     #[test]
