@@ -38,6 +38,7 @@
 //! * Not served: gRPC server reflection on the socket (Istio registers it; nothing in the
 //!   data path uses it).
 
+pub mod authority;
 pub mod codec;
 pub mod intercept;
 pub mod stream;
@@ -361,7 +362,12 @@ pub fn start_with(
                         .add_service(service);
                     Ok(supervise::Serving {
                         serve: Box::pin(async move {
-                            let incoming = UnixListenerStream::new(listener);
+                            // gRPC clients' percent-encoded `:authority` made acceptable
+                            // (see `authority`).
+                            let incoming = tokio_stream::StreamExt::map(
+                                UnixListenerStream::new(listener),
+                                |r| r.map(authority::AuthorityFix::new),
+                            );
                             server
                                 .serve_with_incoming_shutdown(incoming, stop.cancelled_owned())
                                 .await
