@@ -3,6 +3,7 @@
 //! devplane's grpc generator through the agent's xDS proxy, certificates from the agent's
 //! OUTPUT_CERTS files. The agents run in `DISABLE_ENVOY` mode with `binaryPath` pointing at a
 //! real Envoy, which must never start.
+#![allow(clippy::unwrap_used)]
 
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
@@ -151,21 +152,19 @@ fn poll_cert_files(
     })
 }
 
-fn sigterm_exits_zero(agent: &mut Sidecar) -> impl std::future::Future<Output = ()> + '_ {
-    async move {
-        let pid = nix::unistd::Pid::from_raw(agent.proc.pid() as i32);
-        nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM).unwrap();
-        let status = wait_for("the agent to exit after SIGTERM", DEADLINE, || {
-            let s = agent.proc.try_wait();
-            async move { s }
-        })
-        .await;
-        assert_eq!(
-            status.code(),
-            Some(0),
-            "exit status after SIGTERM: {status}"
-        );
-    }
+async fn sigterm_exits_zero(agent: &mut Sidecar) {
+    let pid = nix::unistd::Pid::from_raw(agent.proc.pid() as i32);
+    nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM).unwrap();
+    let status = wait_for("the agent to exit after SIGTERM", DEADLINE, || {
+        let s = agent.proc.try_wait();
+        async move { s }
+    })
+    .await;
+    assert_eq!(
+        status.code(),
+        Some(0),
+        "exit status after SIGTERM: {status}"
+    );
 }
 
 fn mesh(echo_port: u16, mtls: bool) -> String {
