@@ -170,14 +170,11 @@ impl Agent {
                 envoy_admin: envoy_enabled.then_some(admin),
                 proxy_type: cfg.proxy_type,
                 merger: merger(cfg, &self.registry, node.localhost, envoy_enabled)?,
-                // No probe rewriting without Envoy (the grpc-agent template sets
-                // `rewriteAppHTTPProbers: "false"`; nothing rewrote the pod's probes).
+                // With DISABLE_ENVOY the grpc-agent template rewrites no probes
+                // (`rewriteAppHTTPProbers: "false"`, no ISTIO_KUBE_APP_PROBERS); probers that
+                // are configured are still served, as Istio's status server does.
                 probes: status::AppProbes::new(
-                    if envoy_enabled {
-                        cfg.status.kube_app_probers.clone()
-                    } else {
-                        Default::default()
-                    },
+                    cfg.status.kube_app_probers.clone(),
                     probe_destination(cfg, node.localhost),
                     port,
                     cfg.status.enable_http2_probing,
