@@ -36,6 +36,10 @@ pub const SERVED_TYPES: [&str; 5] = [
 pub const NAME_TABLE_RESOURCE: &str = "";
 
 pub fn generate(mesh: &Mesh, proxy: &ProxyIdentity) -> Resources {
+    // istiod picks the generator from node metadata `GENERATOR` (pilot/pkg/xds `findGenerator`).
+    if proxy.generator.as_deref() == Some("grpc") {
+        return crate::grpcgen::generate(mesh, proxy);
+    }
     let mut out = Resources::new();
     for t in SERVED_TYPES {
         out.insert(t, BTreeMap::new());
@@ -103,7 +107,7 @@ pub fn outbound_cluster_name(mesh: &Mesh, svc: &Service, port: u16) -> String {
     format!("outbound|{port}||{}", mesh.hostname(svc))
 }
 
-fn ads_config_source() -> core::ConfigSource {
+pub(crate) fn ads_config_source() -> core::ConfigSource {
     core::ConfigSource {
         config_source_specifier: Some(core::config_source::ConfigSourceSpecifier::Ads(
             core::AggregatedConfigSource {},
@@ -176,7 +180,7 @@ fn common_tls(alpn: &[&str], verify_sans: Vec<String>) -> tls::CommonTlsContext 
     }
 }
 
-fn transport_socket(name: &str, config: Any) -> core::TransportSocket {
+pub(crate) fn transport_socket(name: &str, config: Any) -> core::TransportSocket {
     core::TransportSocket {
         name: name.into(),
         config_type: Some(core::transport_socket::ConfigType::TypedConfig(config)),
@@ -273,7 +277,7 @@ fn locality_endpoints(addrs: Vec<(String, u16)>) -> endpoint::LocalityLbEndpoint
     }
 }
 
-fn socket_address(ip: &str, port: u16) -> core::Address {
+pub(crate) fn socket_address(ip: &str, port: u16) -> core::Address {
     core::Address {
         address: Some(core::address::Address::SocketAddress(core::SocketAddress {
             address: ip.into(),
@@ -300,7 +304,7 @@ fn route_to(cluster_name: &str) -> route::Route {
     }
 }
 
-fn router_filter() -> hcm::HttpFilter {
+pub(crate) fn router_filter() -> hcm::HttpFilter {
     hcm::HttpFilter {
         name: "envoy.filters.http.router".into(),
         config_type: Some(hcm::http_filter::ConfigType::TypedConfig(pack_any(
@@ -402,7 +406,7 @@ fn outbound_listener(
     }
 }
 
-fn duration_secs(seconds: i64) -> Duration {
+pub(crate) fn duration_secs(seconds: i64) -> Duration {
     Duration { seconds, nanos: 0 }
 }
 
@@ -426,6 +430,7 @@ mod tests {
             pod_name: pod.into(),
             namespace: "default".into(),
             workload_name: None,
+            generator: None,
         }
     }
 

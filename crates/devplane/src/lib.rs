@@ -12,6 +12,7 @@ pub mod clients;
 pub mod conn;
 pub mod debug;
 pub mod generate;
+pub mod grpcgen;
 pub mod mesh;
 pub mod nds;
 pub mod state;

@@ -52,6 +52,11 @@ pub struct Mesh {
     /// ServiceEntry-like hosts (registry `External` in the NDS table).
     #[serde(default)]
     pub service_entries: Vec<ServiceEntry>,
+    /// Proxyless gRPC (`GENERATOR=grpc` nodes) uses mTLS: as if a DestinationRule set
+    /// `tls.mode: ISTIO_MUTUAL` for every host and a PeerAuthentication `STRICT` applied to
+    /// every workload (istiod's grpc generator has no auto-mTLS). Off: plaintext.
+    #[serde(default)]
+    pub grpc_mtls: bool,
 }
 
 /// A ServiceEntry's hosts and addresses, as far as DNS sees them.
@@ -89,6 +94,9 @@ pub struct Workload {
     pub ports: Vec<WorkloadPort>,
     #[serde(default)]
     pub outbound: Vec<Outbound>,
+    /// `region/zone/subzone` (the `topology.istio.io/locality` label); empty: none.
+    #[serde(default)]
+    pub locality: String,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
@@ -174,6 +182,7 @@ impl Mesh {
                 workloads: vec![],
                 services: vec![],
                 service_entries: vec![],
+                grpc_mtls: false,
             }
         } else {
             serde_yaml::from_str(text).map_err(|source| MeshError::Parse {
@@ -353,6 +362,8 @@ pub struct ProxyIdentity {
     pub pod_name: String,
     pub namespace: String,
     pub workload_name: Option<String>,
+    /// Node metadata `GENERATOR` (`grpc` for proxyless gRPC).
+    pub generator: Option<String>,
 }
 
 impl ProxyIdentity {
@@ -369,6 +380,7 @@ impl ProxyIdentity {
                 .cloned()
                 .unwrap_or_else(|| ns.to_owned()),
             workload_name: meta.get("WORKLOAD_NAME").cloned(),
+            generator: meta.get("GENERATOR").cloned(),
         }
     }
 }

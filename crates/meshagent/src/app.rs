@@ -49,6 +49,8 @@ pub enum AppError {
     ProbeTls(#[source] rustls::Error),
     #[error(transparent)]
     Metrics(#[from] crate::metrics::MetricsError),
+    #[error(transparent)]
+    GrpcBootstrap(#[from] crate::grpcxds::GrpcXdsError),
 }
 
 /// The running agent's shared pieces; tests drive an agent in-process through this.
@@ -147,11 +149,14 @@ impl Agent {
             )?);
         }
         // Istio's order (`pilot/cmd/pilot-agent/status/ready/probe.go`): Envoy, gRPC
-        // bootstrap, DNS table. Nothing writes the gRPC bootstrap yet, so a missing file does
-        // not block readiness; GRPC_XDS_BOOTSTRAP="" turns it (and this check) off, as in Istio.
+        // bootstrap, DNS table. The agent always writes the gRPC bootstrap (Istio
+        // `agent.go` `Run`); GRPC_XDS_BOOTSTRAP="" turns it (and this check) off, as in Istio.
         if !cfg.grpc.xds_bootstrap.as_os_str().is_empty() {
-            self.readiness
-                .add_grpc_bootstrap(self.cwd.join(&cfg.grpc.xds_bootstrap), false);
+            let socket = cfg.proxy_config.config_path.join(crate::xds::SOCKET_NAME);
+            let text = crate::grpcxds::render(cfg, &node, &self.cwd, &socket)?;
+            let path = crate::grpcxds::write(&self.cwd, &cfg.grpc.xds_bootstrap, &text)?;
+            tracing::info!(path = %path.display(), "wrote the gRPC xDS bootstrap");
+            self.readiness.add_grpc_bootstrap(path, true);
         }
         let dns_enabled = crate::dns::enabled(cfg);
         if dns_enabled {
@@ -172,6 +177,9 @@ impl Agent {
                 envoy_admin: envoy_enabled.then_some(admin),
                 proxy_type: cfg.proxy_type,
                 merger: merger(cfg, &self.registry, node.localhost, envoy_enabled)?,
+                // With DISABLE_ENVOY the grpc-agent template rewrites no probes
+                // (`rewriteAppHTTPProbers: "false"`, no ISTIO_KUBE_APP_PROBERS); probers that
+                // are configured are still served, as Istio's status server does.
                 probes: status::AppProbes::new(
                     cfg.status.kube_app_probers.clone(),
                     probe_destination(cfg, node.localhost),
@@ -208,8 +216,11 @@ impl Agent {
         // Identity and xDS serve Envoy until it has drained and stopped, so they stop on their
         // own token, after Envoy — not on the shutdown signal.
         let services = CancellationToken::new();
+        // DISABLE_ENVOY (the grpc-agent template): no SDS server, certificates only in
+        // OUTPUT_CERTS (Istio `agent.go` `initSdsServer`).
         let identity_opts = crate::identity::Options {
             servers: self.servers.clone(),
+            sds_server: envoy_enabled,
             ..Default::default()
         };
         let identity = crate::identity::start_with(

@@ -51,7 +51,9 @@ pub type NameTableWatch = watch::Receiver<Option<Arc<NameTable>>>;
 /// subscription in `xds_proxy.go`): sidecars with `ISTIO_META_DNS_CAPTURE`, or any proxy with
 /// `ISTIO_META_ENABLE_DNS_SERVER`.
 pub fn enabled(cfg: &Config) -> bool {
-    (cfg.dns.capture && cfg.proxy_type == ProxyType::Sidecar) || cfg.dns.enable_server
+    // Never without Envoy (DISABLE_ENVOY: proxyless gRPC resolves through xDS).
+    !cfg.lifecycle.disable_envoy
+        && ((cfg.dns.capture && cfg.proxy_type == ProxyType::Sidecar) || cfg.dns.enable_server)
 }
 
 /// Where root mode (`DNS_PROXY_ADDR` on port 53) reads resolv.conf when the file exists

@@ -132,6 +132,9 @@ pub struct Options {
     pub backoff: manager::Backoff,
     /// Where the SDS server's supervisor reports it down (readiness).
     pub servers: crate::supervise::Servers,
+    /// Serve SDS on the workload socket. Off with `DISABLE_ENVOY` (Istio `agent.go`
+    /// `initSdsServer`: no SDS server; certificates are only kept in `OUTPUT_CERTS`).
+    pub sds_server: bool,
 }
 
 impl Default for Options {
@@ -141,6 +144,7 @@ impl Default for Options {
             clock: manager::Clock::System,
             backoff: manager::Backoff::default(),
             servers: crate::supervise::Servers::new(),
+            sds_server: true,
         }
     }
 }
@@ -352,7 +356,11 @@ pub async fn start_with(
     } else {
         crate::sds::WORKLOAD_SOCKET
     });
-    let listener = crate::sds::bind(&socket).await?;
+    let listener = if opts.sds_server {
+        Some(crate::sds::bind(&socket).await?)
+    } else {
+        None
+    };
 
     let (store, file_requests) = SecretStore::new(aliases);
     let (status_tx, status_rx) = watch::channel(IdentityStatus {
@@ -412,6 +420,17 @@ pub async fn start_with(
         )));
     }
 
+    let Some(listener) = listener else {
+        tracing::info!("no SDS server (DISABLE_ENVOY); certificates go to OUTPUT_CERTS only");
+        return Ok(IdentityHandle {
+            status: status_rx,
+            anchors: anchors_tx,
+            socket,
+            mode,
+            store,
+            tasks,
+        });
+    };
     tracing::info!(socket = %socket.display(), "SDS server listening");
     let sds_store = store.clone();
     let sds_shutdown = shutdown.clone();

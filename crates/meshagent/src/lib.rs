@@ -16,6 +16,7 @@ pub mod envoy;
 pub mod fsio;
 #[doc(hidden)]
 pub mod fuzzing;
+pub mod grpcxds;
 pub mod http_client;
 pub mod identity;
 pub mod iptables;

@@ -21,9 +21,12 @@
 //!   type URL, nonce and version on the wire ([`wire`]) and decodes only the types it owns.
 //!   Responses to Envoy are framed by hand ([`codec::ResponseBody`]) so a forwarded message is
 //!   never copied: peak memory of a push is about one message, not two.
-//! * **One owner task per stream pair** ([`stream`]), a new upstream connection per Envoy
-//!   stream (as Istio: istio#27877 was about leaking them, which per-pair ownership prevents),
-//!   and only one live pair: a new Envoy stream stops the previous one.
+//! * **One owner task per stream pair** ([`stream`]), a new upstream stream per downstream
+//!   stream (istio#27877 was about leaking them, which per-pair ownership prevents), and **any
+//!   number of live pairs**: Istio keeps one and closes the previous ("registered overlapping
+//!   stream", `xds_proxy.go` `registerStream`), which breaks proxyless gRPC with one xDS client
+//!   per target (istio#53532). Live pairs share one upstream connection
+//!   ([`stream::Upstream`]); interceptors (NDS, PCDS, health, ECDS) run per pair.
 //! * **Interception** through [`intercept::Interceptor`], asynchronous (a pending rewrite
 //!   holds back only later responses of its own type): NDS (when the DNS proxy is on), PCDS
 //!   (`PROXY_CONFIG_XDS_AGENT`), health replay, and ECDS via [`intercept::EcdsRewrite`]
@@ -35,6 +38,7 @@
 //! * Not served: gRPC server reflection on the socket (Istio registers it; nothing in the
 //!   data path uses it).
 
+pub mod authority;
 pub mod codec;
 pub mod intercept;
 pub mod stream;
@@ -42,7 +46,7 @@ pub mod wire;
 
 use std::convert::Infallible;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
@@ -314,6 +318,7 @@ pub fn start_with(
     interceptors.push(Arc::new(intercept::Ecds(opts.ecds.clone())));
 
     let shared = Arc::new(stream::Shared {
+        upstream: stream::Upstream::default(),
         warm: std::sync::Mutex::default(),
         target: opts.target.clone(),
         cwd: cwd.to_path_buf(),
@@ -327,7 +332,7 @@ pub fn start_with(
     let service = AdsServer {
         shared,
         shutdown: shutdown.clone(),
-        current: Arc::default(),
+        ids: Arc::default(),
     };
     let socket = opts.socket.clone();
     tracing::info!(socket = %socket.display(), upstream = %opts.target.addr, tls = opts.target.tls.is_some(), nds = opts.nds, pcds = opts.pcds, "xDS proxy listening");
@@ -357,7 +362,12 @@ pub fn start_with(
                         .add_service(service);
                     Ok(supervise::Serving {
                         serve: Box::pin(async move {
-                            let incoming = UnixListenerStream::new(listener);
+                            // gRPC clients' percent-encoded `:authority` made acceptable
+                            // (see `authority`).
+                            let incoming = tokio_stream::StreamExt::map(
+                                UnixListenerStream::new(listener),
+                                |r| r.map(authority::AuthorityFix::new),
+                            );
                             server
                                 .serve_with_incoming_shutdown(incoming, stop.cancelled_owned())
                                 .await
@@ -419,9 +429,8 @@ fn bind(path: &Path) -> Result<tokio::net::UnixListener, XdsError> {
 struct AdsServer {
     shared: Arc<stream::Shared>,
     shutdown: CancellationToken,
-    /// The live pair's stop token: a new Envoy stream replaces it (Istio keeps one "current"
-    /// connection).
-    current: Arc<Mutex<(u64, Option<CancellationToken>)>>,
+    /// Numbers the stream pairs (log spans).
+    ids: Arc<std::sync::atomic::AtomicU64>,
 }
 
 impl NamedService for AdsServer {
@@ -460,14 +469,10 @@ impl AdsServer {
         let downstream =
             Streaming::new_request(codec::RawCodec, req.into_body(), None, Some(MAX_MESSAGE));
         let stop = self.shutdown.child_token();
-        let id = {
-            let mut cur = self.current.lock().unwrap_or_else(|e| e.into_inner());
-            cur.0 += 1;
-            if let Some(old) = cur.1.replace(stop.clone()) {
-                old.cancel();
-            }
-            cur.0
-        };
+        let id = self
+            .ids
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+            .wrapping_add(1);
         // The one-slot buffer toward Envoy (spec §5.2).
         let (tx, rx) = mpsc::channel(1);
         let span = tracing::info_span!("xds_stream", id, api = ?api);

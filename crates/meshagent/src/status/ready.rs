@@ -209,21 +209,17 @@ impl Readiness {
 /// gRPC bootstrap probe (spec §7.2 step 2): the file must parse as JSON, and a `file_watcher`
 /// certificate provider's files must exist (proxyless gRPC would fail to start otherwise).
 ///
-/// `required = false` accepts a missing file: until the agent writes the gRPC bootstrap itself
-/// (Istio always does), a missing file means "not used", not "not ready".
+/// `required = false` accepts a missing file (a bootstrap the agent did not write); the agent
+/// registers the file it writes with `required = true`.
 pub async fn check_grpc_bootstrap(path: &std::path::Path, required: bool) -> Result<(), String> {
     let text = match tokio::fs::read(path).await {
         Ok(t) => t,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound && !required => return Ok(()),
-        Err(e) => {
-            return Err(format!(
-                "failed to read gRPC bootstrap {}: {e}",
-                path.display()
-            ));
-        }
+        // Istio's messages (`pilot/cmd/pilot-agent/status/grpcready/probe.go`).
+        Err(e) => return Err(format!("failed loading {}: {e}", path.display())),
     };
     let v: serde_json::Value = serde_json::from_slice(&text)
-        .map_err(|e| format!("failed to parse gRPC bootstrap {}: {e}", path.display()))?;
+        .map_err(|e| format!("failed loading {}: {e}", path.display()))?;
     if let Some(providers) = v
         .get("certificate_providers")
         .and_then(serde_json::Value::as_object)
@@ -241,9 +237,7 @@ pub async fn check_grpc_bootstrap(path: &std::path::Path, required: bool) -> Res
                 if let Some(f) = cfg.get(field).and_then(serde_json::Value::as_str)
                     && tokio::fs::metadata(f).await.is_err()
                 {
-                    return Err(format!(
-                        "gRPC bootstrap certificate provider file {f} ({field}) does not exist"
-                    ));
+                    return Err(format!("{f} does not exist"));
                 }
             }
         }
@@ -291,7 +285,7 @@ mod tests {
         assert!(check_grpc_bootstrap(&path, true).await.is_err());
         std::fs::write(&path, "{not json").unwrap();
         let e = check_grpc_bootstrap(&path, false).await.unwrap_err();
-        assert!(e.contains("failed to parse gRPC bootstrap"), "{e}");
+        assert!(e.starts_with("failed loading "), "{e}");
         let cert = dir.path().join("cert-chain.pem");
         let bootstrap = serde_json::json!({
             "xds_servers": [],
@@ -301,7 +295,7 @@ mod tests {
         });
         std::fs::write(&path, bootstrap.to_string()).unwrap();
         let e = check_grpc_bootstrap(&path, false).await.unwrap_err();
-        assert!(e.contains("certificate_file"), "{e}");
+        assert_eq!(e, format!("{} does not exist", cert.display()));
         std::fs::write(&cert, "x").unwrap();
         assert!(check_grpc_bootstrap(&path, false).await.is_ok());
     }
@@ -391,7 +385,7 @@ mod tests {
         let (tx, rx) = tokio::sync::watch::channel(None);
         r.add_grpc_bootstrap(path.clone(), false);
         r.add_dns_table(rx);
-        assert!(r.check().await.unwrap_err().contains("gRPC bootstrap"));
+        assert!(r.check().await.unwrap_err().contains("failed loading"));
         std::fs::write(&path, "{}").unwrap();
         assert_eq!(
             r.check().await.unwrap_err(),

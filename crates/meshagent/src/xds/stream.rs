@@ -1,6 +1,7 @@
 //! One Envoy stream and its upstream stream, owned by a single task.
 //!
-//! Istio's behaviour (`pkg/istio-agent/xds_proxy.go`, `xds_proxy_delta.go`), kept: a **new** upstream connection per downstream stream;
+//! Istio's behaviour (`pkg/istio-agent/xds_proxy.go`, `xds_proxy_delta.go`), kept: a **new** upstream stream per downstream stream
+//! (on one connection shared by the pairs that are live at the same time, see [`Upstream`]);
 //! Envoy's requests forwarded verbatim; responses through a one-slot buffer to Envoy, so a slow
 //! Envoy slows the upstream read (HTTP/2 flow control then pushes back on istiod) instead of
 //! growing memory — the slot is reserved before istiod's stream is read, so the task itself
@@ -59,6 +60,8 @@ pub const DELTA_PATH: &str =
 
 /// Everything a stream pair needs, shared by all pairs.
 pub struct Shared {
+    /// The connection the live pairs share.
+    pub upstream: Upstream,
     /// A connection to istiod dialled at startup, while Envoy initialises, for Envoy's first
     /// stream (see [`super::prewarm`]).
     pub warm: std::sync::Mutex<Option<Warm>>,
@@ -81,9 +84,116 @@ impl Shared {
     }
 }
 
+/// The upstream connection of the pairs that are live at once. Istio's agent serves one
+/// downstream stream and dials a connection for it (`xds_proxy.go` `handleStream`); proxyless
+/// gRPC opens one xDS stream per target (grpc-go ≥ 1.66, istio#53532), so several pairs live
+/// side by side here, each with its own upstream *stream*, multiplexed on one HTTP/2
+/// connection instead of one connection each. When the last pair ends the connection is
+/// dropped (no idle connection lingers at istiod), and an upstream failure retires it so the
+/// next pair dials afresh, as a lone Envoy stream always did.
+#[derive(Default)]
+pub struct Upstream(std::sync::Mutex<Slot>);
+
+#[derive(Default)]
+struct Slot {
+    channel: Option<(u64, tonic::transport::Channel)>,
+    /// Pairs holding a [`Lease`] on the current channel.
+    live: usize,
+    next: u64,
+}
+
+/// A pair's hold on the shared connection; released on drop.
+pub struct Lease<'a> {
+    upstream: &'a Upstream,
+    generation: u64,
+}
+
+impl Upstream {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Slot> {
+        self.0.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The live connection, if any, with a lease on it.
+    fn join(&self) -> Option<(tonic::transport::Channel, Lease<'_>)> {
+        let mut slot = self.lock();
+        let (generation, channel) = slot.channel.clone()?;
+        slot.live += 1;
+        Some((
+            channel,
+            Lease {
+                upstream: self,
+                generation,
+            },
+        ))
+    }
+
+    /// Installs `channel` (just dialled) unless another pair installed one meanwhile, which
+    /// is then used instead.
+    fn install(
+        &self,
+        channel: tonic::transport::Channel,
+    ) -> (tonic::transport::Channel, Lease<'_>) {
+        let mut slot = self.lock();
+        let (generation, channel) = match slot.channel.clone() {
+            Some(existing) => existing,
+            None => {
+                slot.next += 1;
+                slot.live = 0;
+                slot.channel = Some((slot.next, channel.clone()));
+                (slot.next, channel)
+            }
+        };
+        slot.live += 1;
+        (
+            channel,
+            Lease {
+                upstream: self,
+                generation,
+            },
+        )
+    }
+
+    /// Pairs currently holding the connection (tests, debugging).
+    pub fn live(&self) -> usize {
+        let slot = self.lock();
+        if slot.channel.is_some() { slot.live } else { 0 }
+    }
+}
+
+impl Lease<'_> {
+    /// The connection failed: later pairs dial a new one.
+    fn retire(&self) {
+        let mut slot = self.upstream.lock();
+        if slot
+            .channel
+            .as_ref()
+            .is_some_and(|(g, _)| *g == self.generation)
+        {
+            slot.channel = None;
+            slot.live = 0;
+        }
+    }
+}
+
+impl Drop for Lease<'_> {
+    fn drop(&mut self) {
+        let mut slot = self.upstream.lock();
+        if slot
+            .channel
+            .as_ref()
+            .is_some_and(|(g, _)| *g == self.generation)
+        {
+            slot.live = slot.live.saturating_sub(1);
+            if slot.live == 0 {
+                slot.channel = None;
+            }
+        }
+    }
+}
+
 /// How a stream pair ended, for logs and metrics.
 enum End {
-    /// The agent stopped it (shutdown, or a newer Envoy stream replaced it).
+    /// The agent stopped it (shutdown).
     Stopped,
     /// Envoy ended or broke its stream.
     Downstream(Option<Status>),
@@ -127,6 +237,7 @@ pub async fn run(
     let (up_tx, up_rx) = mpsc::channel::<Bytes>(UPSTREAM_QUEUE);
     let mut connect = connect(&shared, api, up_rx).boxed();
     let mut upstream: Option<Streaming<Bytes>> = None;
+    let mut lease: Option<Lease<'_>> = None;
     let mut health = shared.health.clone();
     health.borrow_and_update();
     let mut seen_lds = false;
@@ -148,9 +259,10 @@ pub async fn run(
             biased;
             () = stop.cancelled() => break End::Stopped,
             r = &mut connect, if upstream.is_none() => match r {
-                Ok(s) => {
+                Ok((s, l)) => {
                     tracing::info!(id, upstream = %addr, "connected to upstream XDS server");
                     upstream = Some(s);
+                    lease = Some(l);
                 }
                 Err(s) => break End::Connect(s),
             },
@@ -234,6 +346,11 @@ pub async fn run(
         }
         End::Upstream(s) => {
             let t = termination_type(s.as_ref());
+            if t == "error"
+                && let Some(l) = &lease
+            {
+                l.retire();
+            }
             m.istiod_connection_terminations.with(&[t]).inc();
             match &s {
                 Some(s) if t == "error" => {
@@ -275,32 +392,56 @@ pub async fn run(
     }
 }
 
-/// Dials a new connection (Istio: one per downstream stream) and opens the upstream stream.
-/// Runs concurrently with forwarding Envoy's first requests: a server may send its response
-/// headers only with its first response.
+/// Opens the upstream stream on the live pairs' connection, or on a new one (the pre-dialled
+/// one for the first pair). Runs concurrently with forwarding Envoy's first requests: a
+/// server may send its response headers only with its first response.
 async fn connect(
     shared: &Shared,
     api: Api,
     up_rx: mpsc::Receiver<Bytes>,
-) -> Result<Streaming<Bytes>, Status> {
-    // The pre-dialled connection if there is one; a failed pre-dial may be stale, so this
-    // stream then dials (and reports) on its own.
-    let warm = match shared.take_warm() {
-        Some(dial) => match dial.await {
-            Ok(Ok(channel)) => Some(channel),
-            Ok(Err(e)) => {
-                tracing::debug!(error = %e, "pre-dialled connection failed; dialling again");
-                None
+) -> Result<(Streaming<Bytes>, Lease<'_>), Status> {
+    let (channel, lease) = match shared.upstream.join() {
+        Some(joined) => joined,
+        None => {
+            // The pre-dialled connection if there is one; a failed pre-dial may be stale, so
+            // this stream then dials (and reports) on its own.
+            let warm = match shared.take_warm() {
+                Some(dial) => match dial.await {
+                    Ok(Ok(channel)) => Some(channel),
+                    Ok(Err(e)) => {
+                        tracing::debug!(error = %e, "pre-dialled connection failed; dialling again");
+                        None
+                    }
+                    Err(_) => None,
+                },
+                None => None,
+            };
+            let channel = match warm {
+                Some(c) => c,
+                None => control_plane::channel(&shared.target, &shared.cwd, shared.keepalive)
+                    .map_err(|e| Status::unavailable(e.to_string()))?,
+            };
+            shared.upstream.install(channel)
+        }
+    };
+    match open(shared, api, up_rx, channel).await {
+        Ok(s) => Ok((s, lease)),
+        Err(s) => {
+            // A dial that failed must not be reused by the next pair.
+            if s.code() == tonic::Code::Unavailable {
+                lease.retire();
             }
-            Err(_) => None,
-        },
-        None => None,
-    };
-    let channel = match warm {
-        Some(c) => c,
-        None => control_plane::channel(&shared.target, &shared.cwd, shared.keepalive)
-            .map_err(|e| Status::unavailable(e.to_string()))?,
-    };
+            Err(s)
+        }
+    }
+}
+
+async fn open(
+    shared: &Shared,
+    api: Api,
+    up_rx: mpsc::Receiver<Bytes>,
+    channel: tonic::transport::Channel,
+) -> Result<Streaming<Bytes>, Status> {
     let mut grpc = tonic::client::Grpc::new(channel)
         // No agent-side limit: Envoy's own limit is the one that matters (istio#52815).
         .max_decoding_message_size(usize::MAX)
