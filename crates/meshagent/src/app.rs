@@ -151,12 +151,13 @@ impl Agent {
         // Istio's order (`pilot/cmd/pilot-agent/status/ready/probe.go`): Envoy, gRPC
         // bootstrap, DNS table. The agent always writes the gRPC bootstrap (Istio
         // `agent.go` `Run`); GRPC_XDS_BOOTSTRAP="" turns it (and this check) off, as in Istio.
-        if !cfg.grpc.xds_bootstrap.as_os_str().is_empty() {
-            let socket = cfg.proxy_config.config_path.join(crate::xds::SOCKET_NAME);
-            let text = crate::grpcxds::render(cfg, &node, &self.cwd, &socket)?;
-            let path = crate::grpcxds::write(&self.cwd, &cfg.grpc.xds_bootstrap, &text)?;
-            tracing::info!(path = %path.display(), "wrote the gRPC xDS bootstrap");
-            self.readiness.add_grpc_bootstrap(path, true);
+        // The file itself is written once the node has the platform's metadata (below).
+        let grpc_bootstrap = !cfg.grpc.xds_bootstrap.as_os_str().is_empty();
+        if grpc_bootstrap {
+            self.readiness.add_grpc_bootstrap(
+                crate::grpcxds::absolute(&self.cwd, &cfg.grpc.xds_bootstrap),
+                true,
+            );
         }
         let dns_enabled = crate::dns::enabled(cfg);
         if dns_enabled {
@@ -262,6 +263,21 @@ impl Agent {
             .unwrap_or_else(|_| crate::platform::Platform::unknown());
         let node = Node::with_platform(cfg, node.ips, &platform)?;
         tracing::info!(node = %node.id, ips = ?node.ips, locality = %node.locality, "proxy node");
+        if grpc_bootstrap {
+            // Istio renders it from the same node metadata as Envoy's (PLATFORM_METADATA and
+            // locality included).
+            let socket = cfg.proxy_config.config_path.join(crate::xds::SOCKET_NAME);
+            let text = crate::grpcxds::render(cfg, &node, &self.cwd, &socket)?;
+            let (cwd, file) = (self.cwd.clone(), cfg.grpc.xds_bootstrap.clone());
+            let path =
+                tokio::task::spawn_blocking(move || crate::grpcxds::write(&cwd, &file, &text))
+                    .await
+                    .map_err(|e| crate::grpcxds::GrpcXdsError::Write {
+                        path: cfg.grpc.xds_bootstrap.clone(),
+                        source: std::io::Error::other(e.to_string()),
+                    })??;
+            tracing::info!(path = %path.display(), "wrote the gRPC xDS bootstrap");
+        }
         let mut xds_opts = crate::xds::XdsOptions::from_config(cfg, &self.cwd)?;
         xds_opts.servers = self.servers.clone();
         let xds = crate::xds::start_with(xds_opts, &self.cwd, &self.registry, services.clone())?;

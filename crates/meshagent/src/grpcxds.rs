@@ -97,7 +97,7 @@ struct FileWatcher {
 
 /// Lexically cleaned absolute path (`cwd/./a/../b` → `cwd/b`), as Go's `filepath.Join`.
 /// A relative `cwd` (the agent's `.`) is taken from the process's working directory.
-fn absolute(cwd: &Path, p: &Path) -> PathBuf {
+pub fn absolute(cwd: &Path, p: &Path) -> PathBuf {
     let mut full = cwd.join(p);
     if full.is_relative()
         && let Ok(dir) = std::env::current_dir()
