@@ -52,6 +52,9 @@ pub struct Mesh {
     /// ServiceEntry-like hosts (registry `External` in the NDS table).
     #[serde(default)]
     pub service_entries: Vec<ServiceEntry>,
+    /// WasmPlugins, served over ECDS to every workload's outbound listeners.
+    #[serde(default)]
+    pub wasm_plugins: Vec<crate::wasm::WasmPlugin>,
 }
 
 /// A ServiceEntry's hosts and addresses, as far as DNS sees them.
@@ -174,6 +177,7 @@ impl Mesh {
                 workloads: vec![],
                 services: vec![],
                 service_entries: vec![],
+                wasm_plugins: vec![],
             }
         } else {
             serde_yaml::from_str(text).map_err(|source| MeshError::Parse {
@@ -182,6 +186,13 @@ impl Mesh {
             })?
         };
         mesh.validate(path)?;
+        for (i, p) in mesh.wasm_plugins.iter().enumerate() {
+            p.validate().map_err(|problem| MeshError::Invalid {
+                path: path.to_owned(),
+                field: format!("wasmPlugins[{i}]"),
+                problem,
+            })?;
+        }
         mesh.allocate_vips();
         Ok(mesh)
     }
