@@ -110,7 +110,11 @@ pub fn start(
         metrics.clone(),
     );
     let purge = cache.clone();
-    let every = opts.cfg.purge_interval;
+    // A zero interval (`WASM_PURGE_INTERVAL=0s`) would make tokio's interval panic.
+    let every = opts
+        .cfg
+        .purge_interval
+        .max(std::time::Duration::from_secs(1));
     tasks.spawn("wasm-cache-purge", async move {
         let mut tick = tokio::time::interval_at(tokio::time::Instant::now() + every, every);
         loop {

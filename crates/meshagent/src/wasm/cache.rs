@@ -412,7 +412,8 @@ fn persist(file: tempfile::NamedTempFile, dir: &Path, path: &Path) -> std::io::R
         .mode(0o755)
         .create(dir)?;
     std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o755))?;
-    file.as_file().sync_all()?;
+    // No fsync: the cache outlives container restarts (page cache kept), and a module torn
+    // by a node crash is rejected by `scan` or fails Envoy's load like a missing one.
     std::fs::set_permissions(file.path(), std::fs::Permissions::from_mode(0o644))?;
     file.persist(path).map_err(|e| e.error)?;
     Ok(())
@@ -439,6 +440,10 @@ fn scan(dir: &Path) -> Vec<(String, String, PathBuf, SystemTime)> {
             let Some(sum) = fname.strip_suffix(".wasm") else {
                 continue;
             };
+            if !starts_with_magic(&f.path()) {
+                let _ = std::fs::remove_file(f.path());
+                continue;
+            }
             let mtime = f
                 .metadata()
                 .and_then(|m| m.modified())
@@ -447,6 +452,15 @@ fn scan(dir: &Path) -> Vec<(String, String, PathBuf, SystemTime)> {
         }
     }
     out
+}
+
+fn starts_with_magic(p: &Path) -> bool {
+    use std::io::Read as _;
+    let mut head = [0u8; 8];
+    std::fs::File::open(p)
+        .and_then(|mut f| f.read_exact(&mut head))
+        .is_ok()
+        && head.starts_with(unpack::WASM_MAGIC)
 }
 
 #[cfg(test)]

@@ -343,14 +343,16 @@ fn resolve_location(base: &Uri, loc: &str) -> Option<Uri> {
 
 impl Fetched {
     /// The body into `out`, failing (not truncating, unlike Istio's `io.LimitReader`) past
-    /// `max` bytes; memory is one frame. Returns the byte count.
+    /// `max` bytes; memory is one frame. Returns the byte count and the hex sha256 of the
+    /// body, hashed as it streams (so a plain module is never read back to be hashed).
     pub async fn to_file(
         mut self,
         out: &mut tokio::fs::File,
         max: u64,
         deadline: Instant,
-    ) -> Result<u64, ClientError> {
+    ) -> Result<(u64, String), ClientError> {
         let mut n: u64 = 0;
+        let mut hash = aws_lc_rs::digest::Context::new(&aws_lc_rs::digest::SHA256);
         let mut w = tokio::io::BufWriter::with_capacity(256 * 1024, out);
         loop {
             let frame = match tokio::time::timeout_at(deadline, self.body.frame()).await {
@@ -379,10 +381,11 @@ impl Fetched {
                     max,
                 });
             }
+            hash.update(&data);
             w.write_all(&data).await.map_err(ClientError::Write)?;
         }
         w.flush().await.map_err(ClientError::Write)?;
-        Ok(n)
+        Ok((n, super::unpack::hex(hash.finish().as_ref())))
     }
 
     /// A small body (manifests, tokens), an error past `max`.

@@ -604,3 +604,200 @@ pub fn remote_wasm_resource(
         .encode_to_vec(),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use meshagent_proto::envoy::pb::google::protobuf::{ListValue, value};
+
+    fn converter(dir: &std::path::Path) -> Arc<Converter> {
+        let cfg = crate::config::WasmConfig {
+            insecure_registries: vec![],
+            module_expiry: Duration::from_secs(60),
+            purge_interval: Duration::from_secs(60),
+            http_request_timeout: Duration::from_secs(1),
+            http_request_max_retries: 1,
+            max_binary_size_bytes: 1 << 20,
+            blocked_cidrs: vec![],
+            remote_load_conversion: true,
+            docker_config: None,
+        };
+        super::super::start(
+            super::super::WasmOptions {
+                dir: dir.to_owned(),
+                cfg,
+                mesh_root: None,
+                docker_config: None,
+            },
+            &crate::metrics::Registry::new(),
+            &crate::tasks::Tasks::new(),
+            tokio_util::sync::CancellationToken::new(),
+        )
+        .unwrap()
+    }
+
+    fn s(v: &str) -> Value {
+        Value {
+            kind: Some(Kind::StringValue(v.into())),
+        }
+    }
+    fn obj(fields: Vec<(&str, Value)>) -> Value {
+        Value {
+            kind: Some(Kind::StructValue(Struct {
+                fields: fields.into_iter().map(|(k, v)| (k.to_owned(), v)).collect(),
+            })),
+        }
+    }
+
+    fn ec(name: &str, type_url: &str, value: Vec<u8>) -> Any {
+        Any {
+            type_url: meshagent_proto::type_url::EXTENSION_CONFIG.into(),
+            value: TypedExtensionConfig {
+                name: name.into(),
+                typed_config: Some(Any {
+                    type_url: type_url.into(),
+                    value,
+                }),
+            }
+            .encode_to_vec(),
+        }
+    }
+
+    fn typed_config(a: &Any) -> Any {
+        TypedExtensionConfig::decode(a.value.as_slice())
+            .unwrap()
+            .typed_config
+            .unwrap()
+    }
+
+    #[tokio::test]
+    async fn typed_struct_failure_policy_and_network_fallbacks() {
+        let d = tempfile::tempdir().unwrap();
+        let c = converter(d.path());
+        // A TypedStruct (JSON form) whose fetch cannot work (unsupported scheme): the
+        // FAIL_OPEN policy gives the allow-all stand-in; ISTIO_META keys are read.
+        let value = obj(vec![(
+            "config",
+            obj(vec![
+                ("name", s("ts")),
+                ("failurePolicy", s("FAIL_OPEN")),
+                (
+                    "configuration",
+                    obj(vec![("@type", s(STRING_VALUE)), ("value", s("{}"))]),
+                ),
+                (
+                    "vmConfig",
+                    obj(vec![
+                        ("runtime", s("envoy.wasm.runtime.v8")),
+                        (
+                            "environmentVariables",
+                            obj(vec![
+                                ("keyValues", obj(vec![(PULL_POLICY_ENV, s("Always"))])),
+                                (
+                                    "hostEnvKeys",
+                                    Value {
+                                        kind: Some(value::Kind::ListValue(ListValue {
+                                            values: vec![s("HOME")],
+                                        })),
+                                    },
+                                ),
+                            ]),
+                        ),
+                        (
+                            "code",
+                            obj(vec![(
+                                "remote",
+                                obj(vec![(
+                                    "httpUri",
+                                    obj(vec![("uri", s("ftp://x/y.wasm")), ("timeout", s("1.5s"))]),
+                                )]),
+                            )]),
+                        ),
+                    ]),
+                ),
+            ]),
+        )]);
+        let Some(Kind::StructValue(st)) = value.kind else {
+            unreachable!()
+        };
+        let ts = TypedStruct {
+            type_url: WASM_HTTP.into(),
+            value: Some(st),
+        };
+        let out = c
+            .convert(ec("ts", typed_struct::UDPA_TYPE_URL, ts.encode_to_vec()))
+            .await
+            .unwrap();
+        let tc = typed_config(&out);
+        assert_eq!(tc.type_url, RBAC_HTTP);
+        let r = HttpRbac::decode(tc.value.as_slice()).unwrap();
+        assert_eq!(
+            (r.rules_stat_prefix.as_str(), r.rules.is_none()),
+            (ALLOW_STAT_PREFIX, true)
+        );
+
+        // FAIL_RELOAD fails closed; a network filter gets the network RBAC.
+        let w = Wasm {
+            config: Some(PluginConfig {
+                failure_policy: FailurePolicy::FailReload as i32,
+                fail_open: true,
+                vm: Some(plugin_config::Vm::VmConfig(VmConfig {
+                    code: Some(AsyncDataSource {
+                        specifier: Some(async_data_source::Specifier::Remote(Default::default())),
+                    }),
+                    ..Default::default()
+                })),
+                ..Default::default()
+            }),
+        };
+        let out = c
+            .convert(ec("net", WASM_NETWORK, w.encode_to_vec()))
+            .await
+            .unwrap();
+        let tc = typed_config(&out);
+        assert_eq!(tc.type_url, RBAC_NETWORK);
+        let r = NetworkRbac::decode(tc.value.as_slice()).unwrap();
+        assert_eq!(
+            (r.stat_prefix.as_str(), r.rules.is_some()),
+            (DENY_STAT_PREFIX, true)
+        );
+        let m = c.metrics.conversion.with(&["miss_remote_fetch_hint"]).get();
+        assert_eq!(m, 1, "remote without httpUri");
+    }
+
+    #[tokio::test]
+    async fn local_code_and_other_extensions_pass_and_codeless_wasm_nacks() {
+        let d = tempfile::tempdir().unwrap();
+        let c = converter(d.path());
+        let local = Wasm {
+            config: Some(PluginConfig {
+                vm: Some(plugin_config::Vm::VmConfig(VmConfig {
+                    code: Some(AsyncDataSource {
+                        specifier: Some(async_data_source::Specifier::Local(DataSource {
+                            specifier: Some(data_source::Specifier::Filename("/x.wasm".into())),
+                            ..Default::default()
+                        })),
+                    }),
+                    ..Default::default()
+                })),
+                ..Default::default()
+            }),
+        };
+        let a = ec("l", WASM_HTTP, local.encode_to_vec());
+        assert_eq!(c.convert(a.clone()).await.unwrap(), a);
+        let other = ec("r", RBAC_HTTP, HttpRbac::default().encode_to_vec());
+        assert_eq!(c.convert(other.clone()).await.unwrap(), other);
+        let codeless = ec("n", WASM_HTTP, Wasm::default().encode_to_vec());
+        assert!(c.convert(codeless.clone()).await.is_err());
+        // One bad resource NACKs the whole response.
+        let msg = sotw_response("v1", "n", vec![a, codeless]);
+        assert!(c.convert_response(false, &msg).await.is_err());
+        let garbage = Any {
+            type_url: meshagent_proto::type_url::EXTENSION_CONFIG.into(),
+            value: vec![0x0a, 0x09, 1],
+        };
+        assert!(c.convert(garbage).await.is_err());
+        assert_eq!(c.metrics.conversion.with(&["no_remote_load"]).get(), 2);
+        assert_eq!(c.metrics.conversion.with(&["unmarshal_failure"]).get(), 3);
+    }
+}

@@ -111,10 +111,11 @@ pub async fn http(
         };
         let status = resp.status.as_u16();
         if status == 200 {
-            let file = body_to_temp(resp, tmp_dir, limits.max_bytes, deadline)
+            let (file, sha) = body_to_temp(resp, tmp_dir, limits.max_bytes, deadline)
                 .await
                 .map_err(download_err)?;
-            return unpack_blocking(file, tmp_dir, limits.max_bytes, TarMember::First).await;
+            return unpack_blocking(file, Some(sha), tmp_dir, limits.max_bytes, TarMember::First)
+                .await;
         }
         last = format!("wasm module download request failed: {url}: status code {status}");
         resp.discard().await;
@@ -125,13 +126,13 @@ pub async fn http(
     Err(FetchError::new(FetchResult::DownloadFailure, last))
 }
 
-/// Streams a body into a new temp file in `tmp_dir`.
+/// Streams a body into a new temp file in `tmp_dir`; also returns the body's sha256.
 pub(crate) async fn body_to_temp(
     resp: Fetched,
     tmp_dir: &Path,
     max: u64,
     deadline: Instant,
-) -> Result<NamedTempFile, ClientError> {
+) -> Result<(NamedTempFile, String), ClientError> {
     let dir = tmp_dir.to_owned();
     let (tmp, std_file) = tokio::task::spawn_blocking(move || {
         std::fs::create_dir_all(&dir)?;
@@ -143,18 +144,19 @@ pub(crate) async fn body_to_temp(
     .map_err(|e| ClientError::Write(std::io::Error::other(e)))?
     .map_err(ClientError::Write)?;
     let mut out = tokio::fs::File::from_std(std_file);
-    resp.to_file(&mut out, max, deadline).await?;
-    Ok(tmp)
+    let (_, sha) = resp.to_file(&mut out, max, deadline).await?;
+    Ok((tmp, sha))
 }
 
 pub(crate) async fn unpack_blocking(
     file: NamedTempFile,
+    sha256: Option<String>,
     tmp_dir: &Path,
     max: u64,
     member: TarMember,
 ) -> Result<Module, FetchError> {
     let dir: PathBuf = tmp_dir.to_owned();
-    tokio::task::spawn_blocking(move || unpack::unpack(file, &dir, max, member))
+    tokio::task::spawn_blocking(move || unpack::unpack(file, sha256, &dir, max, member))
         .await
         .map_err(|e| FetchError::new(FetchResult::FetchFailure, e.to_string()))?
         .map_err(|e| match e {

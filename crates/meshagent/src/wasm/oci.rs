@@ -450,13 +450,8 @@ impl Session<'_> {
             resp.discard().await;
             return Err(FetchError::new(FetchResult::DownloadFailure, msg));
         }
-        let file = fetch::body_to_temp(resp, tmp_dir, limits.max_bytes, deadline)
+        let (file, got) = fetch::body_to_temp(resp, tmp_dir, limits.max_bytes, deadline)
             .await
-            .map_err(download_err)?;
-        let p = file.path().to_owned();
-        let (got, _) = tokio::task::spawn_blocking(move || unpack::sha256_file(&p))
-            .await
-            .map_err(download_err)?
             .map_err(download_err)?;
         if got != want {
             return Err(FetchError::new(
@@ -464,7 +459,8 @@ impl Session<'_> {
                 format!("layer {layer_digest}: content has digest sha256:{got}"),
             ));
         }
-        let module = fetch::unpack_blocking(file, tmp_dir, limits.max_bytes, member).await?;
+        let module =
+            fetch::unpack_blocking(file, Some(got), tmp_dir, limits.max_bytes, member).await?;
         Ok(Image { module, digest })
     }
 }

@@ -46,20 +46,26 @@ pub struct Module {
     pub len: u64,
 }
 
-/// Unwraps `input` into a module in `tmp_dir`.
+/// Unwraps `input` into a module in `tmp_dir`; `input_sha256` is the input's hash when the
+/// caller computed it while writing (used if the input is the module itself).
 pub fn unpack(
     input: NamedTempFile,
+    input_sha256: Option<String>,
     tmp_dir: &Path,
     max: u64,
     member: TarMember,
 ) -> Result<Module, UnpackError> {
     let mut cur = input;
+    let mut known = input_sha256;
     for _ in 0..MAX_LAYERS {
         let mut head = [0u8; 512];
         let n = read_head(cur.as_file_mut(), &mut head)?;
         let head = &head[..n];
         if head.starts_with(WASM_MAGIC) {
-            let (sha256, len) = sha256_file(cur.path())?;
+            let (sha256, len) = match known.take() {
+                Some(s) => (s, cur.as_file().metadata()?.len()),
+                None => sha256_file(cur.path())?,
+            };
             if len < 8 {
                 return Err(UnpackError::TooShort(len));
             }
@@ -105,6 +111,7 @@ pub fn unpack(
             return Err(UnpackError::NotWasm);
         }
         cur = next;
+        known = None;
     }
     Err(UnpackError::NotWasm)
 }
@@ -211,11 +218,19 @@ mod tests {
             tar_of("x/filter.wasm", MODULE),
             gz(&tar_of("filter.wasm", MODULE)),
         ] {
-            let m = unpack(temp(d.path(), &input), d.path(), 1 << 20, TarMember::First).unwrap();
+            let m = unpack(
+                temp(d.path(), &input),
+                None,
+                d.path(),
+                1 << 20,
+                TarMember::First,
+            )
+            .unwrap();
             assert_eq!((m.sha256.as_str(), m.len), (want.as_str(), 8));
         }
         let m = unpack(
             temp(d.path(), &gz(&tar_of("a/plugin.wasm", MODULE))),
+            None,
             d.path(),
             1 << 20,
             TarMember::PluginWasm,
@@ -224,6 +239,7 @@ mod tests {
         assert_eq!(m.sha256, want);
         let e = unpack(
             temp(d.path(), &tar_of("other.wasm", MODULE)),
+            None,
             d.path(),
             1 << 20,
             TarMember::PluginWasm,
@@ -240,6 +256,7 @@ mod tests {
         big.resize(4 << 20, 0);
         let e = unpack(
             temp(d.path(), &gz(&big)),
+            None,
             d.path(),
             1 << 20,
             TarMember::First,
@@ -247,13 +264,25 @@ mod tests {
         .err()
         .unwrap();
         assert!(matches!(e, UnpackError::TooLarge { .. }), "{e}");
-        let e = unpack(temp(d.path(), b"\0asm"), d.path(), 100, TarMember::First)
-            .err()
-            .unwrap();
+        let e = unpack(
+            temp(d.path(), b"\0asm"),
+            None,
+            d.path(),
+            100,
+            TarMember::First,
+        )
+        .err()
+        .unwrap();
         assert!(matches!(e, UnpackError::TooShort(4)), "{e}");
-        let e = unpack(temp(d.path(), b"<html>"), d.path(), 100, TarMember::First)
-            .err()
-            .unwrap();
+        let e = unpack(
+            temp(d.path(), b"<html>"),
+            None,
+            d.path(),
+            100,
+            TarMember::First,
+        )
+        .err()
+        .unwrap();
         assert!(matches!(e, UnpackError::NotWasm), "{e}");
     }
 }
