@@ -6,7 +6,7 @@
 //! * [`cache`]: Istio's on-disk layout, pull policies, expiry, one download per module;
 //! * [`fetch`] (HTTP retries), [`oci`] (registry API, auth), [`unpack`] (gzip/tar, size
 //!   limits, sha256), [`client`] (the guarded HTTP client) and [`guard`] (SSRF);
-//! * [`metrics`]: `istio_agent_wasm_*`.
+//! * [`metrics`]: the `istio_agent_wasm_*` metrics.
 //!
 //! Conversion runs inside the xDS stream's ECDS interceptor future, so a slow download
 //! holds back only later ECDS responses (`xds/intercept.rs`).
