@@ -508,3 +508,47 @@ async fn oci_images_in_every_layout_from_a_real_registry() {
         "{m}"
     );
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn pull_policy_always_follows_the_resource_version_and_purge_expires() {
+    let module = module();
+    let srv = ModServer::start().await;
+    srv.route("/hdr.wasm", Behaviour::Serve(module.clone()));
+    let url = srv.url("/hdr.wasm");
+    let dir = tempfile::tempdir().unwrap();
+    let mut cfg = wasm_config(&[], 256 << 20);
+    cfg.module_expiry = Duration::ZERO;
+    let a = agent(dir.path(), cfg);
+    let env = |policy: &str, version: &str| -> BTreeMap<String, String> {
+        [
+            ("ISTIO_META_WASM_IMAGE_PULL_POLICY", policy),
+            ("ISTIO_META_WASM_PLUGIN_RESOURCE_VERSION", version),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_owned(), v.to_owned()))
+        .collect()
+    };
+    for (policy, version, hits) in [
+        ("Always", "1", 1),
+        ("Always", "1", 1), // same version: cached
+        ("Always", "2", 2), // new version: fetched again
+        ("IfNotPresent", "3", 2),
+        ("bogus", "4", 2), // unknown = unspecified = IfNotPresent for HTTP
+    ] {
+        let (out, _) = convert_with_env(&a, &url, "nil", false, env(policy, version)).await;
+        assert!(matches!(out, Out::Local(_)), "{policy} {version}: {out:?}");
+        assert_eq!(srv.hits("/hdr.wasm"), hits, "{policy} {version}");
+    }
+    // WASM_MODULE_EXPIRY=0: a purge removes the unused module and its file.
+    let file = dir
+        .path()
+        .join(sha256_hex(url.as_bytes()))
+        .join(format!("{}.wasm", sha256_hex(&module)));
+    assert!(file.exists());
+    a.conv.cache.purge().await;
+    assert!(!file.exists());
+    assert_eq!(metric(&metrics(&a), "istio_agent_wasm_cache_entries"), 0.0);
+    let (out, _) = convert_with_env(&a, &url, "nil", false, env("IfNotPresent", "5")).await;
+    assert!(matches!(out, Out::Local(_)));
+    assert_eq!(srv.hits("/hdr.wasm"), 3, "fetched again after the purge");
+}

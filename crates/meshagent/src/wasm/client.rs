@@ -17,7 +17,6 @@ use hyper::body::Incoming;
 use hyper_util::rt::TokioIo;
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, ServerName};
-use tokio::io::AsyncWriteExt;
 use tokio::time::Instant;
 
 use super::guard::{Guard, ResolveError};
@@ -343,29 +342,41 @@ fn resolve_location(base: &Uri, loc: &str) -> Option<Uri> {
 
 impl Fetched {
     /// The body into `out`, failing (not truncating, unlike Istio's `io.LimitReader`) past
-    /// `max` bytes; memory is one frame. Returns the byte count and the hex sha256 of the
-    /// body, hashed as it streams (so a plain module is never read back to be hashed).
+    /// `max` bytes. Returns the byte count and the hex sha256 of the body. Hashing and
+    /// writing run on a blocking-pool thread fed through a small bounded channel, so the
+    /// reactor only receives frames (the download overlaps with the disk and the hash) and
+    /// memory stays at a few frames.
     pub async fn to_file(
         mut self,
-        out: &mut tokio::fs::File,
+        out: std::fs::File,
         max: u64,
         deadline: Instant,
     ) -> Result<(u64, String), ClientError> {
+        let (tx, mut rx) = tokio::sync::mpsc::channel::<Bytes>(8);
+        let writer = tokio::task::spawn_blocking(move || {
+            use std::io::Write as _;
+            let mut hash = aws_lc_rs::digest::Context::new(&aws_lc_rs::digest::SHA256);
+            let mut w = std::io::BufWriter::with_capacity(256 * 1024, out);
+            while let Some(b) = rx.blocking_recv() {
+                hash.update(&b);
+                w.write_all(&b)?;
+            }
+            w.flush()?;
+            Ok::<_, std::io::Error>(super::unpack::hex(hash.finish().as_ref()))
+        });
         let mut n: u64 = 0;
-        let mut hash = aws_lc_rs::digest::Context::new(&aws_lc_rs::digest::SHA256);
-        let mut w = tokio::io::BufWriter::with_capacity(256 * 1024, out);
-        loop {
+        let result = loop {
             let frame = match tokio::time::timeout_at(deadline, self.body.frame()).await {
                 Err(_) => {
-                    return Err(ClientError::Timeout {
-                        url: self.url_text,
+                    break Err(ClientError::Timeout {
+                        url: self.url_text.clone(),
                         after: Duration::ZERO,
                     });
                 }
-                Ok(None) => break,
+                Ok(None) => break Ok(()),
                 Ok(Some(Err(e))) => {
-                    return Err(ClientError::Body {
-                        url: self.url_text,
+                    break Err(ClientError::Body {
+                        url: self.url_text.clone(),
                         reason: chain(&e),
                     });
                 }
@@ -376,16 +387,22 @@ impl Fetched {
             };
             n += data.len() as u64;
             if n > max {
-                return Err(ClientError::TooLarge {
-                    url: self.url_text,
+                break Err(ClientError::TooLarge {
+                    url: self.url_text.clone(),
                     max,
                 });
             }
-            hash.update(&data);
-            w.write_all(&data).await.map_err(ClientError::Write)?;
-        }
-        w.flush().await.map_err(ClientError::Write)?;
-        Ok((n, super::unpack::hex(hash.finish().as_ref())))
+            if tx.send(data).await.is_err() {
+                break Ok(()); // the writer failed; its error is reported below
+            }
+        };
+        drop(tx);
+        let written = writer
+            .await
+            .map_err(|e| ClientError::Write(std::io::Error::other(e)))?;
+        result?;
+        let sha = written.map_err(ClientError::Write)?;
+        Ok((n, sha))
     }
 
     /// A small body (manifests, tokens), an error past `max`.

@@ -143,8 +143,7 @@ pub(crate) async fn body_to_temp(
     .await
     .map_err(|e| ClientError::Write(std::io::Error::other(e)))?
     .map_err(ClientError::Write)?;
-    let mut out = tokio::fs::File::from_std(std_file);
-    let (_, sha) = resp.to_file(&mut out, max, deadline).await?;
+    let (_, sha) = resp.to_file(std_file, max, deadline).await?;
     Ok((tmp, sha))
 }
 

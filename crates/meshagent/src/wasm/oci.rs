@@ -199,27 +199,38 @@ pub async fn pull(
     deadline: Instant,
 ) -> Result<Image, FetchError> {
     let work = async {
-        let plain = r.plain_http_by_default(client);
-        let scheme = if plain { "http" } else { "https" };
+        // go-containerregistry's ping: HTTPS first; plain HTTP after it for the registries
+        // `Registry.Scheme` calls "http" (insecure, localhost, loopback, RFC 1918). Istio
+        // (`imagefetcher.go` `PrepareFetch`) also retries with `name.Insecure` when a TLS
+        // registry "gave HTTP response", which ends in the same plain-HTTP attempt.
+        let mut schemes = vec!["https"];
+        if r.plain_http_by_default(client) {
+            schemes.push("http");
+        }
         let mut s = Session {
             client,
-            base: format!("{scheme}://{}", r.registry),
+            base: String::new(),
             reference: r,
             creds,
             auth: None,
         };
-        let manifest = match s.manifest().await {
-            // Istio `imagefetcher.go` `PrepareFetch`: "server gave HTTP response" → retry
-            // with `name.Insecure` (plain HTTP).
-            Err(Failure::Client(ClientError::Tls {
-                plain_http: true, ..
-            })) => {
-                s.base = format!("http://{}", r.registry);
-                s.manifest().await
+        let mut i = 0;
+        let manifest = loop {
+            s.base = format!("{}://{}", schemes[i], r.registry);
+            match s.manifest().await {
+                Ok(m) => break m,
+                Err(Failure::Client(ClientError::Tls {
+                    plain_http: true, ..
+                })) if !schemes.contains(&"http") => schemes.push("http"),
+                Err(Failure::Client(
+                    ClientError::Tls { .. }
+                    | ClientError::Connect { .. }
+                    | ClientError::Exchange { .. },
+                )) if i + 1 < schemes.len() => {}
+                Err(e) => return Err(e.into_fetch(FetchResult::ManifestFailure)),
             }
-            m => m,
-        }
-        .map_err(|e| e.into_fetch(FetchResult::ManifestFailure))?;
+            i += 1;
+        };
         s.image(manifest, limits, tmp_dir, deadline).await
     };
     match tokio::time::timeout_at(deadline, work).await {
