@@ -3,7 +3,8 @@
 //! * a 50 MiB module fetched over HTTP from `python3 -m http.server` (a separate process):
 //!   the bench process's peak RSS growth during the cold ECDS conversion (Linux `VmHWM`,
 //!   reset through `/proc/self/clear_refs` first) — the download streams to disk;
-//! * time to the rewritten ECDS response (cold cache) vs `curl -o /dev/null` of the same file
+//! * time to the rewritten ECDS response (cold cache) vs `curl -o <file>` of the same file
+//!   into the same file system
 //!   (median of 5 each, interleaved);
 //! * ECDS conversion with the module cached: p50/p99 over 2,000 conversions.
 //!
@@ -162,9 +163,11 @@ fn main() {
         let t = Instant::now();
         rt.block_on(c.convert_response(false, &msg)).unwrap();
         agent.push(t.elapsed().as_secs_f64() * 1000.0);
+        // curl saves the file too (on the same file system), as the agent does.
+        let out = d.path().join("curl.wasm");
         let t = Instant::now();
         let st = Command::new("curl")
-            .args(["-s", "-o", "/dev/null", &url])
+            .args(["-s", "-o", out.to_str().unwrap(), &url])
             .status()
             .expect("curl");
         assert!(st.success());

@@ -352,7 +352,7 @@ impl Fetched {
         max: u64,
         deadline: Instant,
     ) -> Result<(u64, String), ClientError> {
-        let (tx, mut rx) = tokio::sync::mpsc::channel::<Bytes>(8);
+        let (tx, mut rx) = tokio::sync::mpsc::channel::<Bytes>(2);
         let writer = tokio::task::spawn_blocking(move || {
             use std::io::Write as _;
             let mut hash = aws_lc_rs::digest::Context::new(&aws_lc_rs::digest::SHA256);
