@@ -9,7 +9,7 @@ export ENVOY_BIN
 
 NEXTEST := $(shell cargo nextest --version >/dev/null 2>&1 && echo yes)
 
-.PHONY: all build agent test lint unit envoy peers netpeers dnspeers fuzz-dns bench demo fuzz fuzz-tools clean-tools \
+.PHONY: all build agent test lint unit envoy peers netpeers dnspeers wasmpeers fuzz-dns bench demo fuzz fuzz-tools clean-tools \
 	deploytools deploy-validate imagetools image image-test
 
 all: build
@@ -67,6 +67,14 @@ dnspeers:
 	else echo "installing dnsmasq bind9-dnsutils dnsperf"; \
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq dnsmasq bind9-dnsutils dnsperf >/dev/null; fi
 
+# Debian peers of the Wasm tests and benchmark: wabt (wat2wasm assembles the proxy-wasm test
+# module), docker-registry (a real OCI registry) and skopeo (pushes images to it).
+# Installed only when missing.
+wasmpeers:
+	@if command -v wat2wasm >/dev/null && command -v docker-registry >/dev/null && command -v skopeo >/dev/null; then :; \
+	else echo "installing wabt docker-registry skopeo"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq wabt docker-registry skopeo >/dev/null; fi
+
 # The DNS request-path fuzz target (crates/meshagent/fuzz); longer runs:
 # FUZZ_SECONDS=3600 make fuzz-dns. Needs the nightly toolchain and cargo-fuzz, so it is not part
 # of `make test` (which replays the corpus in a normal test instead).
@@ -82,7 +90,7 @@ lint:
 	cargo fmt --all -- --check
 	cargo clippy --workspace --all-targets -- -D warnings
 
-test: envoy peers netpeers dnspeers deploy-validate lint build
+test: envoy peers netpeers dnspeers wasmpeers deploy-validate lint build
 ifeq ($(NEXTEST),yes)
 	cargo nextest run --workspace --no-fail-fast
 	# nextest does not run doctests (metrics: a label-count mismatch must not compile).
@@ -92,13 +100,14 @@ else
 endif
 
 # Benchmarks (not tests): release builds against real Envoy and devplane; results go to BENCHMARKS.md.
-bench: envoy agent netpeers dnspeers
+bench: envoy agent netpeers dnspeers wasmpeers
 	cargo build --release --bins
 	cargo bench -p meshagent --bench sds
 	cargo bench -p meshagent --bench xds
 	cargo bench -p meshagent --bench merge
 	cargo bench -p meshagent --bench bootstrap
 	cargo bench -p meshagent --bench dns
+	cargo bench -p meshagent --bench wasm
 	MESHAGENT_BIN=$(AGENT_BIN) cargo bench -p meshagent --bench startup
 	MESHAGENT_BIN=$(AGENT_BIN) cargo bench -p meshagent --bench iptables
 	MESHAGENT_BIN=$(AGENT_BIN) cargo bench -p meshagent --bench grpc

@@ -79,7 +79,7 @@ pub fn generate(mesh: &Mesh, proxy: &ProxyIdentity) -> Resources {
             };
             let cluster_name = outbound_cluster_name(mesh, svc, o.port);
             let listener_name = format!("{}_{}", o.bind.ip(), o.bind.port());
-            let l = outbound_listener(&listener_name, o.bind, &cluster_name);
+            let l = outbound_listener(&listener_name, o.bind, &cluster_name, &mesh.wasm_plugins);
             out.get_mut(type_url::LISTENER)
                 .map(|m| m.insert(listener_name.clone(), pack_any(l)));
             let r = route::RouteConfiguration {
@@ -95,6 +95,12 @@ pub fn generate(mesh: &Mesh, proxy: &ProxyIdentity) -> Resources {
             };
             out.get_mut(type_url::ROUTE)
                 .map(|m| m.insert(cluster_name.clone(), pack_any(r)));
+        }
+    }
+    if !mesh.wasm_plugins.is_empty() {
+        let ecds = out.entry(type_url::EXTENSION_CONFIG).or_default();
+        for p in &mesh.wasm_plugins {
+            ecds.insert(p.resource_name(), p.extension_config());
         }
     }
     let table = crate::nds::name_table(mesh);
@@ -379,7 +385,13 @@ fn outbound_listener(
     name: &str,
     bind: std::net::SocketAddr,
     route_name: &str,
+    plugins: &[crate::wasm::WasmPlugin],
 ) -> listener::Listener {
+    let mut http_filters: Vec<hcm::HttpFilter> = plugins
+        .iter()
+        .map(|p| p.http_filter(ads_config_source()))
+        .collect();
+    http_filters.push(router_filter());
     let manager = hcm::HttpConnectionManager {
         stat_prefix: format!("outbound_{name}"),
         route_specifier: Some(hcm::http_connection_manager::RouteSpecifier::Rds(
@@ -388,7 +400,7 @@ fn outbound_listener(
                 route_config_name: route_name.into(),
             },
         )),
-        http_filters: vec![router_filter()],
+        http_filters,
         ..Default::default()
     };
     listener::Listener {

@@ -17,6 +17,7 @@ pub mod mesh;
 pub mod nds;
 pub mod state;
 pub mod token;
+pub mod wasm;
 
 use std::net::SocketAddr;
 use std::path::PathBuf;

@@ -57,6 +57,9 @@ pub struct Mesh {
     /// every workload (istiod's grpc generator has no auto-mTLS). Off: plaintext.
     #[serde(default)]
     pub grpc_mtls: bool,
+    /// WasmPlugins, served over ECDS to every workload's outbound listeners.
+    #[serde(default)]
+    pub wasm_plugins: Vec<crate::wasm::WasmPlugin>,
 }
 
 /// A ServiceEntry's hosts and addresses, as far as DNS sees them.
@@ -183,6 +186,7 @@ impl Mesh {
                 services: vec![],
                 service_entries: vec![],
                 grpc_mtls: false,
+                wasm_plugins: vec![],
             }
         } else {
             serde_yaml::from_str(text).map_err(|source| MeshError::Parse {
@@ -191,6 +195,13 @@ impl Mesh {
             })?
         };
         mesh.validate(path)?;
+        for (i, p) in mesh.wasm_plugins.iter().enumerate() {
+            p.validate().map_err(|problem| MeshError::Invalid {
+                path: path.to_owned(),
+                field: format!("wasmPlugins[{i}]"),
+                problem,
+            })?;
+        }
         mesh.allocate_vips();
         Ok(mesh)
     }

@@ -51,6 +51,7 @@ pub enum AppError {
     Metrics(#[from] crate::metrics::MetricsError),
     #[error(transparent)]
     GrpcBootstrap(#[from] crate::grpcxds::GrpcXdsError),
+    Wasm(#[from] crate::wasm::WasmError),
 }
 
 /// The running agent's shared pieces; tests drive an agent in-process through this.
@@ -280,6 +281,15 @@ impl Agent {
         }
         let mut xds_opts = crate::xds::XdsOptions::from_config(cfg, &self.cwd)?;
         xds_opts.servers = self.servers.clone();
+        if cfg.wasm.remote_load_conversion {
+            let converter = crate::wasm::start(
+                crate::wasm::WasmOptions::from_config(cfg, &self.cwd),
+                &self.registry,
+                &self.tasks,
+                services.clone(),
+            )?;
+            xds_opts.ecds = Arc::new(crate::wasm::WasmRewrite { converter });
+        }
         let xds = crate::xds::start_with(xds_opts, &self.cwd, &self.registry, services.clone())?;
         // The NDS table feeds the DNS readiness probe and /debug/ndsz; PCDS trust anchors go
         // into ROOTCA. Both forwarders end when the xDS proxy drops its senders.

@@ -29,6 +29,7 @@ pub mod status;
 pub mod supervise;
 pub mod tasks;
 pub mod wait;
+pub mod wasm;
 pub mod xds;
 
 /// The Istio release whose agent behaviour (flags, env, files) we match.

@@ -703,6 +703,7 @@ mod tests {
         .unwrap();
         crate::status::MergeMetrics::register(&r).unwrap();
         crate::dns::metrics::Metrics::new(&r).unwrap();
+        crate::wasm::metrics::Metrics::new(&r).unwrap();
         let mut names = r.names();
         names.sort();
         let mut want: Vec<String> = [
@@ -734,6 +735,11 @@ mod tests {
             "scrape_failures_total",
             "scrapes_total",
             "startup_duration_seconds",
+            "wasm_cache_entries",
+            "wasm_cache_lookup_count",
+            "wasm_config_conversion_count",
+            "wasm_config_conversion_duration",
+            "wasm_remote_fetch_count",
             "xds_proxy_requests",
             "xds_proxy_responses",
             "xds_proxy_upstream_recv_max",

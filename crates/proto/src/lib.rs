@@ -20,6 +20,24 @@ pub mod nds {
     tonic::include_proto!("istio.networking.nds.v1");
 }
 
+/// `udpa.type.v1.TypedStruct` (and its twin `xds.type.v3.TypedStruct`, same fields and
+/// numbers, cncf/xds `udpa/type/v1/typed_struct.proto`): an extension config as a JSON-like
+/// `Struct` plus the type URL it stands for. Hand-written (envoy-types lacks it): two fields.
+pub mod typed_struct {
+    use envoy_types::pb::google::protobuf::Struct;
+
+    #[derive(Clone, PartialEq, prost::Message)]
+    pub struct TypedStruct {
+        #[prost(string, tag = "1")]
+        pub type_url: String,
+        #[prost(message, optional, tag = "2")]
+        pub value: Option<Struct>,
+    }
+
+    pub const UDPA_TYPE_URL: &str = "type.googleapis.com/udpa.type.v1.TypedStruct";
+    pub const XDS_TYPE_URL: &str = "type.googleapis.com/xds.type.v3.TypedStruct";
+}
+
 /// xDS type URLs used across the agent and devplane.
 pub mod type_url {
     pub const CLUSTER: &str = "type.googleapis.com/envoy.config.cluster.v3.Cluster";

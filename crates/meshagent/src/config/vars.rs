@@ -347,6 +347,10 @@ pub struct WasmConfig {
     pub blocked_cidrs: Vec<String>,
     /// `ISTIO_AGENT_ENABLE_WASM_REMOTE_LOAD_CONVERSION` (default true): localise remote Wasm in ECDS.
     pub remote_load_conversion: bool,
+    /// The docker config keychain for OCI pulls without a pull secret
+    /// (go-containerregistry `authn.DefaultKeychain`): `$DOCKER_CONFIG/config.json`, else
+    /// `$HOME/.docker/config.json`.
+    pub docker_config: Option<std::path::PathBuf>,
 }
 
 impl WasmConfig {
@@ -375,6 +379,15 @@ impl WasmConfig {
             ),
             blocked_cidrs,
             remote_load_conversion: r.bool("ISTIO_AGENT_ENABLE_WASM_REMOTE_LOAD_CONVERSION", true),
+            docker_config: match r.string("DOCKER_CONFIG", "") {
+                d if !d.is_empty() => Some(std::path::PathBuf::from(d).join("config.json")),
+                _ => match r.string("HOME", "") {
+                    h if !h.is_empty() => {
+                        Some(std::path::PathBuf::from(h).join(".docker/config.json"))
+                    }
+                    _ => None,
+                },
+            },
         }
     }
 }

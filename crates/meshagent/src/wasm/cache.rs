@@ -1,0 +1,499 @@
+//! The module cache (Istio `pkg/wasm/cache.go` `LocalFileCache`): files at
+//! `<dir>/<hex sha256(module name)>/<checksum>.wasm` (directories 0755, files 0644), where the
+//! module name is the URL for HTTP(S) and `oci://<registry>/<repository>` for OCI; the
+//! checksum is the module's sha256 (HTTP) or the image manifest digest (OCI).
+//!
+//! Better than Istio:
+//! * the index is rebuilt from that layout when the agent starts, so a container restart
+//!   with a kept `emptyDir` does not refetch every module (Istio keeps the index in memory);
+//! * the same module requested concurrently is downloaded once (Istio downloads in parallel);
+//! * downloads stream to disk; files appear by rename, so a crash never leaves a partial
+//!   module under a cache name.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime};
+
+use futures::FutureExt as _;
+use futures::future::{BoxFuture, Shared};
+use tokio::sync::OnceCell;
+use tokio::time::Instant;
+
+use super::client::Client;
+use super::fetch::{self, FetchError, FetchResult, Limits};
+use super::metrics::Metrics;
+use super::oci;
+use super::unpack;
+
+/// `ISTIO_META_WASM_IMAGE_PULL_POLICY` (Istio `extensions.v1alpha1.PullPolicy`); unknown
+/// values are Unspecified.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum PullPolicy {
+    #[default]
+    Unspecified,
+    IfNotPresent,
+    Always,
+}
+
+impl PullPolicy {
+    pub fn parse(s: &str) -> PullPolicy {
+        match s {
+            "IfNotPresent" => PullPolicy::IfNotPresent,
+            "Always" => PullPolicy::Always,
+            _ => PullPolicy::Unspecified,
+        }
+    }
+}
+
+/// Istio `shouldIgnoreResourceVersion`: `Always` honours resource version changes;
+/// Unspecified does so only for OCI URLs whose path ends in `:latest` (an untagged
+/// reference does not count, as in Istio's suffix test).
+fn ignore_resource_version(policy: PullPolicy, url: &str) -> bool {
+    match policy {
+        PullPolicy::Always => false,
+        PullPolicy::IfNotPresent => true,
+        PullPolicy::Unspecified => !(url.starts_with("oci://") && url.ends_with(":latest")),
+    }
+}
+
+/// One module request.
+#[derive(Debug, Clone, Default)]
+pub struct GetOptions {
+    /// Expected checksum (hex), empty when unknown.
+    pub checksum: String,
+    /// The ECDS resource name and `ISTIO_META_WASM_PLUGIN_RESOURCE_VERSION`.
+    pub resource_name: String,
+    pub resource_version: String,
+    pub pull_policy: PullPolicy,
+    /// `ISTIO_META_WASM_IMAGE_PULL_SECRET` (docker config JSON), OCI only.
+    pub pull_secret: Option<Vec<u8>>,
+    /// The overall budget (`http_uri.timeout`).
+    pub timeout: Duration,
+}
+
+#[derive(Debug, Clone)]
+pub struct CacheOptions {
+    pub dir: PathBuf,
+    pub expiry: Duration,
+    pub limits: Limits,
+    /// The docker config keychain (`$DOCKER_CONFIG/config.json` or `~/.docker/config.json`).
+    pub docker_config: Option<PathBuf>,
+}
+
+#[derive(Debug, Clone)]
+struct Entry {
+    path: PathBuf,
+    last_used: Instant,
+    /// When the file was written (restored entries: its mtime); picks the newest module of a
+    /// URL after a restart.
+    written: SystemTime,
+}
+
+#[derive(Debug, Default)]
+struct ChecksumEntry {
+    checksum: String,
+    versions: HashMap<String, String>,
+}
+
+type Pending = Shared<BoxFuture<'static, Result<PathBuf, FetchError>>>;
+
+#[derive(Default)]
+struct Inner {
+    /// (hex sha256 of module name, checksum) → file.
+    modules: HashMap<(String, String), Entry>,
+    /// URL → last downloaded checksum and resource versions seen per resource.
+    checksums: HashMap<String, ChecksumEntry>,
+    inflight: HashMap<String, Pending>,
+}
+
+pub struct Cache {
+    opts: CacheOptions,
+    client: Client,
+    metrics: Metrics,
+    inner: Mutex<Inner>,
+    loaded: OnceCell<()>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+impl Cache {
+    pub fn new(opts: CacheOptions, client: Client, metrics: Metrics) -> Arc<Cache> {
+        Arc::new(Cache {
+            opts,
+            client,
+            metrics,
+            inner: Mutex::default(),
+            loaded: OnceCell::new(),
+        })
+    }
+
+    pub fn dir(&self) -> &Path {
+        &self.opts.dir
+    }
+
+    /// Number of modules in the index.
+    pub fn len(&self) -> usize {
+        lock(&self.inner).modules.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Rebuilds the index from the directory (once, on first use; blocking pool).
+    async fn load(&self) {
+        self.loaded
+            .get_or_init(|| async {
+                let dir = self.opts.dir.clone();
+                let found = tokio::task::spawn_blocking(move || scan(&dir))
+                    .await
+                    .unwrap_or_default();
+                let now = Instant::now();
+                let mut inner = lock(&self.inner);
+                for (h, sum, path, written) in found {
+                    inner.modules.insert(
+                        (h, sum),
+                        Entry {
+                            path,
+                            last_used: now,
+                            written,
+                        },
+                    );
+                }
+                if !inner.modules.is_empty() {
+                    tracing::info!(modules = inner.modules.len(), dir = %self.opts.dir.display(), "Wasm cache restored from disk");
+                }
+                self.metrics.cache_entries.set(inner.modules.len() as f64);
+            })
+            .await;
+    }
+
+    /// The local file of `url`, downloading it if the cache and pull policy say so.
+    pub async fn get(self: &Arc<Self>, url: &str, o: GetOptions) -> Result<PathBuf, FetchError> {
+        self.load().await;
+        let (module_name, mut checksum, oci_ref) =
+            if url.starts_with("http://") || url.starts_with("https://") {
+                (url.to_owned(), o.checksum.clone(), None)
+            } else if url.starts_with("oci://") {
+                let r = oci::Reference::parse(url)
+                    .map_err(|e| FetchError::new(FetchResult::FetchFailure, e))?;
+                let sum = if r.is_digest {
+                    r.reference.trim_start_matches("sha256:").to_owned()
+                } else {
+                    o.checksum.clone()
+                };
+                (r.module_name(), sum, Some(r))
+            } else {
+                return Err(FetchError::new(
+                    FetchResult::FetchFailure,
+                    format!("unsupported Wasm module downloading URL scheme: {url}"),
+                ));
+            };
+        let h = unpack::sha256_hex(module_name.as_bytes());
+        let ignore_rv = ignore_resource_version(o.pull_policy, url);
+        if let Some(p) = self.lookup(url, &h, &mut checksum, &o, ignore_rv) {
+            return Ok(p);
+        }
+        let key = format!("{url}\n{checksum}");
+        let pending = {
+            let mut inner = lock(&self.inner);
+            inner
+                .inflight
+                .entry(key.clone())
+                .or_insert_with(|| {
+                    let me = self.clone();
+                    let url = url.to_owned();
+                    let o = o.clone();
+                    async move {
+                        let r = me.download(&url, &h, &checksum, oci_ref, &o).await;
+                        lock(&me.inner)
+                            .inflight
+                            .remove(&format!("{url}\n{checksum}"));
+                        let label = match &r {
+                            Ok(_) => FetchResult::Success.label(),
+                            Err(e) => e.result.label(),
+                        };
+                        me.metrics.remote_fetch.with(&[label]).inc();
+                        r
+                    }
+                    .boxed()
+                    .shared()
+                })
+                .clone()
+        };
+        pending.await
+    }
+
+    /// Istio `getEntry`, with the restart fallback: a URL without checksum whose module dir
+    /// holds files from an earlier run uses the newest (when the policy allows the cache).
+    fn lookup(
+        &self,
+        url: &str,
+        h: &str,
+        checksum: &mut String,
+        o: &GetOptions,
+        ignore_rv: bool,
+    ) -> Option<PathBuf> {
+        let mut inner = lock(&self.inner);
+        if checksum.is_empty() {
+            match inner.checksums.get_mut(url) {
+                Some(ce) => {
+                    if ignore_rv || ce.versions.get(&o.resource_name) == Some(&o.resource_version) {
+                        *checksum = ce.checksum.clone();
+                    }
+                    ce.versions
+                        .insert(o.resource_name.clone(), o.resource_version.clone());
+                }
+                None if ignore_rv => {
+                    if let Some(((_, sum), _)) = inner
+                        .modules
+                        .iter()
+                        .filter(|((mh, _), _)| mh == h)
+                        .max_by_key(|(_, e)| e.written)
+                    {
+                        *checksum = sum.clone();
+                        let mut ce = ChecksumEntry {
+                            checksum: sum.clone(),
+                            ..Default::default()
+                        };
+                        ce.versions
+                            .insert(o.resource_name.clone(), o.resource_version.clone());
+                        inner.checksums.insert(url.to_owned(), ce);
+                    }
+                }
+                None => {}
+            }
+        }
+        let hit = if checksum.is_empty() {
+            None
+        } else {
+            inner
+                .modules
+                .get_mut(&(h.to_owned(), checksum.clone()))
+                .map(|e| {
+                    e.last_used = Instant::now();
+                    e.path.clone()
+                })
+        };
+        self.metrics
+            .cache_lookup
+            .with(&[if hit.is_some() { "true" } else { "false" }])
+            .inc();
+        hit
+    }
+
+    async fn download(
+        self: &Arc<Self>,
+        url: &str,
+        h: &str,
+        expected: &str,
+        oci_ref: Option<oci::Reference>,
+        o: &GetOptions,
+    ) -> Result<PathBuf, FetchError> {
+        let deadline = Instant::now() + o.timeout;
+        let tmp = unpack::tmp_dir(&self.opts.dir);
+        let (module, checksum) = match oci_ref {
+            None => {
+                let m = fetch::http(&self.client, url, &self.opts.limits, &tmp, deadline).await?;
+                let sum = m.sha256.clone();
+                (m, sum)
+            }
+            Some(r) => {
+                let creds = self.credentials(&r, o.pull_secret.as_deref()).await?;
+                let img =
+                    oci::pull(&self.client, &r, creds, &self.opts.limits, &tmp, deadline).await?;
+                (img.module, img.digest)
+            }
+        };
+        if !expected.is_empty() && !expected.eq_ignore_ascii_case(&checksum) {
+            return Err(FetchError::new(
+                FetchResult::ChecksumMismatched,
+                format!(
+                    "module downloaded from {url} has checksum {checksum}, which does not match: {expected}"
+                ),
+            ));
+        }
+        let dir = self.opts.dir.join(h);
+        let path = dir.join(format!("{checksum}.wasm"));
+        let p = path.clone();
+        tokio::task::spawn_blocking(move || persist(module.file, &dir, &p))
+            .await
+            .map_err(|e| FetchError::new(FetchResult::FetchFailure, e.to_string()))?
+            .map_err(|e| {
+                FetchError::new(
+                    FetchResult::FetchFailure,
+                    format!("cannot write the Wasm module to {}: {e}", path.display()),
+                )
+            })?;
+        let mut inner = lock(&self.inner);
+        inner.modules.insert(
+            (h.to_owned(), checksum.clone()),
+            Entry {
+                path: path.clone(),
+                last_used: Instant::now(),
+                written: SystemTime::now(),
+            },
+        );
+        let ce = inner.checksums.entry(url.to_owned()).or_default();
+        ce.checksum = checksum;
+        ce.versions
+            .insert(o.resource_name.clone(), o.resource_version.clone());
+        self.metrics.cache_entries.set(inner.modules.len() as f64);
+        tracing::info!(url, file = %path.display(), "Wasm module fetched and cached");
+        Ok(path)
+    }
+
+    /// Pull secret first (Istio: present but empty is an error, raised by the converter),
+    /// then the docker config keychain.
+    async fn credentials(
+        &self,
+        r: &oci::Reference,
+        secret: Option<&[u8]>,
+    ) -> Result<Option<oci::Credentials>, FetchError> {
+        let bad = |m: String| FetchError::new(FetchResult::ManifestFailure, m);
+        if let Some(s) = secret {
+            return oci::credentials(s, &r.registry).map_err(|e| bad(format!("pull secret: {e}")));
+        }
+        let Some(path) = self.opts.docker_config.clone() else {
+            return Ok(None);
+        };
+        let data = match crate::fsio::read(path.clone(), 1024 * 1024, Duration::from_secs(5)).await
+        {
+            Ok(d) => d,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+            Err(e) => return Err(bad(format!("docker config {}: {e}", path.display()))),
+        };
+        oci::credentials(&data, &r.registry)
+            .map_err(|e| bad(format!("docker config {}: {e}", path.display())))
+    }
+
+    /// Removes modules unused for `WASM_MODULE_EXPIRY` (Istio `purge`).
+    pub async fn purge(&self) {
+        let now = Instant::now();
+        let expired: Vec<((String, String), PathBuf)> = {
+            let mut inner = lock(&self.inner);
+            let keys: Vec<_> = inner
+                .modules
+                .iter()
+                .filter(|(_, e)| now.duration_since(e.last_used) >= self.opts.expiry)
+                .map(|(k, e)| (k.clone(), e.path.clone()))
+                .collect();
+            for (k, _) in &keys {
+                inner.modules.remove(k);
+                let sum = &k.1;
+                inner.checksums.retain(|_, ce| &ce.checksum != sum);
+            }
+            self.metrics.cache_entries.set(inner.modules.len() as f64);
+            keys
+        };
+        if expired.is_empty() {
+            return;
+        }
+        let _ = tokio::task::spawn_blocking(move || {
+            for (_, p) in expired {
+                tracing::info!(file = %p.display(), "Wasm module expired; removed");
+                let _ = std::fs::remove_file(&p);
+                if let Some(d) = p.parent() {
+                    let _ = std::fs::remove_dir(d); // only when empty
+                }
+            }
+        })
+        .await;
+    }
+}
+
+fn persist(file: tempfile::NamedTempFile, dir: &Path, path: &Path) -> std::io::Result<()> {
+    use std::os::unix::fs::{DirBuilderExt as _, PermissionsExt as _};
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o755)
+        .create(dir)?;
+    std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o755))?;
+    // No fsync: the cache outlives container restarts (page cache kept), and a module torn
+    // by a node crash is rejected by `scan` or fails Envoy's load like a missing one.
+    std::fs::set_permissions(file.path(), std::fs::Permissions::from_mode(0o644))?;
+    file.persist(path).map_err(|e| e.error)?;
+    Ok(())
+}
+
+/// `(module dir, checksum, file, mtime)` of every `<hex>/<checksum>.wasm` under `dir`; the
+/// temp directory of interrupted downloads is emptied.
+fn scan(dir: &Path) -> Vec<(String, String, PathBuf, SystemTime)> {
+    let _ = std::fs::remove_dir_all(unpack::tmp_dir(dir));
+    let mut out = Vec::new();
+    let Ok(rd) = std::fs::read_dir(dir) else {
+        return out;
+    };
+    for d in rd.flatten() {
+        let name = d.file_name().to_string_lossy().into_owned();
+        if name.len() != 64 || !name.bytes().all(|b| b.is_ascii_hexdigit()) {
+            continue;
+        }
+        let Ok(files) = std::fs::read_dir(d.path()) else {
+            continue;
+        };
+        for f in files.flatten() {
+            let fname = f.file_name().to_string_lossy().into_owned();
+            let Some(sum) = fname.strip_suffix(".wasm") else {
+                continue;
+            };
+            if !starts_with_magic(&f.path()) {
+                let _ = std::fs::remove_file(f.path());
+                continue;
+            }
+            let mtime = f
+                .metadata()
+                .and_then(|m| m.modified())
+                .unwrap_or(SystemTime::UNIX_EPOCH);
+            out.push((name.clone(), sum.to_owned(), f.path(), mtime));
+        }
+    }
+    out
+}
+
+fn starts_with_magic(p: &Path) -> bool {
+    use std::io::Read as _;
+    let mut head = [0u8; 8];
+    std::fs::File::open(p)
+        .and_then(|mut f| f.read_exact(&mut head))
+        .is_ok()
+        && head.starts_with(unpack::WASM_MAGIC)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pull_policy_rules() {
+        assert_eq!(PullPolicy::parse("Always"), PullPolicy::Always);
+        assert_eq!(PullPolicy::parse("bogus"), PullPolicy::Unspecified);
+        assert!(ignore_resource_version(
+            PullPolicy::Unspecified,
+            "http://h/x.wasm"
+        ));
+        assert!(ignore_resource_version(
+            PullPolicy::Unspecified,
+            "oci://r.io/a:v1"
+        ));
+        assert!(!ignore_resource_version(
+            PullPolicy::Unspecified,
+            "oci://r.io/a:latest"
+        ));
+        assert!(ignore_resource_version(
+            PullPolicy::Unspecified,
+            "oci://r.io/a"
+        ));
+        assert!(ignore_resource_version(
+            PullPolicy::IfNotPresent,
+            "oci://r.io/a:latest"
+        ));
+        assert!(!ignore_resource_version(
+            PullPolicy::Always,
+            "http://h/x.wasm"
+        ));
+    }
+}

@@ -1,0 +1,497 @@
+//! The HTTP(S) client of Wasm fetches (module URLs, OCI registries, blob redirects, token
+//! realms). hyper's HTTP/1.1 connection API under a connector that resolves the host,
+//! refuses blocked addresses ([`Guard`]) and only then dials, so redirects and realms are
+//! guarded like the first request (Istio master `pkg/security/dial.go`; Go's transport
+//! gets the same effect from a `net.Dialer.Control` hook). TLS is rustls with the system
+//! roots plus the mesh root; hosts in `WASM_INSECURE_REGISTRIES` skip verification, as
+//! Istio's `InsecureSkipVerify` transport does.
+
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{HeaderMap, Method, Request, Response, StatusCode, Uri, header};
+use http_body_util::{BodyExt, Empty};
+use hyper::body::Incoming;
+use hyper_util::rt::TokioIo;
+use rustls::pki_types::pem::PemObject;
+use rustls::pki_types::{CertificateDer, ServerName};
+use tokio::time::Instant;
+
+use super::guard::{Guard, ResolveError};
+
+/// Redirects followed per request (Go's `http.Client` default).
+const MAX_REDIRECTS: usize = 10;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ClientError {
+    #[error("invalid URL {0:?}: {1}")]
+    Url(String, String),
+    #[error("{url}: {source}")]
+    Resolve {
+        url: String,
+        #[source]
+        source: ResolveError,
+    },
+    #[error("{url}: connect {addr}: {source}")]
+    Connect {
+        url: String,
+        addr: std::net::SocketAddr,
+        #[source]
+        source: std::io::Error,
+    },
+    /// TLS failed; `plain_http` when the server answered in plain HTTP (what Go reports as
+    /// "server gave HTTP response to HTTPS client").
+    #[error("{url}: TLS handshake: {reason}")]
+    Tls {
+        url: String,
+        reason: String,
+        plain_http: bool,
+    },
+    #[error("{url}: {reason}")]
+    Exchange { url: String, reason: String },
+    #[error("{url}: more than {MAX_REDIRECTS} redirects")]
+    Redirects { url: String },
+    #[error("{url}: timed out after {after:?}")]
+    Timeout { url: String, after: Duration },
+    #[error("{url}: response body exceeds the {max}-byte limit")]
+    TooLarge { url: String, max: u64 },
+    #[error("{url}: reading the body: {reason}")]
+    Body { url: String, reason: String },
+    #[error("writing the download: {0}")]
+    Write(#[source] std::io::Error),
+}
+
+impl ClientError {
+    /// Worth another attempt (Istio retries transport errors, not policy refusals).
+    pub fn transient(&self) -> bool {
+        !matches!(
+            self,
+            ClientError::Url(..)
+                | ClientError::Resolve {
+                    source: ResolveError::Guard(_),
+                    ..
+                }
+                | ClientError::TooLarge { .. }
+                | ClientError::Redirects { .. }
+                | ClientError::Write(_)
+        )
+    }
+}
+
+/// A response with the URL it finally came from (after redirects).
+pub struct Fetched {
+    pub url: Uri,
+    pub status: StatusCode,
+    pub headers: HeaderMap,
+    body: Incoming,
+    url_text: String,
+}
+
+#[derive(Clone)]
+pub struct Client {
+    guard: Arc<Guard>,
+    verified: Arc<rustls::ClientConfig>,
+    unverified: Arc<rustls::ClientConfig>,
+    insecure_hosts: Arc<Vec<String>>,
+    /// Per request (`WASM_HTTP_REQUEST_TIMEOUT`): connect and response head.
+    pub request_timeout: Duration,
+}
+
+impl Client {
+    /// `mesh_root`: the mesh CA bundle, added to the system roots when the file exists.
+    pub fn new(
+        guard: Guard,
+        insecure_hosts: Vec<String>,
+        request_timeout: Duration,
+        mesh_root: Option<&Path>,
+    ) -> Client {
+        let mut roots = rustls::RootCertStore::empty();
+        let files = crate::control_plane::SYSTEM_ROOT_PATHS
+            .iter()
+            .map(Path::new)
+            .filter(|p| p.is_file())
+            .take(1)
+            .chain(mesh_root.filter(|p| p.is_file()));
+        for f in files {
+            if let Ok(pem) = crate::fsio::read_bounded(f, 16 * 1024 * 1024) {
+                for der in CertificateDer::pem_slice_iter(&pem).flatten() {
+                    let _ = roots.add(der);
+                }
+            }
+        }
+        let provider = Arc::new(rustls::crypto::aws_lc_rs::default_provider());
+        let verified = rustls::ClientConfig::builder_with_provider(provider.clone())
+            .with_safe_default_protocol_versions()
+            .map(|b| b.with_root_certificates(roots).with_no_client_auth());
+        let unverified = rustls::ClientConfig::builder_with_provider(provider.clone())
+            .with_safe_default_protocol_versions()
+            .map(|b| {
+                b.dangerous()
+                    .with_custom_certificate_verifier(Arc::new(NoVerify(provider)))
+                    .with_no_client_auth()
+            });
+        // The provider supports the default versions; an error here is impossible in practice,
+        // and an empty config then only fails TLS connections.
+        let fallback = || {
+            rustls::ClientConfig::builder()
+                .with_root_certificates(rustls::RootCertStore::empty())
+                .with_no_client_auth()
+        };
+        Client {
+            guard: Arc::new(guard),
+            verified: Arc::new(verified.unwrap_or_else(|_| fallback())),
+            unverified: Arc::new(unverified.unwrap_or_else(|_| fallback())),
+            insecure_hosts: Arc::new(insecure_hosts),
+            request_timeout,
+        }
+    }
+
+    pub fn guard(&self) -> &Guard {
+        &self.guard
+    }
+
+    /// Whether `host` (no port) is in `WASM_INSECURE_REGISTRIES` (`*` = all).
+    pub fn insecure(&self, host: &str) -> bool {
+        self.insecure_hosts.iter().any(|h| {
+            h == "*" || h.eq_ignore_ascii_case(host) || {
+                // Entries may carry a port (`registry:5000`).
+                h.rsplit_once(':')
+                    .is_some_and(|(hh, _)| hh.eq_ignore_ascii_case(host))
+            }
+        })
+    }
+
+    /// GET `url`, following redirects (each hop through the guard). `auth` is sent only to
+    /// the original host, as Go's client drops `Authorization` on a cross-host redirect.
+    pub async fn get(
+        &self,
+        url: &str,
+        headers: &HeaderMap,
+        auth: Option<&str>,
+    ) -> Result<Fetched, ClientError> {
+        let mut uri: Uri = url
+            .parse()
+            .map_err(|e: http::uri::InvalidUri| ClientError::Url(url.into(), e.to_string()))?;
+        let first_authority = uri.authority().cloned();
+        for _ in 0..=MAX_REDIRECTS {
+            let same_host = uri.authority() == first_authority.as_ref();
+            let resp = self
+                .exchange(&uri, headers, auth.filter(|_| same_host))
+                .await?;
+            if resp.status().is_redirection()
+                && let Some(loc) = resp.headers().get(header::LOCATION)
+            {
+                let loc = loc.to_str().unwrap_or_default();
+                uri = resolve_location(&uri, loc)
+                    .ok_or_else(|| ClientError::Url(loc.to_owned(), "bad redirect".into()))?;
+                continue;
+            }
+            let (parts, body) = resp.into_parts();
+            return Ok(Fetched {
+                url_text: uri.to_string(),
+                url: uri,
+                status: parts.status,
+                headers: parts.headers,
+                body,
+            });
+        }
+        Err(ClientError::Redirects { url: url.into() })
+    }
+
+    async fn exchange(
+        &self,
+        uri: &Uri,
+        headers: &HeaderMap,
+        auth: Option<&str>,
+    ) -> Result<Response<Incoming>, ClientError> {
+        let text = uri.to_string();
+        let https = match uri.scheme_str() {
+            Some("https") => true,
+            Some("http") => false,
+            _ => {
+                return Err(ClientError::Url(
+                    text,
+                    "scheme must be http or https".into(),
+                ));
+            }
+        };
+        let Some(authority) = uri.authority() else {
+            return Err(ClientError::Url(text, "no host".into()));
+        };
+        let host = authority.host().to_owned();
+        let port = authority.port_u16().unwrap_or(if https { 443 } else { 80 });
+        let mut req = Request::builder()
+            .method(Method::GET)
+            .uri(uri.path_and_query().map(|p| p.as_str()).unwrap_or("/"))
+            .header(header::HOST, authority.as_str())
+            .header(header::USER_AGENT, "meshagent")
+            .body(Empty::<Bytes>::new())
+            .map_err(|e| ClientError::Url(text.clone(), e.to_string()))?;
+        for (k, v) in headers {
+            req.headers_mut().insert(k, v.clone());
+        }
+        if let Some(a) = auth
+            && let Ok(v) = a.parse()
+        {
+            req.headers_mut().insert(header::AUTHORIZATION, v);
+        }
+        let timeout = self.request_timeout;
+        let work =
+            async {
+                let addrs = self.guard.resolve(&host, port).await.map_err(|source| {
+                    ClientError::Resolve {
+                        url: text.clone(),
+                        source,
+                    }
+                })?;
+                let mut last = None;
+                let mut tcp = None;
+                for a in addrs {
+                    match tokio::net::TcpStream::connect(a).await {
+                        Ok(s) => {
+                            tcp = Some(s);
+                            break;
+                        }
+                        Err(e) => last = Some((a, e)),
+                    }
+                }
+                let tcp = match (tcp, last) {
+                    (Some(s), _) => s,
+                    (None, Some((addr, source))) => {
+                        return Err(ClientError::Connect {
+                            url: text.clone(),
+                            addr,
+                            source,
+                        });
+                    }
+                    (None, None) => unreachable_no_addr(&text)?,
+                };
+                let _ = tcp.set_nodelay(true);
+                let exchange_err = |e: hyper::Error| ClientError::Exchange {
+                    url: text.clone(),
+                    reason: chain(&e),
+                };
+                if https {
+                    let cfg = if self.insecure(host.trim_start_matches('[').trim_end_matches(']')) {
+                        self.unverified.clone()
+                    } else {
+                        self.verified.clone()
+                    };
+                    let name = ServerName::try_from(
+                        host.trim_start_matches('[')
+                            .trim_end_matches(']')
+                            .to_owned(),
+                    )
+                    .map_err(|e| ClientError::Url(text.clone(), e.to_string()))?;
+                    let tls = tokio_rustls::TlsConnector::from(cfg)
+                        .connect(name, tcp)
+                        .await
+                        .map_err(|e| {
+                            let reason = chain(&e);
+                            ClientError::Tls {
+                                url: text.clone(),
+                                plain_http: reason.contains("InvalidContentType")
+                                    || reason.contains("corrupt message"),
+                                reason,
+                            }
+                        })?;
+                    let (mut s, conn) = hyper::client::conn::http1::handshake(TokioIo::new(tls))
+                        .await
+                        .map_err(exchange_err)?;
+                    tokio::spawn(conn);
+                    s.send_request(req).await.map_err(exchange_err)
+                } else {
+                    let (mut s, conn) = hyper::client::conn::http1::handshake(TokioIo::new(tcp))
+                        .await
+                        .map_err(exchange_err)?;
+                    tokio::spawn(conn);
+                    s.send_request(req).await.map_err(exchange_err)
+                }
+            };
+        match tokio::time::timeout(timeout, work).await {
+            Ok(r) => r,
+            Err(_) => Err(ClientError::Timeout {
+                url: text,
+                after: timeout,
+            }),
+        }
+    }
+}
+
+fn unreachable_no_addr(url: &str) -> Result<tokio::net::TcpStream, ClientError> {
+    Err(ClientError::Exchange {
+        url: url.to_owned(),
+        reason: "no address to connect to".into(),
+    })
+}
+
+/// A `Location` value against the URL it came from (absolute, or an absolute path).
+fn resolve_location(base: &Uri, loc: &str) -> Option<Uri> {
+    if loc.starts_with("http://") || loc.starts_with("https://") {
+        return loc.parse().ok();
+    }
+    if loc.starts_with('/') {
+        let mut p = base.clone().into_parts();
+        p.path_and_query = Some(loc.parse().ok()?);
+        return Uri::from_parts(p).ok();
+    }
+    None
+}
+
+impl Fetched {
+    /// The body into `out`, failing (not truncating, unlike Istio's `io.LimitReader`) past
+    /// `max` bytes. Returns the byte count and the hex sha256 of the body. Hashing and
+    /// writing run on a blocking-pool thread fed through a small bounded channel, so the
+    /// reactor only receives frames (the download overlaps with the disk and the hash) and
+    /// memory stays at a few frames.
+    pub async fn to_file(
+        mut self,
+        out: std::fs::File,
+        max: u64,
+        deadline: Instant,
+    ) -> Result<(u64, String), ClientError> {
+        let (tx, mut rx) = tokio::sync::mpsc::channel::<Bytes>(2);
+        let writer = tokio::task::spawn_blocking(move || {
+            use std::io::Write as _;
+            let mut hash = aws_lc_rs::digest::Context::new(&aws_lc_rs::digest::SHA256);
+            let mut w = std::io::BufWriter::with_capacity(256 * 1024, out);
+            while let Some(b) = rx.blocking_recv() {
+                hash.update(&b);
+                w.write_all(&b)?;
+            }
+            w.flush()?;
+            Ok::<_, std::io::Error>(super::unpack::hex(hash.finish().as_ref()))
+        });
+        let mut n: u64 = 0;
+        let result = loop {
+            let frame = match tokio::time::timeout_at(deadline, self.body.frame()).await {
+                Err(_) => {
+                    break Err(ClientError::Timeout {
+                        url: self.url_text.clone(),
+                        after: Duration::ZERO,
+                    });
+                }
+                Ok(None) => break Ok(()),
+                Ok(Some(Err(e))) => {
+                    break Err(ClientError::Body {
+                        url: self.url_text.clone(),
+                        reason: chain(&e),
+                    });
+                }
+                Ok(Some(Ok(f))) => f,
+            };
+            let Ok(data) = frame.into_data() else {
+                continue;
+            };
+            n += data.len() as u64;
+            if n > max {
+                break Err(ClientError::TooLarge {
+                    url: self.url_text.clone(),
+                    max,
+                });
+            }
+            if tx.send(data).await.is_err() {
+                break Ok(()); // the writer failed; its error is reported below
+            }
+        };
+        drop(tx);
+        let written = writer
+            .await
+            .map_err(|e| ClientError::Write(std::io::Error::other(e)))?;
+        result?;
+        let sha = written.map_err(ClientError::Write)?;
+        Ok((n, sha))
+    }
+
+    /// A small body (manifests, tokens), an error past `max`.
+    pub async fn bytes(mut self, max: usize) -> Result<Vec<u8>, ClientError> {
+        let mut out = Vec::new();
+        while let Some(f) = self.body.frame().await {
+            let f = f.map_err(|e| ClientError::Body {
+                url: self.url_text.clone(),
+                reason: chain(&e),
+            })?;
+            if let Ok(d) = f.into_data() {
+                if out.len() + d.len() > max {
+                    return Err(ClientError::TooLarge {
+                        url: self.url_text,
+                        max: max as u64,
+                    });
+                }
+                out.extend_from_slice(&d);
+            }
+        }
+        Ok(out)
+    }
+
+    /// Reads and drops the body (so a retried connection is not left half-read).
+    pub async fn discard(self) {
+        let _ = self.bytes(64 * 1024).await;
+    }
+
+    pub fn url_text(&self) -> &str {
+        &self.url_text
+    }
+}
+
+fn chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut cur = e.source();
+    while let Some(c) = cur {
+        let next = c.to_string();
+        if !s.ends_with(&next) {
+            s.push_str(": ");
+            s.push_str(&next);
+        }
+        cur = c.source();
+    }
+    s
+}
+
+/// `WASM_INSECURE_REGISTRIES`: accept any certificate, still checking handshake signatures.
+#[derive(Debug)]
+struct NoVerify(Arc<rustls::crypto::CryptoProvider>);
+
+impl rustls::client::danger::ServerCertVerifier for NoVerify {
+    fn verify_server_cert(
+        &self,
+        _: &CertificateDer<'_>,
+        _: &[CertificateDer<'_>],
+        _: &ServerName<'_>,
+        _: &[u8],
+        _: rustls::pki_types::UnixTime,
+    ) -> Result<rustls::client::danger::ServerCertVerified, rustls::Error> {
+        Ok(rustls::client::danger::ServerCertVerified::assertion())
+    }
+    fn verify_tls12_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &rustls::DigitallySignedStruct,
+    ) -> Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
+        rustls::crypto::verify_tls12_signature(
+            message,
+            cert,
+            dss,
+            &self.0.signature_verification_algorithms,
+        )
+    }
+    fn verify_tls13_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &rustls::DigitallySignedStruct,
+    ) -> Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
+        rustls::crypto::verify_tls13_signature(
+            message,
+            cert,
+            dss,
+            &self.0.signature_verification_algorithms,
+        )
+    }
+    fn supported_verify_schemes(&self) -> Vec<rustls::SignatureScheme> {
+        self.0.signature_verification_algorithms.supported_schemes()
+    }
+}

@@ -1,0 +1,575 @@
+//! OCI registry pulls (Istio `pkg/wasm/imagefetcher.go`, which uses go-containerregistry):
+//! the distribution API (`/v2/<repo>/manifests/<ref>`, `/v2/<repo>/blobs/<digest>`) with
+//! anonymous, Basic or Bearer-token auth, over the guarded [`Client`] so that the registry,
+//! blob redirects (S3/CDN) and token realms are all checked at dial time. The checksum of
+//! an image is its **manifest digest**. Layouts, tried in Istio's order: Docker schema2
+//! (last layer a gzip tar; its first file is the module), OCI "compat" (last layer an OCI
+//! gzip tar holding `plugin.wasm`), OCI artifact (two layers, one of them the raw module).
+//!
+//! Written on the agent's own client rather than an OCI client crate: the crates available
+//! (oci-client / oci-distribution) own their reqwest connection pool, so the dial-time SSRF
+//! check (resolved address, every redirect and realm) could not be applied.
+
+use std::path::Path;
+
+use base64::Engine as _;
+use http::{HeaderMap, HeaderValue, StatusCode, header};
+use tokio::time::Instant;
+
+use super::client::{Client, ClientError};
+use super::fetch::{self, FetchError, FetchResult, Limits, download_err};
+use super::guard;
+use super::unpack::{self, Module, TarMember};
+
+pub const DOCKER_MANIFEST: &str = "application/vnd.docker.distribution.manifest.v2+json";
+pub const OCI_MANIFEST: &str = "application/vnd.oci.image.manifest.v1+json";
+pub const DOCKER_LAYER: &str = "application/vnd.docker.image.rootfs.diff.tar.gzip";
+pub const OCI_LAYER: &str = "application/vnd.oci.image.layer.v1.tar+gzip";
+pub const WASM_LAYER: &str = "application/vnd.module.wasm.content.layer.v1+wasm";
+const MAX_MANIFEST: usize = 4 * 1024 * 1024;
+
+/// A parsed `oci://` reference, normalised as go-containerregistry's `name.ParseReference`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Reference {
+    /// `host[:port]`; Docker Hub is `index.docker.io`.
+    pub registry: String,
+    pub repository: String,
+    /// Tag (default `latest`) or `sha256:<hex>`.
+    pub reference: String,
+    pub is_digest: bool,
+}
+
+impl Reference {
+    pub fn parse(url: &str) -> Result<Reference, String> {
+        let rest = url
+            .strip_prefix("oci://")
+            .ok_or_else(|| format!("{url:?} is not an oci:// URL"))?;
+        let (name, reference, is_digest) = match rest.split_once('@') {
+            Some((n, d)) => {
+                let hex = d
+                    .strip_prefix("sha256:")
+                    .ok_or_else(|| format!("{url:?}: only sha256 digests are supported"))?;
+                if hex.len() != 64 || !hex.bytes().all(|b| b.is_ascii_hexdigit()) {
+                    return Err(format!("{url:?}: invalid digest"));
+                }
+                (n, d.to_ascii_lowercase(), true)
+            }
+            None => {
+                let slash = rest.rfind('/').map(|i| i + 1).unwrap_or(0);
+                match rest[slash..].rfind(':') {
+                    Some(i) => (&rest[..slash + i], rest[slash + i + 1..].to_owned(), false),
+                    None => (rest, "latest".to_owned(), false),
+                }
+            }
+        };
+        let (first, path) = name.split_once('/').unwrap_or(("", name));
+        let (registry, repository) =
+            if first.contains('.') || first.contains(':') || first == "localhost" {
+                (first.to_owned(), path.to_owned())
+            } else {
+                let repo = if name.contains('/') {
+                    name.to_owned()
+                } else {
+                    format!("library/{name}")
+                };
+                ("index.docker.io".to_owned(), repo)
+            };
+        let registry = if registry == "docker.io" {
+            "index.docker.io".to_owned()
+        } else {
+            registry
+        };
+        if repository.is_empty()
+            || reference.is_empty()
+            || !repository
+                .bytes()
+                .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b"._-/".contains(&b))
+        {
+            return Err(format!("{url:?}: invalid repository or tag"));
+        }
+        Ok(Reference {
+            registry,
+            repository,
+            reference,
+            is_digest,
+        })
+    }
+
+    /// The cache's module name: `oci://<registry>/<repository>` (tag and digest stripped).
+    pub fn module_name(&self) -> String {
+        format!("oci://{}/{}", self.registry, self.repository)
+    }
+
+    fn host(&self) -> &str {
+        let r = self.registry.as_str();
+        if let Some(rest) = r.strip_prefix('[') {
+            return rest.split(']').next().unwrap_or(rest);
+        }
+        r.rsplit_once(':').map(|(h, _)| h).unwrap_or(r)
+    }
+
+    /// go-containerregistry `Registry.Scheme`: plain HTTP for insecure registries,
+    /// `localhost:`, loopback and RFC 1918 addresses; HTTPS otherwise.
+    fn plain_http_by_default(&self, client: &Client) -> bool {
+        let h = self.host();
+        client.insecure(h)
+            || self.registry.starts_with("localhost:")
+            || h.parse::<std::net::IpAddr>()
+                .map(|ip| match ip {
+                    std::net::IpAddr::V4(v4) => v4.is_loopback() || v4.is_private(),
+                    std::net::IpAddr::V6(v6) => v6.is_loopback(),
+                })
+                .unwrap_or(false)
+    }
+}
+
+/// Registry credentials from a docker config (pull secret or keychain).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Credentials {
+    pub username: String,
+    pub password: String,
+}
+
+/// Looks `registry` up in a docker `config.json` (`{"auths": {host: {"auth": b64(user:pass)}
+/// | {"username", "password"}}}`); keys may carry a scheme and path, Docker Hub's is
+/// `https://index.docker.io/v1/`.
+pub fn credentials(config_json: &[u8], registry: &str) -> Result<Option<Credentials>, String> {
+    let v: serde_json::Value = serde_json::from_slice(config_json)
+        .map_err(|e| format!("invalid docker config JSON: {e}"))?;
+    let auths = v
+        .get("auths")
+        .and_then(|a| a.as_object())
+        .cloned()
+        .unwrap_or_default();
+    let norm = |k: &str| {
+        let k = k
+            .trim_start_matches("https://")
+            .trim_start_matches("http://");
+        let k = k.split('/').next().unwrap_or(k);
+        if k == "docker.io" || k == "registry-1.docker.io" {
+            "index.docker.io".to_owned()
+        } else {
+            k.to_owned()
+        }
+    };
+    for (k, e) in auths {
+        if norm(&k) != registry {
+            continue;
+        }
+        if let Some(a) = e.get("auth").and_then(|a| a.as_str()) {
+            let raw = base64::engine::general_purpose::STANDARD
+                .decode(a)
+                .map_err(|e| format!("docker config auth for {k}: {e}"))?;
+            let s = String::from_utf8_lossy(&raw);
+            let (u, p) = s.split_once(':').unwrap_or((&s, ""));
+            return Ok(Some(Credentials {
+                username: u.to_owned(),
+                password: p.to_owned(),
+            }));
+        }
+        let get = |f: &str| e.get(f).and_then(|x| x.as_str()).unwrap_or("").to_owned();
+        return Ok(Some(Credentials {
+            username: get("username"),
+            password: get("password"),
+        }));
+    }
+    Ok(None)
+}
+
+/// A pulled image: the module and the manifest digest (hex, the cache checksum).
+pub struct Image {
+    pub module: Module,
+    pub digest: String,
+}
+
+struct Session<'a> {
+    client: &'a Client,
+    base: String,
+    reference: &'a Reference,
+    creds: Option<Credentials>,
+    auth: Option<String>,
+}
+
+pub async fn pull(
+    client: &Client,
+    r: &Reference,
+    creds: Option<Credentials>,
+    limits: &Limits,
+    tmp_dir: &Path,
+    deadline: Instant,
+) -> Result<Image, FetchError> {
+    let work = async {
+        // go-containerregistry's ping: HTTPS first; plain HTTP after it for the registries
+        // `Registry.Scheme` calls "http" (insecure, localhost, loopback, RFC 1918). Istio
+        // (`imagefetcher.go` `PrepareFetch`) also retries with `name.Insecure` when a TLS
+        // registry "gave HTTP response", which ends in the same plain-HTTP attempt.
+        let mut schemes = vec!["https"];
+        if r.plain_http_by_default(client) {
+            schemes.push("http");
+        }
+        let mut s = Session {
+            client,
+            base: String::new(),
+            reference: r,
+            creds,
+            auth: None,
+        };
+        let mut i = 0;
+        let manifest = loop {
+            s.base = format!("{}://{}", schemes[i], r.registry);
+            match s.manifest().await {
+                Ok(m) => break m,
+                Err(Failure::Client(ClientError::Tls {
+                    plain_http: true, ..
+                })) if !schemes.contains(&"http") => schemes.push("http"),
+                Err(Failure::Client(
+                    ClientError::Tls { .. }
+                    | ClientError::Connect { .. }
+                    | ClientError::Exchange { .. },
+                )) if i + 1 < schemes.len() => {}
+                Err(e) => return Err(e.into_fetch(FetchResult::ManifestFailure)),
+            }
+            i += 1;
+        };
+        s.image(manifest, limits, tmp_dir, deadline).await
+    };
+    match tokio::time::timeout_at(deadline, work).await {
+        Ok(r) => r,
+        Err(_) => Err(FetchError::new(
+            FetchResult::DownloadFailure,
+            format!("{}: timed out", r.module_name()),
+        )),
+    }
+}
+
+enum Failure {
+    Client(ClientError),
+    Other(String),
+}
+
+impl Failure {
+    fn into_fetch(self, result: FetchResult) -> FetchError {
+        match self {
+            Failure::Client(e) => FetchError::new(result, e.to_string()),
+            Failure::Other(m) => FetchError::new(result, m),
+        }
+    }
+}
+
+impl From<ClientError> for Failure {
+    fn from(e: ClientError) -> Failure {
+        Failure::Client(e)
+    }
+}
+
+impl Session<'_> {
+    /// GET with the session's auth; on a 401, authenticate once as the challenge says.
+    async fn get(
+        &mut self,
+        path: &str,
+        headers: &HeaderMap,
+    ) -> Result<super::client::Fetched, Failure> {
+        let url = format!("{}{path}", self.base);
+        let resp = self.client.get(&url, headers, self.auth.as_deref()).await?;
+        if resp.status != StatusCode::UNAUTHORIZED {
+            return Ok(resp);
+        }
+        let challenges: Vec<String> = resp
+            .headers
+            .get_all(header::WWW_AUTHENTICATE)
+            .iter()
+            .filter_map(|v| v.to_str().ok().map(str::to_owned))
+            .collect();
+        resp.discard().await;
+        // Istio `ssrfProtectionTransport`: every realm of every challenge is checked before
+        // any is used.
+        for c in &challenges {
+            for realm in params(c, "realm") {
+                guard::check_realm(&realm, &self.reference.registry)
+                    .map_err(|e| Failure::Other(e.to_string()))?;
+            }
+        }
+        let Some(c) = challenges.first() else {
+            return Err(Failure::Other(format!(
+                "{url}: 401 without WWW-Authenticate"
+            )));
+        };
+        let scheme = c
+            .split_whitespace()
+            .next()
+            .unwrap_or("")
+            .to_ascii_lowercase();
+        self.auth = Some(match scheme.as_str() {
+            "bearer" => format!("Bearer {}", self.token(c).await?),
+            "basic" => match &self.creds {
+                Some(cr) => basic(cr),
+                None => {
+                    return Err(Failure::Other(format!(
+                        "{url}: registry requires credentials"
+                    )));
+                }
+            },
+            _ => {
+                return Err(Failure::Other(format!(
+                    "{url}: unsupported auth scheme {scheme:?}"
+                )));
+            }
+        });
+        let resp = self.client.get(&url, headers, self.auth.as_deref()).await?;
+        if resp.status == StatusCode::UNAUTHORIZED {
+            resp.discard().await;
+            return Err(Failure::Other(format!("{url}: unauthorized")));
+        }
+        Ok(resp)
+    }
+
+    /// The registry token flow (distribution `token` spec): GET realm?service&scope, Basic
+    /// credentials if any; the answer's `token` or `access_token`.
+    async fn token(&self, challenge: &str) -> Result<String, Failure> {
+        let realm = params(challenge, "realm")
+            .into_iter()
+            .next()
+            .unwrap_or_default();
+        let service = params(challenge, "service").into_iter().next();
+        let scope = params(challenge, "scope")
+            .into_iter()
+            .next()
+            .unwrap_or_else(|| format!("repository:{}:pull", self.reference.repository));
+        let mut url = realm.clone();
+        url.push(if realm.contains('?') { '&' } else { '?' });
+        if let Some(s) = service {
+            url.push_str(&format!("service={}&", encode(&s)));
+        }
+        url.push_str(&format!("scope={}", encode(&scope)));
+        let auth = self.creds.as_ref().map(basic);
+        let resp = self
+            .client
+            .get(&url, &HeaderMap::new(), auth.as_deref())
+            .await?;
+        if resp.status != StatusCode::OK {
+            let st = resp.status;
+            resp.discard().await;
+            return Err(Failure::Other(format!(
+                "token endpoint {realm}: status {st}"
+            )));
+        }
+        let body = resp.bytes(1024 * 1024).await?;
+        let v: serde_json::Value = serde_json::from_slice(&body)
+            .map_err(|e| Failure::Other(format!("token endpoint {realm}: {e}")))?;
+        v.get("token")
+            .or_else(|| v.get("access_token"))
+            .and_then(|t| t.as_str())
+            .map(str::to_owned)
+            .ok_or_else(|| Failure::Other(format!("token endpoint {realm}: no token")))
+    }
+
+    async fn manifest(&mut self) -> Result<(Vec<u8>, String), Failure> {
+        let mut h = HeaderMap::new();
+        h.insert(
+            header::ACCEPT,
+            HeaderValue::from_static(
+                "application/vnd.docker.distribution.manifest.v2+json, application/vnd.oci.image.manifest.v1+json",
+            ),
+        );
+        let path = format!(
+            "/v2/{}/manifests/{}",
+            self.reference.repository, self.reference.reference
+        );
+        let resp = self.get(&path, &h).await?;
+        if resp.status != StatusCode::OK {
+            let st = resp.status;
+            let u = resp.url_text().to_owned();
+            resp.discard().await;
+            return Err(Failure::Other(format!("{u}: status {st}")));
+        }
+        let ct = resp
+            .headers
+            .get(header::CONTENT_TYPE)
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or("")
+            .to_owned();
+        Ok((resp.bytes(MAX_MANIFEST).await?, ct))
+    }
+
+    async fn image(
+        &mut self,
+        (bytes, content_type): (Vec<u8>, String),
+        limits: &Limits,
+        tmp_dir: &Path,
+        deadline: Instant,
+    ) -> Result<Image, FetchError> {
+        let manifest_err = |m: String| FetchError::new(FetchResult::ManifestFailure, m);
+        let digest = unpack::sha256_hex(&bytes);
+        if self.reference.is_digest && self.reference.reference != format!("sha256:{digest}") {
+            return Err(manifest_err(format!(
+                "manifest digest sha256:{digest} does not match {}",
+                self.reference.reference
+            )));
+        }
+        let m: serde_json::Value = serde_json::from_slice(&bytes)
+            .map_err(|e| manifest_err(format!("invalid manifest: {e}")))?;
+        let media_type = m
+            .get("mediaType")
+            .and_then(|v| v.as_str())
+            .map(str::to_owned)
+            .unwrap_or(content_type);
+        let layers: Vec<(String, String)> = m
+            .get("layers")
+            .and_then(|l| l.as_array())
+            .map(|a| {
+                a.iter()
+                    .map(|l| {
+                        let f = |k| l.get(k).and_then(|v| v.as_str()).unwrap_or("").to_owned();
+                        (f("mediaType"), f("digest"))
+                    })
+                    .collect()
+            })
+            .unwrap_or_default();
+        let last = layers.last().cloned();
+        let (layer_digest, member) = match last {
+            Some((mt, d)) if media_type == DOCKER_MANIFEST && mt == DOCKER_LAYER => {
+                (d, TarMember::First)
+            }
+            Some((mt, d)) if mt == OCI_LAYER => (d, TarMember::PluginWasm),
+            _ if layers.len() == 2 && layers.iter().any(|(mt, _)| mt == WASM_LAYER) => {
+                let (_, d) = layers
+                    .iter()
+                    .find(|(mt, _)| mt == WASM_LAYER)
+                    .cloned()
+                    .unwrap_or_default();
+                (d, TarMember::First)
+            }
+            _ => {
+                return Err(manifest_err(format!(
+                    "{}: the image is not a Wasm image (Docker schema2, OCI compat or OCI artifact layout)",
+                    self.reference.module_name()
+                )));
+            }
+        };
+        let Some(want) = layer_digest.strip_prefix("sha256:").map(str::to_owned) else {
+            return Err(manifest_err(format!(
+                "unsupported layer digest {layer_digest:?}"
+            )));
+        };
+        let path = format!("/v2/{}/blobs/{layer_digest}", self.reference.repository);
+        let resp = self
+            .get(&path, &HeaderMap::new())
+            .await
+            .map_err(|e| e.into_fetch(FetchResult::DownloadFailure))?;
+        if resp.status != StatusCode::OK {
+            let msg = format!("{}: status {}", resp.url_text(), resp.status);
+            resp.discard().await;
+            return Err(FetchError::new(FetchResult::DownloadFailure, msg));
+        }
+        let (file, got) = fetch::body_to_temp(resp, tmp_dir, limits.max_bytes, deadline)
+            .await
+            .map_err(download_err)?;
+        if got != want {
+            return Err(FetchError::new(
+                FetchResult::DownloadFailure,
+                format!("layer {layer_digest}: content has digest sha256:{got}"),
+            ));
+        }
+        let module =
+            fetch::unpack_blocking(file, Some(got), tmp_dir, limits.max_bytes, member).await?;
+        Ok(Image { module, digest })
+    }
+}
+
+fn basic(c: &Credentials) -> String {
+    format!(
+        "Basic {}",
+        base64::engine::general_purpose::STANDARD.encode(format!("{}:{}", c.username, c.password))
+    )
+}
+
+/// Values of `key="…"` (or unquoted) parameters in an auth challenge.
+fn params(challenge: &str, key: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    let lower = challenge.to_ascii_lowercase();
+    let pat = format!("{key}=");
+    let mut from = 0;
+    while let Some(i) = lower[from..].find(&pat) {
+        let start = from + i;
+        // Only at a parameter boundary (not e.g. `xrealm=`).
+        let ok = start == 0 || matches!(lower.as_bytes()[start - 1], b' ' | b',' | b'\t');
+        let vstart = start + pat.len();
+        let rest = &challenge[vstart..];
+        let (v, used) = if let Some(q) = rest.strip_prefix('"') {
+            let end = q.find('"').unwrap_or(q.len());
+            (q[..end].to_owned(), end + 2)
+        } else {
+            let end = rest.find(',').unwrap_or(rest.len());
+            (rest[..end].trim().to_owned(), end)
+        };
+        if ok {
+            out.push(v);
+        }
+        from = (vstart + used).min(challenge.len());
+    }
+    out
+}
+
+fn encode(s: &str) -> String {
+    s.bytes()
+        .map(|b| {
+            if b.is_ascii_alphanumeric() || b"-_.~".contains(&b) {
+                (b as char).to_string()
+            } else {
+                format!("%{b:02X}")
+            }
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn references_normalise_as_go_containerregistry() {
+        let r = Reference::parse("oci://127.0.0.1:5000/wasm/hdr:v1").unwrap();
+        assert_eq!(
+            (
+                r.registry.as_str(),
+                r.repository.as_str(),
+                r.reference.as_str()
+            ),
+            ("127.0.0.1:5000", "wasm/hdr", "v1")
+        );
+        assert_eq!(r.module_name(), "oci://127.0.0.1:5000/wasm/hdr");
+        let r = Reference::parse("oci://plugin").unwrap();
+        assert_eq!(r.module_name(), "oci://index.docker.io/library/plugin");
+        assert_eq!(r.reference, "latest");
+        let d = format!("sha256:{}", "a".repeat(64));
+        let r = Reference::parse(&format!("oci://ghcr.io/o/p@{d}")).unwrap();
+        assert!(r.is_digest);
+        assert_eq!(r.reference, d);
+        assert!(Reference::parse("oci://ghcr.io/o/p@sha256:zz").is_err());
+        assert!(Reference::parse("http://x/y").is_err());
+    }
+
+    #[test]
+    fn challenge_params_and_keychain() {
+        let c = r#"Bearer realm="https://auth.example/token",service="registry.example",scope="repository:a:pull""#;
+        assert_eq!(params(c, "realm"), vec!["https://auth.example/token"]);
+        assert_eq!(params(c, "service"), vec!["registry.example"]);
+        let cfg = br#"{"auths":{"https://index.docker.io/v1/":{"auth":"dTpw"},"r.example:5000":{"username":"a","password":"b"}}}"#;
+        assert_eq!(
+            credentials(cfg, "index.docker.io")
+                .unwrap()
+                .unwrap()
+                .username,
+            "u"
+        );
+        assert_eq!(
+            credentials(cfg, "r.example:5000")
+                .unwrap()
+                .unwrap()
+                .password,
+            "b"
+        );
+        assert_eq!(credentials(cfg, "other").unwrap(), None);
+        assert!(credentials(b"{", "x").is_err());
+    }
+}
