@@ -51,6 +51,7 @@ pub enum AppError {
     Metrics(#[from] crate::metrics::MetricsError),
     #[error(transparent)]
     GrpcBootstrap(#[from] crate::grpcxds::GrpcXdsError),
+    #[error(transparent)]
     Wasm(#[from] crate::wasm::WasmError),
 }
 
