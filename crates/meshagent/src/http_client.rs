@@ -121,17 +121,17 @@ pub async fn send(call: &Call<'_>) -> Result<Response, HttpError> {
             .map_err(HttpErrorKind::Connect)?;
         let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(tcp))
             .await
-            .map_err(|e| HttpErrorKind::Exchange(chain(&e)))?;
+            .map_err(|e| HttpErrorKind::Exchange(error_chain(&e)))?;
         // The connection task ends with the exchange (or when the response is dropped).
         tokio::spawn(async move {
             if let Err(e) = conn.await {
-                tracing::trace!(error = %chain(&e), "HTTP client connection ended");
+                tracing::trace!(error = %error_chain(&e), "HTTP client connection ended");
             }
         });
         sender
             .send_request(req)
             .await
-            .map_err(|e| HttpErrorKind::Exchange(chain(&e)))
+            .map_err(|e| HttpErrorKind::Exchange(error_chain(&e)))
     };
     let resp = match tokio::time::timeout_at(deadline, exchange).await {
         Err(_) => return Err(call.error(HttpErrorKind::Timeout(timeout))),
@@ -215,7 +215,7 @@ impl Response {
                 Ok(Some(Err(e))) => {
                     return Err(self.fail(HttpErrorKind::Body {
                         received,
-                        reason: chain(&e),
+                        reason: error_chain(&e),
                     }));
                 }
                 Ok(Some(Ok(f))) => f,
@@ -240,7 +240,7 @@ impl Response {
 
 /// An error and its causes, "outer: inner: …" (hyper's own message names only the stage,
 /// e.g. "error reading a body from connection", and puts the reason in its source).
-fn chain(e: &dyn std::error::Error) -> String {
+pub(crate) fn error_chain(e: &dyn std::error::Error) -> String {
     let mut s = e.to_string();
     let mut cur = e.source();
     while let Some(c) = cur {
@@ -373,5 +373,53 @@ mod tests {
         let call = Call::new(Method::GET, addr, "/", Duration::from_millis(200));
         let e = send(&call).await.unwrap_err();
         assert!(matches!(e.kind, HttpErrorKind::Timeout(_)), "{e}");
+    }
+}
+
+/// A server certificate verifier that accepts any certificate but still checks the handshake
+/// signatures against it, as Go's `InsecureSkipVerify` does: HTTPS app probes (kubelet does not
+/// verify) and `WASM_INSECURE_REGISTRIES`.
+#[derive(Debug)]
+pub(crate) struct AcceptAnyCert(pub std::sync::Arc<rustls::crypto::CryptoProvider>);
+
+impl rustls::client::danger::ServerCertVerifier for AcceptAnyCert {
+    fn verify_server_cert(
+        &self,
+        _: &rustls::pki_types::CertificateDer<'_>,
+        _: &[rustls::pki_types::CertificateDer<'_>],
+        _: &rustls::pki_types::ServerName<'_>,
+        _: &[u8],
+        _: rustls::pki_types::UnixTime,
+    ) -> Result<rustls::client::danger::ServerCertVerified, rustls::Error> {
+        Ok(rustls::client::danger::ServerCertVerified::assertion())
+    }
+    fn verify_tls12_signature(
+        &self,
+        message: &[u8],
+        cert: &rustls::pki_types::CertificateDer<'_>,
+        dss: &rustls::DigitallySignedStruct,
+    ) -> Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
+        rustls::crypto::verify_tls12_signature(
+            message,
+            cert,
+            dss,
+            &self.0.signature_verification_algorithms,
+        )
+    }
+    fn verify_tls13_signature(
+        &self,
+        message: &[u8],
+        cert: &rustls::pki_types::CertificateDer<'_>,
+        dss: &rustls::DigitallySignedStruct,
+    ) -> Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
+        rustls::crypto::verify_tls13_signature(
+            message,
+            cert,
+            dss,
+            &self.0.signature_verification_algorithms,
+        )
+    }
+    fn supported_verify_schemes(&self) -> Vec<rustls::SignatureScheme> {
+        self.0.signature_verification_algorithms.supported_schemes()
     }
 }

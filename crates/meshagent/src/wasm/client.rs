@@ -129,7 +129,9 @@ impl Client {
             .with_safe_default_protocol_versions()
             .map(|b| {
                 b.dangerous()
-                    .with_custom_certificate_verifier(Arc::new(NoVerify(provider)))
+                    .with_custom_certificate_verifier(Arc::new(crate::http_client::AcceptAnyCert(
+                        provider,
+                    )))
                     .with_no_client_auth()
             });
         // The provider supports the default versions; an error here is impossible in practice,
@@ -271,7 +273,7 @@ impl Client {
                 let _ = tcp.set_nodelay(true);
                 let exchange_err = |e: hyper::Error| ClientError::Exchange {
                     url: text.clone(),
-                    reason: chain(&e),
+                    reason: crate::http_client::error_chain(&e),
                 };
                 if https {
                     let cfg = if self.insecure(host.trim_start_matches('[').trim_end_matches(']')) {
@@ -289,7 +291,7 @@ impl Client {
                         .connect(name, tcp)
                         .await
                         .map_err(|e| {
-                            let reason = chain(&e);
+                            let reason = crate::http_client::error_chain(&e);
                             ClientError::Tls {
                                 url: text.clone(),
                                 plain_http: reason.contains("InvalidContentType")
@@ -377,7 +379,7 @@ impl Fetched {
                 Ok(Some(Err(e))) => {
                     break Err(ClientError::Body {
                         url: self.url_text.clone(),
-                        reason: chain(&e),
+                        reason: crate::http_client::error_chain(&e),
                     });
                 }
                 Ok(Some(Ok(f))) => f,
@@ -411,7 +413,7 @@ impl Fetched {
         while let Some(f) = self.body.frame().await {
             let f = f.map_err(|e| ClientError::Body {
                 url: self.url_text.clone(),
-                reason: chain(&e),
+                reason: crate::http_client::error_chain(&e),
             })?;
             if let Ok(d) = f.into_data() {
                 if out.len() + d.len() > max {
@@ -433,65 +435,5 @@ impl Fetched {
 
     pub fn url_text(&self) -> &str {
         &self.url_text
-    }
-}
-
-fn chain(e: &dyn std::error::Error) -> String {
-    let mut s = e.to_string();
-    let mut cur = e.source();
-    while let Some(c) = cur {
-        let next = c.to_string();
-        if !s.ends_with(&next) {
-            s.push_str(": ");
-            s.push_str(&next);
-        }
-        cur = c.source();
-    }
-    s
-}
-
-/// `WASM_INSECURE_REGISTRIES`: accept any certificate, still checking handshake signatures.
-#[derive(Debug)]
-struct NoVerify(Arc<rustls::crypto::CryptoProvider>);
-
-impl rustls::client::danger::ServerCertVerifier for NoVerify {
-    fn verify_server_cert(
-        &self,
-        _: &CertificateDer<'_>,
-        _: &[CertificateDer<'_>],
-        _: &ServerName<'_>,
-        _: &[u8],
-        _: rustls::pki_types::UnixTime,
-    ) -> Result<rustls::client::danger::ServerCertVerified, rustls::Error> {
-        Ok(rustls::client::danger::ServerCertVerified::assertion())
-    }
-    fn verify_tls12_signature(
-        &self,
-        message: &[u8],
-        cert: &CertificateDer<'_>,
-        dss: &rustls::DigitallySignedStruct,
-    ) -> Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
-        rustls::crypto::verify_tls12_signature(
-            message,
-            cert,
-            dss,
-            &self.0.signature_verification_algorithms,
-        )
-    }
-    fn verify_tls13_signature(
-        &self,
-        message: &[u8],
-        cert: &CertificateDer<'_>,
-        dss: &rustls::DigitallySignedStruct,
-    ) -> Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
-        rustls::crypto::verify_tls13_signature(
-            message,
-            cert,
-            dss,
-            &self.0.signature_verification_algorithms,
-        )
-    }
-    fn supported_verify_schemes(&self) -> Vec<rustls::SignatureScheme> {
-        self.0.signature_verification_algorithms.supported_schemes()
     }
 }
