@@ -108,6 +108,9 @@ fn strs(a: &[&str]) -> Vec<String> {
     a.iter().map(|s| (*s).to_owned()).collect()
 }
 
+/// One of [`Builder::append_v4`] / [`Builder::append_v6`], to walk both families alike.
+type AppendFamily = fn(&mut Builder, Table, &str, &[&str]);
+
 impl Builder {
     fn push(&mut self, v4: bool, v6: bool, table: Table, chain: &str, op: Op, args: Vec<String>) {
         let rule = Rule {
@@ -823,43 +826,31 @@ fn setup_dns(b: &mut Builder, cfg: &Config, group_filter: Option<&[String]>) {
             &["-p", "udp", "--sport", "53", "-j", "CT", "--zone", "1"],
         );
     } else {
-        if !v4s.is_empty() {
-            b.append_v4(Raw, "PREROUTING", &["-j", ISTIO_INBOUND]);
-        }
-        for s in &v4s {
-            b.append_v4(
-                Raw,
-                ISTIO_OUTPUT_DNS,
-                &[
-                    "-p", "udp", "--dport", "53", "-d", s, "-j", "CT", "--zone", "2",
-                ],
-            );
-            b.append_v4(
-                Raw,
-                ISTIO_INBOUND,
-                &[
-                    "-p", "udp", "--sport", "53", "-s", s, "-j", "CT", "--zone", "1",
-                ],
-            );
-        }
-        if !v6s.is_empty() {
-            b.append_v6(Raw, "PREROUTING", &["-j", ISTIO_INBOUND]);
-        }
-        for s in &v6s {
-            b.append_v6(
-                Raw,
-                ISTIO_OUTPUT_DNS,
-                &[
-                    "-p", "udp", "--dport", "53", "-d", s, "-j", "CT", "--zone", "2",
-                ],
-            );
-            b.append_v6(
-                Raw,
-                ISTIO_INBOUND,
-                &[
-                    "-p", "udp", "--sport", "53", "-s", s, "-j", "CT", "--zone", "1",
-                ],
-            );
+        // Per family: its servers only, and PREROUTING → ISTIO_INBOUND only if it has any.
+        let families: [(&[String], AppendFamily); 2] =
+            [(&v4s, Builder::append_v4), (&v6s, Builder::append_v6)];
+        for (servers, append) in families {
+            if !servers.is_empty() {
+                append(b, Raw, "PREROUTING", &["-j", ISTIO_INBOUND]);
+            }
+            for s in servers {
+                append(
+                    b,
+                    Raw,
+                    ISTIO_OUTPUT_DNS,
+                    &[
+                        "-p", "udp", "--dport", "53", "-d", s, "-j", "CT", "--zone", "2",
+                    ],
+                );
+                append(
+                    b,
+                    Raw,
+                    ISTIO_INBOUND,
+                    &[
+                        "-p", "udp", "--sport", "53", "-s", s, "-j", "CT", "--zone", "1",
+                    ],
+                );
+            }
         }
     }
 }
