@@ -92,15 +92,13 @@ async fn envoy_gets_config(delta: bool) {
 
     // A mesh edit is pushed and reaches Envoy.
     dp.write_mesh(&TwoWorkloads::new().yaml(true));
-    wait_for("the pushed cluster for service c", DEADLINE, || async {
-        envoy
-            .clusters()
-            .await
-            .iter()
-            .any(|n| n == "outbound|8080||c.default.svc.cluster.local")
-            .then_some(())
-    })
-    .await;
+    envoy
+        .wait_for_cluster(
+            "the pushed cluster for service c",
+            DEADLINE,
+            "outbound|8080||c.default.svc.cluster.local",
+        )
+        .await;
     let client = client_for(&dp, api).await;
     assert_eq!(client["nacks"], json!({}), "Envoy rejected pushed config");
     drop(envoy);

@@ -635,15 +635,9 @@ async fn f11_upstream_reset_mid_cds_push_reconnects_once() {
         (relay.reset_at.load(Ordering::SeqCst) == u64::MAX).then_some(())
     })
     .await;
-    wait_for("Envoy to have the big cluster", DEADLINE, || async {
-        envoy
-            .clusters()
-            .await
-            .iter()
-            .any(|n| n == "big")
-            .then_some(())
-    })
-    .await;
+    envoy
+        .wait_for_cluster("Envoy to have the big cluster", DEADLINE, "big")
+        .await;
     let again = wait_for("CDS and LDS ACKed on a new stream", DEADLINE, || async {
         let c = acked(&dp, "sotw").await;
         (c["id"] != first["id"]).then_some(c)

@@ -44,15 +44,13 @@ async fn envoy_through_agent(delta: bool) {
 
     // A mesh change pushed by devplane reaches Envoy.
     dp.write_mesh(&mesh_yaml(true));
-    wait_for("the pushed cluster for service c", DEADLINE, || async {
-        envoy
-            .clusters()
-            .await
-            .iter()
-            .any(|n| n == "outbound|8080||c.default.svc.cluster.local")
-            .then_some(())
-    })
-    .await;
+    envoy
+        .wait_for_cluster(
+            "the pushed cluster for service c",
+            DEADLINE,
+            "outbound|8080||c.default.svc.cluster.local",
+        )
+        .await;
     assert_eq!(client_for(&dp, api).await["nacks"], json!({}));
     assert!(agent.metric("istio_agent_xds_proxy_requests") >= 4.0);
     assert!(agent.metric("istio_agent_xds_proxy_responses") >= 4.0);
@@ -105,15 +103,13 @@ async fn devplane_restart_envoy_reconverges_through_agent() {
     .await;
     // Config still flows after the reconnect.
     dp.write_mesh(&mesh_yaml(true));
-    wait_for("a push after the restart", DEADLINE, || async {
-        envoy
-            .clusters()
-            .await
-            .iter()
-            .any(|n| n == "outbound|8080||c.default.svc.cluster.local")
-            .then_some(())
-    })
-    .await;
+    envoy
+        .wait_for_cluster(
+            "a push after the restart",
+            DEADLINE,
+            "outbound|8080||c.default.svc.cluster.local",
+        )
+        .await;
     assert!(!agent.shutdown.is_cancelled());
     assert!(
         std::fs::metadata(agent.handle.socket()).is_ok(),
@@ -132,19 +128,13 @@ async fn twenty_mib_response_reaches_envoy_intact() {
 
     dp.set_resource(type_url::CLUSTER, "big", &big_cluster("big", SIZE))
         .await;
-    wait_for(
-        "Envoy to have the 20 MiB cluster",
-        Duration::from_secs(60),
-        || async {
-            envoy
-                .clusters()
-                .await
-                .iter()
-                .any(|n| n == "big")
-                .then_some(())
-        },
-    )
-    .await;
+    envoy
+        .wait_for_cluster(
+            "Envoy to have the 20 MiB cluster",
+            Duration::from_secs(60),
+            "big",
+        )
+        .await;
     // Intact: Envoy's copy of the blob is byte-for-byte what devplane sent.
     let (status, body) = meshagent_testkit::http_get(
         envoy.admin,
@@ -336,19 +326,13 @@ async fn paused_envoy_backpressures_upstream() {
     );
 
     signal(envoy.proc.pid(), "-CONT");
-    wait_for(
-        "the last big cluster in Envoy",
-        Duration::from_secs(60),
-        || async {
-            envoy
-                .clusters()
-                .await
-                .iter()
-                .any(|n| n == "big5")
-                .then_some(())
-        },
-    )
-    .await;
+    envoy
+        .wait_for_cluster(
+            "the last big cluster in Envoy",
+            Duration::from_secs(60),
+            "big5",
+        )
+        .await;
     assert_eq!(client_for(&dp, "sotw").await["nacks"], json!({}));
 }
 
@@ -431,15 +415,9 @@ async fn pending_interception_delays_no_other_type_and_keeps_its_order() {
         &big_cluster("while-pending", 16),
     )
     .await;
-    wait_for("the pushed cluster in Envoy", DEADLINE, || async {
-        envoy
-            .clusters()
-            .await
-            .iter()
-            .any(|n| n == "while-pending")
-            .then_some(())
-    })
-    .await;
+    envoy
+        .wait_for_cluster("the pushed cluster in Envoy", DEADLINE, "while-pending")
+        .await;
     let c = client_for(&dp, "sotw").await;
     assert!(
         c["acked"].get(type_url::NAME_TABLE).is_none(),

@@ -486,6 +486,18 @@ impl Envoy {
         c
     }
 
+    /// Waits until Envoy has cluster `name`; `what` names the wait if it times out.
+    pub async fn wait_for_cluster(&self, what: &str, timeout: Duration, name: &str) {
+        wait_for(what, timeout, || async {
+            self.clusters()
+                .await
+                .iter()
+                .any(|n| n == name)
+                .then_some(())
+        })
+        .await
+    }
+
     pub async fn listeners(&self) -> Vec<String> {
         self.dynamic_names("ListenersConfigDump", "dynamic_listeners", "listener")
             .await
