@@ -51,6 +51,17 @@ fn ask_dns(addr: SocketAddr, name: &str) {
     }
 }
 
+/// The agent's VmRSS (run natively, e.g. `MESHAGENT_BIN=target/dist/meshagent`, this is the
+/// figure of each scenario; under callgrind it is callgrind's).
+fn rss(s: &Sidecar) -> String {
+    std::fs::read_to_string(format!("/proc/{}/status", s.proc.pid()))
+        .unwrap_or_default()
+        .lines()
+        .find(|l| l.starts_with("VmRSS:"))
+        .map(|l| l.split_whitespace().skip(1).collect::<Vec<_>>().join(" "))
+        .unwrap_or_default()
+}
+
 async fn stop(mut s: Sidecar) {
     nix::sys::signal::kill(
         nix::unistd::Pid::from_raw(s.proc.pid() as i32),
@@ -68,6 +79,7 @@ async fn sidecar(dp: &Devplane, name: &str, env: &[(&str, String)]) {
     println!("scenario: sidecar {name}");
     let mut s = Sidecar::start(dp, "a", "default", "a", env).await;
     s.wait_ready(READY).await;
+    println!("  ready, VmRSS {}", rss(&s));
     for _ in 0..2 {
         let (code, body) = http_get(s.status, "/stats/prometheus").await.unwrap();
         println!("  scrape: {code}, {} bytes", body.len());
@@ -133,6 +145,7 @@ async fn main() {
     )
     .await;
     g.wait_ready(READY).await;
+    println!("  ready, VmRSS {}", rss(&g));
     stop(g).await;
 
     println!("scenario: istio-iptables --dry-run (the injector's default arguments)");

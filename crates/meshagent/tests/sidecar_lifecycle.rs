@@ -644,3 +644,81 @@ async fn status_port_is_dual_stack_and_survives_an_idle_connection_flood() {
         a.proc.log_text()
     );
 }
+
+/// An external SDS server (e.g. SPIRE's) owns the workload socket: the agent takes no
+/// certificate from the CA, serves only file certificates on its own socket, marks the node
+/// `file-credential: "true"` (so istiod sends `file-*` names to cluster `sds-files-grpc`) and
+/// Envoy's bootstrap has that cluster; Envoy's workload certificate comes from the external
+/// server.
+#[tokio::test(flavor = "multi_thread")]
+async fn external_sds_server_gets_sds_files_grpc_and_file_credential() {
+    use meshagent_testkit::{
+        Devplane, Sidecar, ca_client, static_sds::StaticSds, two_workload_mesh,
+    };
+    let (mesh, ..) = two_workload_mesh();
+    let dp = Devplane::start(&mesh).await;
+    let token = dp.token("default", "a", 3600).await;
+    let cwd = tempfile::tempdir().unwrap();
+    let uds = cwd.path().join("var/run/secrets/workload-spiffe-uds");
+    std::fs::create_dir_all(&uds).unwrap();
+    let (chain, key, root) =
+        ca_client::workload_cert(dp.grpc_addr, &dp.root_cert_path(), &token).await;
+    let _external = StaticSds::start(&uds, &chain, &key, &root);
+    let mut s = Sidecar::start_in(
+        cwd,
+        &dp,
+        "a",
+        "default",
+        "a",
+        &[("WORKLOAD_IDENTITY_SOCKET_FILE", "sds.sock".to_owned())],
+        serde_json::json!({}),
+        &token,
+    )
+    .await;
+    s.wait_ready(DEADLINE).await;
+
+    let text = std::fs::read_to_string(s.cwd.path().join("etc/istio/proxy/envoy-rev.json"))
+        .unwrap_or_else(|e| panic!("bootstrap: {e}\n{}", s.proc.log_text()));
+    let boot: serde_json::Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(boot["node"]["metadata"]["file-credential"], "true");
+    let clusters = boot["static_resources"]["clusters"].as_array().unwrap();
+    let pipe = |name: &str| {
+        clusters
+            .iter()
+            .find(|c| c["name"] == name)
+            .map(|c| {
+                c["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"]
+                    ["pipe"]["path"]
+                    .clone()
+            })
+            .unwrap_or_else(|| panic!("no cluster {name} in the bootstrap"))
+    };
+    assert_eq!(
+        pipe("sds-grpc"),
+        "./var/run/secrets/workload-spiffe-uds/sds.sock"
+    );
+    assert_eq!(
+        pipe("sds-files-grpc"),
+        "./var/run/secrets/credential-uds/files-socket"
+    );
+    assert!(
+        s.cwd
+            .path()
+            .join("var/run/secrets/credential-uds/files-socket")
+            .exists(),
+        "the agent serves file certificates on its own socket"
+    );
+    // Envoy runs with both clusters and its certificate is the external server's.
+    let (_, clusters) = http_get(s.admin, "/clusters").await.unwrap();
+    assert!(clusters.contains("sds-files-grpc::"), "{clusters}");
+    let (_, certs) = http_get(s.admin, "/certs").await.unwrap();
+    assert!(
+        certs.contains("spiffe://cluster.local/ns/default/sa/a"),
+        "{certs}"
+    );
+    assert!(
+        !s.proc.log_text().contains("certificate issued"),
+        "no CSR with an external SDS server:\n{}",
+        s.proc.log_text()
+    );
+}

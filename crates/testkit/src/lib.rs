@@ -640,6 +640,32 @@ impl Sidecar {
         token: &str,
     ) -> Sidecar {
         let cwd = tempfile::tempdir().unwrap();
+        Self::start_in(
+            cwd,
+            dp,
+            workload,
+            namespace,
+            sa,
+            extra_env,
+            proxy_config,
+            token,
+        )
+        .await
+    }
+
+    /// [`Sidecar::start_with_token`] in a working directory the test has prepared (e.g. with
+    /// an external SDS server already listening on the workload socket).
+    #[allow(clippy::too_many_arguments)]
+    pub async fn start_in(
+        cwd: tempfile::TempDir,
+        dp: &Devplane,
+        workload: &str,
+        namespace: &str,
+        sa: &str,
+        extra_env: &[(&str, String)],
+        proxy_config: Value,
+        token: &str,
+    ) -> Sidecar {
         let root = cwd.path().join("var/run/secrets/istio/root-cert.pem");
         std::fs::create_dir_all(root.parent().unwrap()).unwrap();
         std::fs::copy(dp.root_cert_path(), &root).unwrap();
