@@ -354,8 +354,19 @@ impl Cache {
         secret: Option<&[u8]>,
     ) -> Result<Option<oci::Credentials>, FetchError> {
         let bad = |m: String| FetchError::new(FetchResult::ManifestFailure, m);
+        let registry = r.registry.clone();
+        let lookup = |json: Vec<u8>| {
+            let registry = registry.clone();
+            async move {
+                tokio::task::spawn_blocking(move || oci::credentials(&json, &registry))
+                    .await
+                    .unwrap_or_else(|e| Err(e.to_string()))
+            }
+        };
         if let Some(s) = secret {
-            return oci::credentials(s, &r.registry).map_err(|e| bad(format!("pull secret: {e}")));
+            return lookup(s.to_vec())
+                .await
+                .map_err(|e| bad(format!("pull secret: {e}")));
         }
         let Some(path) = self.opts.docker_config.clone() else {
             return Ok(None);
@@ -366,7 +377,8 @@ impl Cache {
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
             Err(e) => return Err(bad(format!("docker config {}: {e}", path.display()))),
         };
-        oci::credentials(&data, &r.registry)
+        lookup(data)
+            .await
             .map_err(|e| bad(format!("docker config {}: {e}", path.display())))
     }
 
