@@ -272,13 +272,17 @@ pub fn oci_layout(dir: &Path, tag: &str, module: &[u8], compat: bool) -> PathBuf
     dir.to_owned()
 }
 
+/// One image of [`oci_index_layout`]: its platform (`(os, architecture)`, `None` = no
+/// platform field) and module.
+pub type IndexChild<'a> = (Option<(&'a str, &'a str)>, &'a [u8]);
+
 /// Writes an OCI layout whose `tag` is an image index (multi-platform): one OCI compat
 /// image per `(platform, module)`, in order; `None` leaves the child's platform out.
 /// Returns the layout and the children's manifest digests (hex).
 pub fn oci_index_layout(
     dir: &Path,
     tag: &str,
-    children: &[(Option<(&str, &str)>, &[u8])],
+    children: &[IndexChild<'_>],
 ) -> (PathBuf, Vec<String>) {
     let mut manifests = Vec::new();
     let mut digests = Vec::new();
