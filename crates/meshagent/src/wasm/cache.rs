@@ -355,16 +355,18 @@ impl Cache {
     ) -> Result<Option<oci::Credentials>, FetchError> {
         let bad = |m: String| FetchError::new(FetchResult::ManifestFailure, m);
         let registry = r.registry.clone();
-        let lookup = |json: Vec<u8>| {
+        let lookup = |json: Vec<u8>, helpers: bool| {
             let registry = registry.clone();
             async move {
-                tokio::task::spawn_blocking(move || oci::credentials(&json, &registry))
+                tokio::task::spawn_blocking(move || oci::credentials(&json, &registry, helpers))
                     .await
                     .unwrap_or_else(|e| Err(e.to_string()))
             }
         };
+        // A pull secret comes from the mesh's config (a namespace's Secret): it may not make
+        // the agent run credential-helper programs.
         if let Some(s) = secret {
-            return lookup(s.to_vec())
+            return lookup(s.to_vec(), false)
                 .await
                 .map_err(|e| bad(format!("pull secret: {e}")));
         }
@@ -377,7 +379,7 @@ impl Cache {
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
             Err(e) => return Err(bad(format!("docker config {}: {e}", path.display()))),
         };
-        lookup(data)
+        lookup(data, true)
             .await
             .map_err(|e| bad(format!("docker config {}: {e}", path.display())))
     }

@@ -146,11 +146,30 @@ pub struct Credentials {
 /// `docker_credential`: `auths` entries (`auth` = b64(user:pass), or `username`/`password`;
 /// keys may carry a scheme and path, Docker Hub's is `https://index.docker.io/v1/`), then
 /// `credHelpers` / `credsStore` helpers (`docker-credential-<name>`, as the Docker CLI
-/// config that go-containerregistry's keychain reads). No entry is anonymous access. Blocking
-/// (a helper is a process): call it on the blocking pool.
-pub fn credentials(config_json: &[u8], registry: &str) -> Result<Option<Credentials>, String> {
+/// config that go-containerregistry's keychain reads) when `helpers` is set; a pull secret
+/// (`helpers` false) gets its `auths` only, so that a Secret cannot make the agent run a
+/// program. No entry is anonymous access. Blocking (a helper is a process): call it on the
+/// blocking pool.
+pub fn credentials(
+    config_json: &[u8],
+    registry: &str,
+    helpers: bool,
+) -> Result<Option<Credentials>, String> {
     use docker_credential::{CredentialRetrievalError as E, DockerCredential};
-    match docker_credential::get_credential_from_reader(config_json, registry) {
+    let stripped;
+    let json = if helpers {
+        config_json
+    } else {
+        let mut v: serde_json::Value = serde_json::from_slice(config_json)
+            .map_err(|_| "not a docker config JSON document".to_owned())?;
+        if let Some(o) = v.as_object_mut() {
+            o.remove("credsStore");
+            o.remove("credHelpers");
+        }
+        stripped = v.to_string();
+        stripped.as_bytes()
+    };
+    match docker_credential::get_credential_from_reader(json, registry) {
         Ok(DockerCredential::UsernamePassword(username, password)) => {
             Ok(Some(Credentials { username, password }))
         }
@@ -685,27 +704,35 @@ mod tests {
         assert_eq!(params(c, "service"), vec!["registry.example"]);
         let cfg = br#"{"auths":{"https://index.docker.io/v1/":{"auth":"dTpw"},"r.example:5000":{"username":"a","password":"b"}}}"#;
         assert_eq!(
-            credentials(cfg, "index.docker.io")
+            credentials(cfg, "index.docker.io", true)
                 .unwrap()
                 .unwrap()
                 .username,
             "u"
         );
         assert_eq!(
-            credentials(cfg, "r.example:5000")
+            credentials(cfg, "r.example:5000", false)
                 .unwrap()
                 .unwrap()
                 .password,
             "b"
         );
-        assert_eq!(credentials(cfg, "other").unwrap(), None);
-        assert!(credentials(b"{", "x").is_err());
+        assert_eq!(credentials(cfg, "other", true).unwrap(), None);
+        assert!(credentials(b"{", "x", true).is_err());
         // `username`/`password` next to an `auth` that disagrees: refused, not guessed.
         let both = br#"{"auths":{"r:1":{"auth":"dTpw","username":"x","password":"y"}}}"#;
-        assert!(credentials(both, "r:1").is_err());
+        assert!(credentials(both, "r:1", true).is_err());
+        // A pull secret naming a credential helper runs nothing: no entry, anonymous.
+        let helper = br#"{"credsStore":"meshagent-test-none","credHelpers":{"r:1":"x"}}"#;
+        assert_eq!(credentials(helper, "r:1", false).unwrap(), None);
+        assert!(
+            credentials(helper, "r:1", true).is_err(),
+            "the keychain runs helpers"
+        );
+        assert!(credentials(b"{", "x", false).is_err());
         let tok = br#"{"auths":{"r:1":{"identitytoken":"t"}}}"#;
         assert!(
-            credentials(tok, "r:1")
+            credentials(tok, "r:1", true)
                 .unwrap_err()
                 .contains("identity token")
         );
