@@ -92,12 +92,14 @@ dnspeers:
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq dnsmasq bind9-dnsutils dnsperf >/dev/null; fi
 
 # Debian peers of the Wasm tests and benchmark: wabt (wat2wasm assembles the proxy-wasm test
-# module), docker-registry (a real OCI registry) and skopeo (pushes images to it).
+# module), docker-registry (a real OCI registry), skopeo (pushes images to it) and
+# apache2-utils (htpasswd writes the registry's bcrypt password file for the auth tests).
 # Installed only when missing.
 wasmpeers:
-	@if command -v wat2wasm >/dev/null && command -v docker-registry >/dev/null && command -v skopeo >/dev/null; then :; \
-	else echo "installing wabt docker-registry skopeo"; \
-	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq wabt docker-registry skopeo >/dev/null; fi
+	@if command -v wat2wasm >/dev/null && command -v docker-registry >/dev/null && command -v skopeo >/dev/null \
+	  && command -v htpasswd >/dev/null; then :; \
+	else echo "installing wabt docker-registry skopeo apache2-utils"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq wabt docker-registry skopeo apache2-utils >/dev/null; fi
 
 # The DNS request-path fuzz target (crates/meshagent/fuzz); longer runs:
 # FUZZ_SECONDS=3600 make fuzz-dns. Needs the nightly toolchain and cargo-fuzz, so it is not part

@@ -354,8 +354,21 @@ impl Cache {
         secret: Option<&[u8]>,
     ) -> Result<Option<oci::Credentials>, FetchError> {
         let bad = |m: String| FetchError::new(FetchResult::ManifestFailure, m);
+        let registry = r.registry.clone();
+        let lookup = |json: Vec<u8>, helpers: bool| {
+            let registry = registry.clone();
+            async move {
+                tokio::task::spawn_blocking(move || oci::credentials(&json, &registry, helpers))
+                    .await
+                    .unwrap_or_else(|e| Err(e.to_string()))
+            }
+        };
+        // A pull secret comes from the mesh's config (a namespace's Secret): it may not make
+        // the agent run credential-helper programs.
         if let Some(s) = secret {
-            return oci::credentials(s, &r.registry).map_err(|e| bad(format!("pull secret: {e}")));
+            return lookup(s.to_vec(), false)
+                .await
+                .map_err(|e| bad(format!("pull secret: {e}")));
         }
         let Some(path) = self.opts.docker_config.clone() else {
             return Ok(None);
@@ -366,7 +379,8 @@ impl Cache {
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
             Err(e) => return Err(bad(format!("docker config {}: {e}", path.display()))),
         };
-        oci::credentials(&data, &r.registry)
+        lookup(data, true)
+            .await
             .map_err(|e| bad(format!("docker config {}: {e}", path.display())))
     }
 

@@ -6,9 +6,16 @@
 //! (last layer a gzip tar; its first file is the module), OCI "compat" (last layer an OCI
 //! gzip tar holding `plugin.wasm`), OCI artifact (two layers, one of them the raw module).
 //!
-//! Written on the agent's own client rather than an OCI client crate: the crates available
-//! (oci-client / oci-distribution) own their reqwest connection pool, so the dial-time SSRF
-//! check (resolved address, every redirect and realm) could not be applied.
+//! Image indexes (OCI index, Docker manifest list) resolve to the child for `linux/amd64`, as
+//! go-containerregistry's `remote.Descriptor.Image` does for Istio; the checksum is then the
+//! child's manifest digest (`img.Digest()`).
+//!
+//! The protocol runs on the agent's own client rather than an OCI client crate: oci-client
+//! (and its predecessor oci-distribution) builds its reqwest client itself from a
+//! `ClientConfig` that has no resolver, connector or redirect hook, so the dial-time SSRF
+//! check (resolved address, every redirect and realm) could not be applied (README, Wasm).
+//! The formats are maintained crates: manifests and indexes are `oci-spec` types, docker
+//! config files are read by `docker_credential`.
 
 use std::path::Path;
 
@@ -20,12 +27,17 @@ use super::client::{Client, ClientError};
 use super::fetch::{self, FetchError, FetchResult, Limits, download_err};
 use super::guard;
 use super::unpack::{self, Module, TarMember};
+use oci_spec::image::{Arch, ImageIndex, ImageManifest, Os};
 
 pub const DOCKER_MANIFEST: &str = "application/vnd.docker.distribution.manifest.v2+json";
 pub const OCI_MANIFEST: &str = "application/vnd.oci.image.manifest.v1+json";
 pub const DOCKER_LAYER: &str = "application/vnd.docker.image.rootfs.diff.tar.gzip";
 pub const OCI_LAYER: &str = "application/vnd.oci.image.layer.v1.tar+gzip";
 pub const WASM_LAYER: &str = "application/vnd.module.wasm.content.layer.v1+wasm";
+pub const DOCKER_MANIFEST_LIST: &str = "application/vnd.docker.distribution.manifest.list.v2+json";
+pub const OCI_INDEX: &str = "application/vnd.oci.image.index.v1+json";
+/// What go-containerregistry's `remote.Get` accepts (images and indexes).
+const ACCEPT: &str = "application/vnd.docker.distribution.manifest.v2+json, application/vnd.oci.image.manifest.v1+json, application/vnd.docker.distribution.manifest.list.v2+json, application/vnd.oci.image.index.v1+json";
 const MAX_MANIFEST: usize = 4 * 1024 * 1024;
 
 /// A parsed `oci://` reference, normalised as go-containerregistry's `name.ParseReference`.
@@ -130,50 +142,44 @@ pub struct Credentials {
     pub password: String,
 }
 
-/// Looks `registry` up in a docker `config.json` (`{"auths": {host: {"auth": b64(user:pass)}
-/// | {"username", "password"}}}`); keys may carry a scheme and path, Docker Hub's is
-/// `https://index.docker.io/v1/`.
-pub fn credentials(config_json: &[u8], registry: &str) -> Result<Option<Credentials>, String> {
-    let v: serde_json::Value = serde_json::from_slice(config_json)
-        .map_err(|e| format!("invalid docker config JSON: {e}"))?;
-    let auths = v
-        .get("auths")
-        .and_then(|a| a.as_object())
-        .cloned()
-        .unwrap_or_default();
-    let norm = |k: &str| {
-        let k = k
-            .trim_start_matches("https://")
-            .trim_start_matches("http://");
-        let k = k.split('/').next().unwrap_or(k);
-        if k == "docker.io" || k == "registry-1.docker.io" {
-            "index.docker.io".to_owned()
-        } else {
-            k.to_owned()
+/// Looks `registry` up in a docker `config.json` (a pull secret or the keychain file) with
+/// `docker_credential`: `auths` entries (`auth` = b64(user:pass), or `username`/`password`;
+/// keys may carry a scheme and path, Docker Hub's is `https://index.docker.io/v1/`), then
+/// `credHelpers` / `credsStore` helpers (`docker-credential-<name>`, as the Docker CLI
+/// config that go-containerregistry's keychain reads) when `helpers` is set; a pull secret
+/// (`helpers` false) gets its `auths` only, so that a Secret cannot make the agent run a
+/// program. No entry is anonymous access. Blocking (a helper is a process): call it on the
+/// blocking pool.
+pub fn credentials(
+    config_json: &[u8],
+    registry: &str,
+    helpers: bool,
+) -> Result<Option<Credentials>, String> {
+    use docker_credential::{CredentialRetrievalError as E, DockerCredential};
+    let stripped;
+    let json = if helpers {
+        config_json
+    } else {
+        let mut v: serde_json::Value = serde_json::from_slice(config_json)
+            .map_err(|_| "not a docker config JSON document".to_owned())?;
+        if let Some(o) = v.as_object_mut() {
+            o.remove("credsStore");
+            o.remove("credHelpers");
         }
+        stripped = v.to_string();
+        stripped.as_bytes()
     };
-    for (k, e) in auths {
-        if norm(&k) != registry {
-            continue;
+    match docker_credential::get_credential_from_reader(json, registry) {
+        Ok(DockerCredential::UsernamePassword(username, password)) => {
+            Ok(Some(Credentials { username, password }))
         }
-        if let Some(a) = e.get("auth").and_then(|a| a.as_str()) {
-            let raw = base64::engine::general_purpose::STANDARD
-                .decode(a)
-                .map_err(|e| format!("docker config auth for {k}: {e}"))?;
-            let s = String::from_utf8_lossy(&raw);
-            let (u, p) = s.split_once(':').unwrap_or((&s, ""));
-            return Ok(Some(Credentials {
-                username: u.to_owned(),
-                password: p.to_owned(),
-            }));
-        }
-        let get = |f: &str| e.get(f).and_then(|x| x.as_str()).unwrap_or("").to_owned();
-        return Ok(Some(Credentials {
-            username: get("username"),
-            password: get("password"),
-        }));
+        Ok(DockerCredential::IdentityToken(_)) => Err(format!(
+            "the entry for {registry} is an identity token (OAuth2 refresh token), which is not supported; use a username and password"
+        )),
+        Err(E::NoCredentialConfigured) => Ok(None),
+        Err(E::ConfigReadError) => Err("not a docker config JSON document".to_owned()),
+        Err(e) => Err(format!("credentials for {registry}: {e}")),
     }
-    Ok(None)
 }
 
 /// A pulled image: the module and the manifest digest (hex, the cache checksum).
@@ -215,19 +221,32 @@ pub async fn pull(
             auth: None,
         };
         let mut i = 0;
+        // A failed HTTPS attempt is part of the error of the plain-HTTP one that follows
+        // (an untrusted certificate would otherwise end as the 400 a TLS port answers).
+        let mut earlier: Option<String> = None;
         let manifest = loop {
             s.base = format!("{}://{}", schemes[i], r.registry);
-            match s.manifest().await {
+            match s.manifest(&r.reference).await {
                 Ok(m) => break m,
                 Err(Failure::Client(ClientError::Tls {
                     plain_http: true, ..
                 })) if !schemes.contains(&"http") => schemes.push("http"),
+                // A plain-HTTP server behind the HTTPS attempt: nothing worth reporting.
+                Err(Failure::Client(ClientError::Tls {
+                    plain_http: true, ..
+                })) if i + 1 < schemes.len() => {}
                 Err(Failure::Client(
-                    ClientError::Tls { .. }
+                    e @ (ClientError::Tls { .. }
                     | ClientError::Connect { .. }
-                    | ClientError::Exchange { .. },
-                )) if i + 1 < schemes.len() => {}
-                Err(e) => return Err(e.into_fetch(FetchResult::ManifestFailure)),
+                    | ClientError::Exchange { .. }),
+                )) if i + 1 < schemes.len() => earlier = Some(e.to_string()),
+                Err(e) => {
+                    let mut e = e.into_fetch(FetchResult::ManifestFailure);
+                    if let Some(first) = earlier {
+                        e.message = format!("{first}; then {}", e.message);
+                    }
+                    return Err(e);
+                }
             }
             i += 1;
         };
@@ -281,9 +300,18 @@ impl Session<'_> {
             .filter_map(|v| v.to_str().ok().map(str::to_owned))
             .collect();
         resp.discard().await;
-        // Istio `ssrfProtectionTransport`: every realm of every challenge is checked before
-        // any is used.
+        // Istio `ssrfProtectionTransport`: every realm of every Bearer challenge is checked
+        // before any is used. A Basic realm is a protection-space label, never dialled
+        // (htpasswd registries send e.g. `Basic realm="Registry Realm"`), so it is not a URL
+        // to check.
         for c in &challenges {
+            let bearer = c
+                .split_whitespace()
+                .next()
+                .is_some_and(|s| s.eq_ignore_ascii_case("bearer"));
+            if !bearer {
+                continue;
+            }
             for realm in params(c, "realm") {
                 guard::check_realm(&realm, &self.reference.registry)
                     .map_err(|e| Failure::Other(e.to_string()))?;
@@ -349,8 +377,17 @@ impl Session<'_> {
         if resp.status != StatusCode::OK {
             let st = resp.status;
             resp.discard().await;
+            let why = match (st, &self.creds) {
+                (StatusCode::UNAUTHORIZED | StatusCode::FORBIDDEN, Some(_)) => {
+                    " (the credentials were refused)"
+                }
+                (StatusCode::UNAUTHORIZED | StatusCode::FORBIDDEN, None) => {
+                    " (no credentials for this registry in the pull secret or docker config)"
+                }
+                _ => "",
+            };
             return Err(Failure::Other(format!(
-                "token endpoint {realm}: status {st}"
+                "token endpoint {realm}: status {st}{why}"
             )));
         }
         let body = resp.bytes(1024 * 1024).await?;
@@ -363,18 +400,12 @@ impl Session<'_> {
             .ok_or_else(|| Failure::Other(format!("token endpoint {realm}: no token")))
     }
 
-    async fn manifest(&mut self) -> Result<(Vec<u8>, String), Failure> {
+    /// GET `/v2/<repo>/manifests/<reference>`: the raw bytes (they are what the digest is
+    /// of) and the `Content-Type`.
+    async fn manifest(&mut self, reference: &str) -> Result<(Vec<u8>, String), Failure> {
         let mut h = HeaderMap::new();
-        h.insert(
-            header::ACCEPT,
-            HeaderValue::from_static(
-                "application/vnd.docker.distribution.manifest.v2+json, application/vnd.oci.image.manifest.v1+json",
-            ),
-        );
-        let path = format!(
-            "/v2/{}/manifests/{}",
-            self.reference.repository, self.reference.reference
-        );
+        h.insert(header::ACCEPT, HeaderValue::from_static(ACCEPT));
+        let path = format!("/v2/{}/manifests/{reference}", self.reference.repository);
         let resp = self.get(&path, &h).await?;
         if resp.status != StatusCode::OK {
             let st = resp.status;
@@ -393,59 +424,50 @@ impl Session<'_> {
 
     async fn image(
         &mut self,
-        (bytes, content_type): (Vec<u8>, String),
+        (mut bytes, content_type): (Vec<u8>, String),
         limits: &Limits,
         tmp_dir: &Path,
         deadline: Instant,
     ) -> Result<Image, FetchError> {
         let manifest_err = |m: String| FetchError::new(FetchResult::ManifestFailure, m);
-        let digest = unpack::sha256_hex(&bytes);
+        let mut digest = unpack::sha256_hex(&bytes);
+        // go-containerregistry checks what a digest reference returns against the digest.
         if self.reference.is_digest && self.reference.reference != format!("sha256:{digest}") {
             return Err(manifest_err(format!(
                 "manifest digest sha256:{digest} does not match {}",
                 self.reference.reference
             )));
         }
-        let m: serde_json::Value = serde_json::from_slice(&bytes)
-            .map_err(|e| manifest_err(format!("invalid manifest: {e}")))?;
-        let media_type = m
-            .get("mediaType")
-            .and_then(|v| v.as_str())
-            .map(str::to_owned)
-            .unwrap_or(content_type);
-        let layers: Vec<(String, String)> = m
-            .get("layers")
-            .and_then(|l| l.as_array())
-            .map(|a| {
-                a.iter()
-                    .map(|l| {
-                        let f = |k| l.get(k).and_then(|v| v.as_str()).unwrap_or("").to_owned();
-                        (f("mediaType"), f("digest"))
-                    })
-                    .collect()
-            })
-            .unwrap_or_default();
-        let last = layers.last().cloned();
-        let (layer_digest, member) = match last {
-            Some((mt, d)) if media_type == DOCKER_MANIFEST && mt == DOCKER_LAYER => {
-                (d, TarMember::First)
-            }
-            Some((mt, d)) if mt == OCI_LAYER => (d, TarMember::PluginWasm),
-            _ if layers.len() == 2 && layers.iter().any(|(mt, _)| mt == WASM_LAYER) => {
-                let (_, d) = layers
-                    .iter()
-                    .find(|(mt, _)| mt == WASM_LAYER)
-                    .cloned()
-                    .unwrap_or_default();
-                (d, TarMember::First)
-            }
-            _ => {
+        let mut media_type = media_type_of(&bytes, &content_type);
+        if media_type == OCI_INDEX || media_type == DOCKER_MANIFEST_LIST {
+            let child = platform_child(&bytes)
+                .map_err(|m| manifest_err(format!("{}: {m}", self.reference.module_name())))?;
+            let (b, ct) = self
+                .manifest(&child)
+                .await
+                .map_err(|e| e.into_fetch(FetchResult::ManifestFailure))?;
+            digest = unpack::sha256_hex(&b);
+            if child != format!("sha256:{digest}") {
                 return Err(manifest_err(format!(
-                    "{}: the image is not a Wasm image (Docker schema2, OCI compat or OCI artifact layout)",
-                    self.reference.module_name()
+                    "manifest digest sha256:{digest} does not match {child} (from the index)"
                 )));
             }
-        };
+            media_type = media_type_of(&b, &ct);
+            bytes = b;
+        }
+        let m: ImageManifest = serde_json::from_slice(&bytes)
+            .map_err(|e| manifest_err(format!("invalid image manifest: {e}")))?;
+        let layers: Vec<(String, String)> = m
+            .layers()
+            .iter()
+            .map(|l| (l.media_type().to_string(), l.digest().to_string()))
+            .collect();
+        let (layer_digest, member) = select_layer(&media_type, &layers).ok_or_else(|| {
+            manifest_err(format!(
+                "{}: the image is not a Wasm image (Docker schema2, OCI compat or OCI artifact layout)",
+                self.reference.module_name()
+            ))
+        })?;
         let Some(want) = layer_digest.strip_prefix("sha256:").map(str::to_owned) else {
             return Err(manifest_err(format!(
                 "unsupported layer digest {layer_digest:?}"
@@ -473,6 +495,61 @@ impl Session<'_> {
         let module =
             fetch::unpack_blocking(file, Some(got), tmp_dir, limits.max_bytes, member).await?;
         Ok(Image { module, digest })
+    }
+}
+
+/// The manifest's own `mediaType`, else the response's `Content-Type`.
+fn media_type_of(bytes: &[u8], content_type: &str) -> String {
+    #[derive(serde::Deserialize)]
+    struct Head {
+        #[serde(rename = "mediaType")]
+        media_type: Option<String>,
+    }
+    serde_json::from_slice::<Head>(bytes)
+        .ok()
+        .and_then(|h| h.media_type)
+        .unwrap_or_else(|| {
+            content_type
+                .split(';')
+                .next()
+                .unwrap_or("")
+                .trim()
+                .to_owned()
+        })
+}
+
+/// go-containerregistry `remoteIndex.childByPlatform` with its default platform
+/// `linux/amd64`: the first child whose platform has that OS and architecture (any variant,
+/// OS version or features, since the wanted platform sets none); a child without a platform
+/// counts as `linux/amd64`. No such child is an error, as in go-containerregistry.
+pub fn platform_child(index: &[u8]) -> Result<String, String> {
+    let idx: ImageIndex =
+        serde_json::from_slice(index).map_err(|e| format!("invalid image index: {e}"))?;
+    idx.manifests()
+        .iter()
+        .find(|d| {
+            d.platform()
+                .as_ref()
+                .is_none_or(|p| *p.os() == Os::Linux && *p.architecture() == Arch::Amd64)
+        })
+        .map(|d| d.digest().to_string())
+        .ok_or_else(|| "no child with platform linux/amd64 in the image index".to_owned())
+}
+
+/// The layer holding the module, in Istio's order (`imagefetcher.go` `PrepareFetch`):
+/// Docker schema2 (last layer a Docker gzip tar; its first file), OCI compat (last layer an
+/// OCI gzip tar; `plugin.wasm`), OCI artifact (two layers, one the raw module).
+fn select_layer(media_type: &str, layers: &[(String, String)]) -> Option<(String, TarMember)> {
+    match layers.last() {
+        Some((mt, d)) if media_type == DOCKER_MANIFEST && mt == DOCKER_LAYER => {
+            Some((d.clone(), TarMember::First))
+        }
+        Some((mt, d)) if mt == OCI_LAYER => Some((d.clone(), TarMember::PluginWasm)),
+        _ if layers.len() == 2 => layers
+            .iter()
+            .find(|(mt, _)| mt == WASM_LAYER)
+            .map(|(_, d)| (d.clone(), TarMember::First)),
+        _ => None,
     }
 }
 
@@ -550,26 +627,114 @@ mod tests {
     }
 
     #[test]
+    fn index_children_are_chosen_as_go_containerregistry_does() {
+        let d = |c: char| format!("sha256:{}", c.to_string().repeat(64));
+        let idx = |children: serde_json::Value| {
+            serde_json::json!({"schemaVersion": 2, "mediaType": OCI_INDEX, "manifests": children})
+                .to_string()
+        };
+        let child = |c: char, platform: serde_json::Value| {
+            let mut v = serde_json::json!({"mediaType": OCI_MANIFEST, "digest": d(c), "size": 1});
+            if !platform.is_null() {
+                v["platform"] = platform;
+            }
+            v
+        };
+        let p = |os: &str, arch: &str| serde_json::json!({"os": os, "architecture": arch});
+        // The first linux/amd64 child, whatever its variant; arm64 and windows are skipped.
+        let i = idx(serde_json::json!([
+            child('a', p("linux", "arm64")),
+            child('b', p("windows", "amd64")),
+            child(
+                'c',
+                serde_json::json!({"os": "linux", "architecture": "amd64", "variant": "v3"})
+            ),
+            child('e', p("linux", "amd64")),
+        ]));
+        assert_eq!(platform_child(i.as_bytes()).unwrap(), d('c'));
+        // No platform: taken as linux/amd64.
+        let i = idx(serde_json::json!([
+            child('a', p("linux", "arm64")),
+            child('b', serde_json::Value::Null)
+        ]));
+        assert_eq!(platform_child(i.as_bytes()).unwrap(), d('b'));
+        let i = idx(serde_json::json!([child('a', p("linux", "arm64"))]));
+        assert!(
+            platform_child(i.as_bytes())
+                .unwrap_err()
+                .contains("no child with platform linux/amd64")
+        );
+        assert!(platform_child(b"{}").is_err());
+    }
+
+    #[test]
+    fn module_layers_in_istios_order() {
+        let l = |mt: &str, c: char| {
+            (
+                mt.to_owned(),
+                format!("sha256:{}", c.to_string().repeat(64)),
+            )
+        };
+        let docker = [l(DOCKER_LAYER, 'a')];
+        assert!(matches!(
+            select_layer(DOCKER_MANIFEST, &docker),
+            Some((_, TarMember::First))
+        ));
+        // A Docker layer in an OCI manifest is not the Docker layout.
+        assert!(select_layer(OCI_MANIFEST, &docker).is_none());
+        let compat = [l(DOCKER_LAYER, 'a'), l(OCI_LAYER, 'b')];
+        assert!(matches!(
+            select_layer(OCI_MANIFEST, &compat),
+            Some((_, TarMember::PluginWasm))
+        ));
+        let art = [
+            l("application/vnd.oci.image.layer.v1.tar", 'a'),
+            l(WASM_LAYER, 'b'),
+        ];
+        let (d, m) = select_layer(OCI_MANIFEST, &art).unwrap();
+        assert_eq!((d.as_str(), m), (art[1].1.as_str(), TarMember::First));
+        let three = [l(WASM_LAYER, 'a'), l("x", 'b'), l("y", 'c')];
+        assert!(select_layer(OCI_MANIFEST, &three).is_none());
+    }
+
+    #[test]
     fn challenge_params_and_keychain() {
         let c = r#"Bearer realm="https://auth.example/token",service="registry.example",scope="repository:a:pull""#;
         assert_eq!(params(c, "realm"), vec!["https://auth.example/token"]);
         assert_eq!(params(c, "service"), vec!["registry.example"]);
         let cfg = br#"{"auths":{"https://index.docker.io/v1/":{"auth":"dTpw"},"r.example:5000":{"username":"a","password":"b"}}}"#;
         assert_eq!(
-            credentials(cfg, "index.docker.io")
+            credentials(cfg, "index.docker.io", true)
                 .unwrap()
                 .unwrap()
                 .username,
             "u"
         );
         assert_eq!(
-            credentials(cfg, "r.example:5000")
+            credentials(cfg, "r.example:5000", false)
                 .unwrap()
                 .unwrap()
                 .password,
             "b"
         );
-        assert_eq!(credentials(cfg, "other").unwrap(), None);
-        assert!(credentials(b"{", "x").is_err());
+        assert_eq!(credentials(cfg, "other", true).unwrap(), None);
+        assert!(credentials(b"{", "x", true).is_err());
+        // `username`/`password` next to an `auth` that disagrees: refused, not guessed.
+        let both = br#"{"auths":{"r:1":{"auth":"dTpw","username":"x","password":"y"}}}"#;
+        assert!(credentials(both, "r:1", true).is_err());
+        // A pull secret naming a credential helper runs nothing: no entry, anonymous.
+        let helper = br#"{"credsStore":"meshagent-test-none","credHelpers":{"r:1":"x"}}"#;
+        assert_eq!(credentials(helper, "r:1", false).unwrap(), None);
+        assert!(
+            credentials(helper, "r:1", true).is_err(),
+            "the keychain runs helpers"
+        );
+        assert!(credentials(b"{", "x", false).is_err());
+        let tok = br#"{"auths":{"r:1":{"identitytoken":"t"}}}"#;
+        assert!(
+            credentials(tok, "r:1", true)
+                .unwrap_err()
+                .contains("identity token")
+        );
     }
 }
