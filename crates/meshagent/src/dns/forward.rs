@@ -12,6 +12,7 @@ use tokio::net::{TcpStream, UdpSocket};
 
 use super::handler::Proto;
 
+/// The upstream's reply as it sent it, and decoded.
 type Reply = (Vec<u8>, Message);
 
 pub async fn sequential(
@@ -74,9 +75,11 @@ fn id_of(raw: &[u8]) -> u16 {
     u16::from_be_bytes([raw[0], raw[1]])
 }
 
-/// The reply must answer our query: same ID (checked by the caller), and the same question
-/// (compared on the wire, names case-insensitively: the query is forwarded unchanged, but some
-/// servers normalise case).
+/// The reply must answer our query: our ID (checked by the caller)
+/// and the same question (compared on the wire, names case-insensitively: the query is
+/// forwarded unchanged, but some servers normalise case). It is decoded in full, as miekg's
+/// `Exchange` does: a malformed reply is this server's failure (the next one is tried), not
+/// something to relay.
 fn check(reply: &[u8], query: &[u8]) -> Result<Message, String> {
     let m = Message::from_vec(reply).map_err(|e| format!("malformed reply: {e}"))?;
     // A reply with no question section (some servers on FORMERR/SERVFAIL) is still ours.
@@ -112,29 +115,36 @@ fn question(msg: &[u8]) -> Option<&[u8]> {
     msg.get(12..i + 4)
 }
 
-/// Connected UDP sockets to upstreams, kept for reuse: creating, binding and connecting a
-/// socket per query (what miekg does) costs more than the exchange itself on loopback. A
-/// socket goes back only after a clean exchange, so a late reply to a timed-out query is never
-/// waiting in it (and would be discarded by the ID and question checks anyway).
-static POOL: std::sync::Mutex<Vec<(SocketAddr, UdpSocket)>> = std::sync::Mutex::new(Vec::new());
-const POOL_MAX: usize = 64;
-
-fn pooled(server: SocketAddr) -> Option<UdpSocket> {
-    let mut p = POOL.lock().unwrap_or_else(|e| e.into_inner());
-    let i = p.iter().rposition(|(a, _)| *a == server)?;
-    Some(p.swap_remove(i).1)
+/// Connected UDP sockets to upstreams, each with its receive buffer, kept for reuse: creating,
+/// binding and connecting a socket per query (what miekg does) costs more than the exchange
+/// itself on loopback, and so would zeroing a fresh 64 KiB buffer per query. A socket goes back
+/// only after a clean exchange, so a late reply to a timed-out query is never waiting in it (and
+/// would be discarded by the ID and question checks anyway).
+struct Pooled {
+    server: SocketAddr,
+    sock: UdpSocket,
+    buf: Box<[u8]>,
 }
 
-fn give_back(server: SocketAddr, sock: UdpSocket) {
+static POOL: std::sync::Mutex<Vec<Pooled>> = std::sync::Mutex::new(Vec::new());
+const POOL_MAX: usize = 64;
+
+fn pooled(server: SocketAddr) -> Option<Pooled> {
+    let mut p = POOL.lock().unwrap_or_else(|e| e.into_inner());
+    let i = p.iter().rposition(|e| e.server == server)?;
+    Some(p.swap_remove(i))
+}
+
+fn give_back(e: Pooled) {
     let mut p = POOL.lock().unwrap_or_else(|e| e.into_inner());
     if p.len() < POOL_MAX {
-        p.push((server, sock));
+        p.push(e);
     }
 }
 
 async fn udp(server: SocketAddr, raw: &[u8]) -> Result<Reply, String> {
-    let sock = match pooled(server) {
-        Some(s) => s,
+    let mut e = match pooled(server) {
+        Some(e) => e,
         None => {
             let local: SocketAddr = if server.is_ipv4() {
                 (std::net::Ipv4Addr::UNSPECIFIED, 0).into()
@@ -143,21 +153,25 @@ async fn udp(server: SocketAddr, raw: &[u8]) -> Result<Reply, String> {
             };
             let sock = UdpSocket::bind(local).await.map_err(|e| e.to_string())?;
             sock.connect(server).await.map_err(|e| e.to_string())?;
-            sock
+            Pooled {
+                server,
+                sock,
+                buf: vec![0u8; 65535].into_boxed_slice(),
+            }
         }
     };
-    sock.send(raw).await.map_err(|e| e.to_string())?;
-    let mut buf = vec![0u8; 65535];
+    e.sock.send(raw).await.map_err(|e| e.to_string())?;
     loop {
-        let n = sock.recv(&mut buf).await.map_err(|e| e.to_string())?;
+        let n = e.sock.recv(&mut e.buf).await.map_err(|e| e.to_string())?;
+        let reply = &e.buf[..n];
         // Stray datagrams (wrong ID) are ignored, as miekg does; the timeout bounds the wait.
-        if n < 12 || id_of(&buf[..n]) != id_of(raw) {
+        if n < 12 || id_of(reply) != id_of(raw) {
             continue;
         }
-        let m = check(&buf[..n], raw)?;
-        buf.truncate(n);
-        give_back(server, sock);
-        return Ok((buf, m));
+        let m = check(reply, raw)?;
+        let out = reply.to_vec();
+        give_back(e);
+        return Ok((out, m));
     }
 }
 

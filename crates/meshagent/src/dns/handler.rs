@@ -149,6 +149,8 @@ impl Core {
         let start = Instant::now();
         let result = if self.parallel {
             forward::parallel(&self.upstreams, &f.raw, proto, self.timeout).await
+        } else if self.upstreams.len() == 1 {
+            forward::sequential(&self.upstreams, &f.raw, proto, self.timeout).await
         } else {
             let mut servers = self.upstreams.clone();
             servers.shuffle(&mut rand::rng());
