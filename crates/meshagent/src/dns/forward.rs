@@ -16,6 +16,7 @@ use super::handler::Proto;
 type Reply = (Vec<u8>, Message);
 
 pub async fn sequential(
+    pool: &Pool,
     servers: &[SocketAddr],
     raw: &[u8],
     proto: Proto,
@@ -23,7 +24,7 @@ pub async fn sequential(
 ) -> Result<Reply, String> {
     let mut last = "no upstream servers in resolv.conf".to_owned();
     for s in servers {
-        match exchange(*s, raw, proto, timeout).await {
+        match exchange(pool, *s, raw, proto, timeout).await {
             Ok(r) => return Ok(r),
             Err(e) => {
                 tracing::debug!(upstream = %s, error = %e, "upstream exchange failed");
@@ -35,6 +36,7 @@ pub async fn sequential(
 }
 
 pub async fn parallel(
+    pool: &Pool,
     servers: &[SocketAddr],
     raw: &[u8],
     proto: Proto,
@@ -44,7 +46,7 @@ pub async fn parallel(
         return Err("no upstream servers in resolv.conf".to_owned());
     }
     let all = servers.iter().map(|s| {
-        exchange(*s, raw, proto, timeout)
+        exchange(pool, *s, raw, proto, timeout)
             .map(move |r| r.map_err(|e| format!("{s}: {e}")))
             .boxed()
     });
@@ -54,6 +56,7 @@ pub async fn parallel(
 /// One exchange with one server, bounded by `timeout` as a whole (Istio applies it to dial,
 /// write and read each).
 pub async fn exchange(
+    pool: &Pool,
     server: SocketAddr,
     raw: &[u8],
     proto: Proto,
@@ -61,7 +64,7 @@ pub async fn exchange(
 ) -> Result<Reply, String> {
     let io = async {
         match proto {
-            Proto::Udp => udp(server, raw).await,
+            Proto::Udp => udp(pool, server, raw).await,
             Proto::Tcp => tcp(server, raw).await,
         }
     };
@@ -115,36 +118,41 @@ fn question(msg: &[u8]) -> Option<&[u8]> {
     msg.get(12..i + 4)
 }
 
-/// Connected UDP sockets to upstreams, each with its receive buffer, kept for reuse: creating,
-/// binding and connecting a socket per query (what miekg does) costs more than the exchange
-/// itself on loopback, and so would zeroing a fresh 64 KiB buffer per query. A socket goes back
-/// only after a clean exchange, so a late reply to a timed-out query is never waiting in it (and
-/// would be discarded by the ID and question checks anyway).
-struct Pooled {
-    server: SocketAddr,
-    sock: UdpSocket,
-    buf: Box<[u8]>,
-}
+/// Connected UDP sockets to upstreams, kept for reuse: creating, binding and connecting a
+/// socket per query (what miekg does) costs more than the exchange itself on loopback. A socket
+/// goes back only after a clean exchange, so a late reply to a timed-out query is never waiting
+/// in it (and would be discarded by the ID and question checks anyway). One pool per proxy: a
+/// socket belongs to the runtime that registered it.
+#[derive(Default)]
+pub struct Pool(std::sync::Mutex<Vec<(SocketAddr, UdpSocket)>>);
 
-static POOL: std::sync::Mutex<Vec<Pooled>> = std::sync::Mutex::new(Vec::new());
 const POOL_MAX: usize = 64;
 
-fn pooled(server: SocketAddr) -> Option<Pooled> {
-    let mut p = POOL.lock().unwrap_or_else(|e| e.into_inner());
-    let i = p.iter().rposition(|e| e.server == server)?;
-    Some(p.swap_remove(i))
-}
+impl Pool {
+    fn take(&self, server: SocketAddr) -> Option<UdpSocket> {
+        let mut p = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        let i = p.iter().rposition(|(a, _)| *a == server)?;
+        Some(p.swap_remove(i).1)
+    }
 
-fn give_back(e: Pooled) {
-    let mut p = POOL.lock().unwrap_or_else(|e| e.into_inner());
-    if p.len() < POOL_MAX {
-        p.push(e);
+    fn give_back(&self, server: SocketAddr, sock: UdpSocket) {
+        let mut p = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        if p.len() < POOL_MAX {
+            p.push((server, sock));
+        }
     }
 }
 
-async fn udp(server: SocketAddr, raw: &[u8]) -> Result<Reply, String> {
-    let mut e = match pooled(server) {
-        Some(e) => e,
+thread_local! {
+    /// Where upstream UDP replies land: one 64 KiB buffer per thread, not one per query or
+    /// per pooled socket (read synchronously once the socket is readable, copied out at once).
+    static RECV_BUF: std::cell::RefCell<Box<[u8]>> =
+        std::cell::RefCell::new(vec![0u8; 65535].into_boxed_slice());
+}
+
+async fn udp(pool: &Pool, server: SocketAddr, raw: &[u8]) -> Result<Reply, String> {
+    let sock = match pool.take(server) {
+        Some(s) => s,
         None => {
             let local: SocketAddr = if server.is_ipv4() {
                 (std::net::Ipv4Addr::UNSPECIFIED, 0).into()
@@ -153,25 +161,29 @@ async fn udp(server: SocketAddr, raw: &[u8]) -> Result<Reply, String> {
             };
             let sock = UdpSocket::bind(local).await.map_err(|e| e.to_string())?;
             sock.connect(server).await.map_err(|e| e.to_string())?;
-            Pooled {
-                server,
-                sock,
-                buf: vec![0u8; 65535].into_boxed_slice(),
-            }
+            sock
         }
     };
-    e.sock.send(raw).await.map_err(|e| e.to_string())?;
+    sock.send(raw).await.map_err(|e| e.to_string())?;
     loop {
-        let n = e.sock.recv(&mut e.buf).await.map_err(|e| e.to_string())?;
-        let reply = &e.buf[..n];
-        // Stray datagrams (wrong ID) are ignored, as miekg does; the timeout bounds the wait.
-        if n < 12 || id_of(reply) != id_of(raw) {
-            continue;
+        sock.readable().await.map_err(|e| e.to_string())?;
+        let got = RECV_BUF.with_borrow_mut(|buf| match sock.try_recv(buf) {
+            Ok(n) => {
+                let reply = &buf[..n];
+                // Stray datagrams (wrong ID) are ignored, as miekg does; the timeout bounds
+                // the wait.
+                if n < 12 || id_of(reply) != id_of(raw) {
+                    return Ok(None);
+                }
+                check(reply, raw).map(|m| Some((reply.to_vec(), m)))
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => Ok(None),
+            Err(e) => Err(e.to_string()),
+        })?;
+        if let Some(r) = got {
+            pool.give_back(server, sock);
+            return Ok(r);
         }
-        let m = check(reply, raw)?;
-        let out = reply.to_vec();
-        give_back(e);
-        return Ok((out, m));
     }
 }
 
