@@ -262,7 +262,7 @@ fn anon_maps(pid: u32) -> String {
             }
         }
     }
-    out.sort_by(|a, b| b.0.cmp(&a.0));
+    out.sort_by_key(|b| std::cmp::Reverse(b.0));
     out.iter()
         .map(|(k, n)| format!("{k} {n}"))
         .collect::<Vec<_>>()
