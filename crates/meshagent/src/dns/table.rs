@@ -9,9 +9,11 @@
 //! derived CNAME wins over an address entry of the same name, as Istio consults its CNAME map
 //! first.
 //!
-//! Layout (a 5,000-name table is ~0.6 MiB; one `HashMap` entry per name with hickory `Name`s
-//! was ~20 MiB): every key's text in one string, a vector of 16-byte keys sorted by hash
-//! (binary search, then a text compare), and the addresses in two shared vectors.
+//! Layout: every key's text in one string, a vector of 16-byte keys sorted by hash (binary
+//! search, then a text compare), and the addresses in two shared vectors. A 5,000-name table
+//! (~15,000 keys) is ~0.6 MiB; the earlier `HashMap<Arc<str>, Entry>` of hickory `Name`s with
+//! one stored CNAME entry per name held ~30,000 entries of ~240 B, i.e. a 65,536-bucket
+//! table of ~16 MiB (estimated from the types; BENCHMARKS.md, DNS proxy).
 
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
@@ -475,6 +477,45 @@ mod tests {
         assert!(ask(&t, "wild.example.com.", RecordType::A).is_none());
         // Other types are forwarded.
         assert!(ask(&t, "productpage.ns1.svc.cluster.local.", RecordType::TXT).is_none());
+    }
+
+    #[test]
+    fn derived_search_domain_cname_wins_over_an_address_entry() {
+        // Istio consults its CNAME map before its address map: a host that happens to be
+        // spelled like another host's search-domain expansion is answered with the CNAME.
+        let ext = |ip: &str| NameInfo {
+            ips: vec![ip.into()],
+            registry: "External".into(),
+            ..Default::default()
+        };
+        let mut nt = NameTable::default();
+        nt.table.insert("x.example.com".into(), ext("240.240.0.1"));
+        nt.table.insert(
+            "x.example.com.ns1.svc.cluster.local".into(),
+            ext("240.240.0.2"),
+        );
+        let t = LookupTable::build(&nt, &scope());
+        assert_eq!(
+            ask(&t, "x.example.com.ns1.svc.cluster.local.", RecordType::A),
+            Some(vec![
+                "x.example.com.ns1.svc.cluster.local. x.example.com.".to_owned(),
+                "x.example.com. 240.240.0.1".to_owned()
+            ])
+        );
+        // Without a search list there is no expansion: the address entry answers.
+        let t = LookupTable::build(
+            &nt,
+            &Scope {
+                search: vec![],
+                ..scope()
+            },
+        );
+        assert_eq!(
+            ask(&t, "x.example.com.ns1.svc.cluster.local.", RecordType::A),
+            Some(vec![
+                "x.example.com.ns1.svc.cluster.local. 240.240.0.2".to_owned()
+            ])
+        );
     }
 
     #[test]
