@@ -137,6 +137,7 @@ bench: envoy agent netpeers dnspeers wasmpeers
 	MESHAGENT_BIN=$(AGENT_BIN) cargo bench -p meshagent --bench startup
 	MESHAGENT_BIN=$(AGENT_BIN) cargo bench -p meshagent --bench iptables
 	MESHAGENT_BIN=$(AGENT_BIN) cargo bench -p meshagent --bench grpc
+	MESHAGENT_BIN=$(AGENT_BIN) cargo bench -p meshagent --bench dns_push
 
 # Fuzzing (not part of `make test`, which replays fuzz/corpus through the same entry points
 # in tests/fuzz_corpus.rs): a short libFuzzer run of every target. cargo-fuzz needs nightly

@@ -197,6 +197,7 @@ pub async fn start(
         forward_before_table: opts.forward_before_table,
         cache,
         metrics,
+        pool: forward::Pool::default(),
     });
     tracing::info!(addrs = ?addrs, upstreams = ?resolv.servers, search = ?resolv.search, "DNS proxy listening");
 

@@ -55,6 +55,7 @@ fn core() -> &'static Core {
             timeout: Duration::from_secs(1),
             forward_before_table: false,
             cache: None,
+            pool: Default::default(),
             metrics: meshagent::dns::metrics::Metrics::new(&meshagent::metrics::Registry::new()),
         }
     })

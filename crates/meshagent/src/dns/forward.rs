@@ -12,9 +12,11 @@ use tokio::net::{TcpStream, UdpSocket};
 
 use super::handler::Proto;
 
+/// The upstream's reply as it sent it, and decoded.
 type Reply = (Vec<u8>, Message);
 
 pub async fn sequential(
+    pool: &Pool,
     servers: &[SocketAddr],
     raw: &[u8],
     proto: Proto,
@@ -22,7 +24,7 @@ pub async fn sequential(
 ) -> Result<Reply, String> {
     let mut last = "no upstream servers in resolv.conf".to_owned();
     for s in servers {
-        match exchange(*s, raw, proto, timeout).await {
+        match exchange(pool, *s, raw, proto, timeout).await {
             Ok(r) => return Ok(r),
             Err(e) => {
                 tracing::debug!(upstream = %s, error = %e, "upstream exchange failed");
@@ -34,6 +36,7 @@ pub async fn sequential(
 }
 
 pub async fn parallel(
+    pool: &Pool,
     servers: &[SocketAddr],
     raw: &[u8],
     proto: Proto,
@@ -43,7 +46,7 @@ pub async fn parallel(
         return Err("no upstream servers in resolv.conf".to_owned());
     }
     let all = servers.iter().map(|s| {
-        exchange(*s, raw, proto, timeout)
+        exchange(pool, *s, raw, proto, timeout)
             .map(move |r| r.map_err(|e| format!("{s}: {e}")))
             .boxed()
     });
@@ -53,6 +56,7 @@ pub async fn parallel(
 /// One exchange with one server, bounded by `timeout` as a whole (Istio applies it to dial,
 /// write and read each).
 pub async fn exchange(
+    pool: &Pool,
     server: SocketAddr,
     raw: &[u8],
     proto: Proto,
@@ -60,7 +64,7 @@ pub async fn exchange(
 ) -> Result<Reply, String> {
     let io = async {
         match proto {
-            Proto::Udp => udp(server, raw).await,
+            Proto::Udp => udp(pool, server, raw).await,
             Proto::Tcp => tcp(server, raw).await,
         }
     };
@@ -74,9 +78,11 @@ fn id_of(raw: &[u8]) -> u16 {
     u16::from_be_bytes([raw[0], raw[1]])
 }
 
-/// The reply must answer our query: same ID (checked by the caller), and the same question
-/// (compared on the wire, names case-insensitively: the query is forwarded unchanged, but some
-/// servers normalise case).
+/// The reply must answer our query: our ID (checked by the caller)
+/// and the same question (compared on the wire, names case-insensitively: the query is
+/// forwarded unchanged, but some servers normalise case). It is decoded in full, as miekg's
+/// `Exchange` does: a malformed reply is this server's failure (the next one is tried), not
+/// something to relay.
 fn check(reply: &[u8], query: &[u8]) -> Result<Message, String> {
     let m = Message::from_vec(reply).map_err(|e| format!("malformed reply: {e}"))?;
     // A reply with no question section (some servers on FORMERR/SERVFAIL) is still ours.
@@ -113,27 +119,39 @@ fn question(msg: &[u8]) -> Option<&[u8]> {
 }
 
 /// Connected UDP sockets to upstreams, kept for reuse: creating, binding and connecting a
-/// socket per query (what miekg does) costs more than the exchange itself on loopback. A
-/// socket goes back only after a clean exchange, so a late reply to a timed-out query is never
-/// waiting in it (and would be discarded by the ID and question checks anyway).
-static POOL: std::sync::Mutex<Vec<(SocketAddr, UdpSocket)>> = std::sync::Mutex::new(Vec::new());
+/// socket per query (what miekg does) costs more than the exchange itself on loopback. A socket
+/// goes back only after a clean exchange, so a late reply to a timed-out query is never waiting
+/// in it (and would be discarded by the ID and question checks anyway). One pool per proxy: a
+/// socket belongs to the runtime that registered it.
+#[derive(Default)]
+pub struct Pool(std::sync::Mutex<Vec<(SocketAddr, UdpSocket)>>);
+
 const POOL_MAX: usize = 64;
 
-fn pooled(server: SocketAddr) -> Option<UdpSocket> {
-    let mut p = POOL.lock().unwrap_or_else(|e| e.into_inner());
-    let i = p.iter().rposition(|(a, _)| *a == server)?;
-    Some(p.swap_remove(i).1)
-}
+impl Pool {
+    fn take(&self, server: SocketAddr) -> Option<UdpSocket> {
+        let mut p = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        let i = p.iter().rposition(|(a, _)| *a == server)?;
+        Some(p.swap_remove(i).1)
+    }
 
-fn give_back(server: SocketAddr, sock: UdpSocket) {
-    let mut p = POOL.lock().unwrap_or_else(|e| e.into_inner());
-    if p.len() < POOL_MAX {
-        p.push((server, sock));
+    fn give_back(&self, server: SocketAddr, sock: UdpSocket) {
+        let mut p = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        if p.len() < POOL_MAX {
+            p.push((server, sock));
+        }
     }
 }
 
-async fn udp(server: SocketAddr, raw: &[u8]) -> Result<Reply, String> {
-    let sock = match pooled(server) {
+thread_local! {
+    /// Where upstream UDP replies land: one 64 KiB buffer per thread, not one per query or
+    /// per pooled socket (read synchronously once the socket is readable, copied out at once).
+    static RECV_BUF: std::cell::RefCell<Box<[u8]>> =
+        std::cell::RefCell::new(vec![0u8; 65535].into_boxed_slice());
+}
+
+async fn udp(pool: &Pool, server: SocketAddr, raw: &[u8]) -> Result<Reply, String> {
+    let sock = match pool.take(server) {
         Some(s) => s,
         None => {
             let local: SocketAddr = if server.is_ipv4() {
@@ -147,17 +165,25 @@ async fn udp(server: SocketAddr, raw: &[u8]) -> Result<Reply, String> {
         }
     };
     sock.send(raw).await.map_err(|e| e.to_string())?;
-    let mut buf = vec![0u8; 65535];
     loop {
-        let n = sock.recv(&mut buf).await.map_err(|e| e.to_string())?;
-        // Stray datagrams (wrong ID) are ignored, as miekg does; the timeout bounds the wait.
-        if n < 12 || id_of(&buf[..n]) != id_of(raw) {
-            continue;
+        sock.readable().await.map_err(|e| e.to_string())?;
+        let got = RECV_BUF.with_borrow_mut(|buf| match sock.try_recv(buf) {
+            Ok(n) => {
+                let reply = &buf[..n];
+                // Stray datagrams (wrong ID) are ignored, as miekg does; the timeout bounds
+                // the wait.
+                if n < 12 || id_of(reply) != id_of(raw) {
+                    return Ok(None);
+                }
+                check(reply, raw).map(|m| Some((reply.to_vec(), m)))
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => Ok(None),
+            Err(e) => Err(e.to_string()),
+        })?;
+        if let Some(r) = got {
+            pool.give_back(server, sock);
+            return Ok(r);
         }
-        let m = check(&buf[..n], raw)?;
-        buf.truncate(n);
-        give_back(server, sock);
-        return Ok((buf, m));
     }
 }
 

@@ -67,6 +67,8 @@ pub struct Core {
     pub forward_before_table: bool,
     pub cache: Option<Cache>,
     pub metrics: Metrics,
+    /// Connected upstream UDP sockets for reuse.
+    pub pool: forward::Pool,
 }
 
 impl Core {
@@ -148,11 +150,13 @@ impl Core {
         self.metrics.upstream_requests.inc();
         let start = Instant::now();
         let result = if self.parallel {
-            forward::parallel(&self.upstreams, &f.raw, proto, self.timeout).await
+            forward::parallel(&self.pool, &self.upstreams, &f.raw, proto, self.timeout).await
+        } else if self.upstreams.len() == 1 {
+            forward::sequential(&self.pool, &self.upstreams, &f.raw, proto, self.timeout).await
         } else {
             let mut servers = self.upstreams.clone();
             servers.shuffle(&mut rand::rng());
-            forward::sequential(&servers, &f.raw, proto, self.timeout).await
+            forward::sequential(&self.pool, &servers, &f.raw, proto, self.timeout).await
         };
         self.metrics
             .upstream_duration
