@@ -369,7 +369,7 @@ async fn twenty_mib_request_passes_the_agent_and_devplane_refuses_it_as_istiod()
     let (_, first) = next_response(&mut stream, "the first CDS response").await;
 
     let names: Vec<String> = (0..10_000)
-        .map(|i| format!("outbound|80||svc-{i:05}.{}.svc.cluster.local", "n".repeat(2000)))
+        .map(|i| format!("outbound|80||svc-{i:05}.{}.svc.cluster.local", "n".repeat(2100)))
         .collect();
     let big = sotw_request(type_url::ENDPOINT, names, None);
     let size = big.len();

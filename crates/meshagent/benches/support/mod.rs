@@ -267,6 +267,17 @@ pub fn unix_now() -> f64 {
         .unwrap_or_default()
 }
 
+/// Prints p50/p90/max of `values` (milliseconds) on one line.
+pub fn print_summary(title: &str, values: &[f64]) {
+    println!(
+        "  {title} (n={}): p50 {:.0} ms, p90 {:.0} ms, max {:.0} ms",
+        values.len(),
+        quantile(values, 0.5),
+        quantile(values, 0.9),
+        quantile(values, 1.0)
+    );
+}
+
 /// Prints `values` (milliseconds) as a histogram of `bucket_ms` buckets from the first to the
 /// last non-empty one (widened so at most 40 rows print), then p50/p90/max.
 pub fn print_histogram(title: &str, values: &[f64], bucket_ms: f64) {
