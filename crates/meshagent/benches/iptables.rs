@@ -25,7 +25,11 @@ use meshagent::iptables::{ISTIO_INIT_DEFAULT_ARGS, nft, rules};
 
 /// The injector's istio-init arguments, quieter than its `default:info`.
 fn default_args() -> Vec<&'static str> {
-    [ISTIO_INIT_DEFAULT_ARGS, &["--log_output_level=default:error"]].concat()
+    [
+        ISTIO_INIT_DEFAULT_ARGS,
+        &["--log_output_level=default:error"],
+    ]
+    .concat()
 }
 
 fn sh(cmd: &str, args: &[&str]) {

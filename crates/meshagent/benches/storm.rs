@@ -219,7 +219,10 @@ async fn devplane_restart(n: usize, outage: Duration, bucket: f64) {
     let recovered = configured.iter().copied().fold(back, f64::max);
     tokio::time::sleep(Duration::from_millis(300)).await;
     let cpu = cpu_secs(dp.proc.pid()) - cpu0;
-    let reopened = opens(&dp.debug_json("/debug/clients").await, "sidecar~127.0.0.1~storm");
+    let reopened = opens(
+        &dp.debug_json("/debug/clients").await,
+        "sidecar~127.0.0.1~storm",
+    );
     let dials: Vec<f64> = dial_failures(&agents)
         .await
         .iter()
@@ -330,11 +333,7 @@ async fn burst_start(n: usize, bucket: f64) {
         .as_array()
         .into_iter()
         .flatten()
-        .filter(|r| {
-            r["identity"]
-                .to_string()
-                .contains("burst")
-        })
+        .filter(|r| r["identity"].to_string().contains("burst"))
         .filter_map(|r| r["unix_time"].as_f64())
         .collect();
     let csr_errors = dp
@@ -345,7 +344,10 @@ async fn burst_start(n: usize, bucket: f64) {
         .flatten()
         .filter(|r| !r["error"].is_null())
         .count();
-    let opened = opens(&dp.debug_json("/debug/clients").await, "sidecar~127.0.0.1~burst");
+    let opened = opens(
+        &dp.debug_json("/debug/clients").await,
+        "sidecar~127.0.0.1~burst",
+    );
     let retries: Vec<f64> = logs
         .iter()
         .map(|l| l.lock().unwrap().attempts.len() as f64 - 1.0)
@@ -365,8 +367,16 @@ async fn burst_start(n: usize, bucket: f64) {
         (ready - t0) * 1000.0,
         (done - t0) * 1000.0
     );
-    print_histogram("agent spawns (ms after the first)", &ms_since(&spawns, t0), bucket);
-    print_histogram("CSR arrivals at the CA (ms after the first spawn)", &ms_since(&csrs, t0), bucket);
+    print_histogram(
+        "agent spawns (ms after the first)",
+        &ms_since(&spawns, t0),
+        bucket,
+    );
+    print_histogram(
+        "CSR arrivals at the CA (ms after the first spawn)",
+        &ms_since(&csrs, t0),
+        bucket,
+    );
     print_histogram(
         "xDS stream opens at devplane (ms after the first spawn)",
         &ms_since(&opened, t0),
@@ -377,7 +387,10 @@ async fn burst_start(n: usize, bucket: f64) {
         .zip(&spawns)
         .map(|(c, s)| (c - s) * 1000.0)
         .collect();
-    print_summary("each agent's spawn → its client's first config (ms)", &latency);
+    print_summary(
+        "each agent's spawn → its client's first config (ms)",
+        &latency,
+    );
     println!(
         "  CSRs: {} for {n} agents ({csr_errors} failed); client stream retries before config: max {:.0}; load after: {}",
         csrs.len(),
@@ -397,7 +410,9 @@ async fn main() {
     let n = env_num("STORM_N", 200) as usize;
     let outage = Duration::from_millis(env_num("STORM_OUTAGE_MS", 5000));
     let bucket = env_num("STORM_BUCKET_MS", 100) as f64;
-    println!("reconnect storm: {n} agents (DISABLE_ENVOY) against one devplane, Envoy-like ADS clients");
+    println!(
+        "reconnect storm: {n} agents (DISABLE_ENVOY) against one devplane, Envoy-like ADS clients"
+    );
     devplane_restart(n, outage, bucket).await;
     burst_start(n, bucket).await;
 }

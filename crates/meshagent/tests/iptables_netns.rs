@@ -319,9 +319,11 @@ fn sa(s: &str) -> SocketAddr {
 
 /// The injector's arguments for a pod with `excludeOutboundPorts: "9090"`.
 fn sidecar() -> Vec<&'static str> {
-    [ISTIO_INIT_DEFAULT_ARGS, &["-o",
-    "9090",
-    "--log_output_level=default:info"]].concat()
+    [
+        ISTIO_INIT_DEFAULT_ARGS,
+        &["-o", "9090", "--log_output_level=default:info"],
+    ]
+    .concat()
 }
 
 fn with_backend<'a>(backend: Backend, args: &[&'a str]) -> Vec<&'a str> {
@@ -604,7 +606,10 @@ fn injected_lists() -> Vec<Vec<&'static str>> {
         // kubevirtInterfaces and excludeInterfaces
         injected(&[], &["-k", "net1", "-c", "net2", LOG]),
         // DNS capture (ISTIO_META_DNS_CAPTURE arrives as env; here the flag), drop invalid, dual stack
-        injected(&[], &["--redirect-dns", "--drop-invalid", "--dual-stack", LOG]),
+        injected(
+            &[],
+            &["--redirect-dns", "--drop-invalid", "--dual-stack", LOG],
+        ),
         // forceApplyIptables + logAsJson
         injected(&[], &["--force-apply", LOG, "--log_as_json"]),
         // OpenShift-style proxy uid
@@ -612,7 +617,11 @@ fn injected_lists() -> Vec<Vec<&'static str>> {
         // CNI validation container
         injected(
             &[],
-            &["--run-validation", "--skip-rule-apply", "--probe-timeout=1s"],
+            &[
+                "--run-validation",
+                "--skip-rule-apply",
+                "--probe-timeout=1s",
+            ],
         ),
     ]
 }

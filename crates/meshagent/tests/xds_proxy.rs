@@ -287,7 +287,10 @@ fn sha256(b: &[u8]) -> Vec<u8> {
 async fn next_response(
     stream: &mut tonic::Streaming<bytes::Bytes>,
     what: &str,
-) -> (usize, meshagent_proto::envoy::pb::envoy::service::discovery::v3::DiscoveryResponse) {
+) -> (
+    usize,
+    meshagent_proto::envoy::pb::envoy::service::discovery::v3::DiscoveryResponse,
+) {
     use prost::Message;
     let raw = tokio::time::timeout(Duration::from_secs(60), stream.message())
         .await
@@ -369,11 +372,19 @@ async fn twenty_mib_request_passes_the_agent_and_devplane_refuses_it_as_istiod()
     let (_, first) = next_response(&mut stream, "the first CDS response").await;
 
     let names: Vec<String> = (0..10_000)
-        .map(|i| format!("outbound|80||svc-{i:05}.{}.svc.cluster.local", "n".repeat(2100)))
+        .map(|i| {
+            format!(
+                "outbound|80||svc-{i:05}.{}.svc.cluster.local",
+                "n".repeat(2100)
+            )
+        })
         .collect();
     let big = sotw_request(type_url::ENDPOINT, names, None);
     let size = big.len();
-    assert!(size > 20 * 1024 * 1024 && size < meshagent::xds::MAX_MESSAGE, "{size}");
+    assert!(
+        size > 20 * 1024 * 1024 && size < meshagent::xds::MAX_MESSAGE,
+        "{size}"
+    );
     tx.send(sotw_request(
         type_url::CLUSTER,
         vec![],

@@ -285,7 +285,11 @@ pub fn print_histogram(title: &str, values: &[f64], bucket_ms: f64) {
         println!("  {title}: no samples");
         return;
     }
-    let lo = values.iter().copied().fold(f64::INFINITY, f64::min).min(0.0);
+    let lo = values
+        .iter()
+        .copied()
+        .fold(f64::INFINITY, f64::min)
+        .min(0.0);
     let hi = values.iter().copied().fold(f64::NEG_INFINITY, f64::max);
     let mut bucket = bucket_ms;
     while ((hi - lo) / bucket).floor() >= 40.0 {
@@ -312,11 +316,6 @@ pub fn print_histogram(title: &str, values: &[f64], bucket_ms: f64) {
     for (k, c) in counts.iter().enumerate().take(skip_hi + 1).skip(skip_lo) {
         let start = (first + k as i64) as f64 * bucket;
         let bar = "#".repeat((c * 50).div_ceil(widest));
-        println!(
-            "    {:>7.0}..{:<7.0} {:>4} {bar}",
-            start,
-            start + bucket,
-            c
-        );
+        println!("    {:>7.0}..{:<7.0} {:>4} {bar}", start, start + bucket, c);
     }
 }

@@ -890,7 +890,13 @@ mod tests {
     fn injected_default_args() {
         // The injector's istio-init args (injection-template.yaml).
         let c = Config::from_args(
-            &args(&[crate::iptables::ISTIO_INIT_DEFAULT_ARGS, &["--log_output_level=default:info"]].concat()),
+            &args(
+                &[
+                    crate::iptables::ISTIO_INIT_DEFAULT_ARGS,
+                    &["--log_output_level=default:info"],
+                ]
+                .concat(),
+            ),
             &env(&[]),
         )
         .unwrap();
