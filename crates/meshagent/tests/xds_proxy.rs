@@ -330,7 +330,7 @@ async fn hundred_mib_response_reaches_the_client_intact() {
 
     let blob = big_cluster("huge", SIZE);
     let want = sha256(&blob);
-    let started = std::time::Instant::now();
+    let started = tokio::time::Instant::now();
     dp.set_resource(type_url::CLUSTER, "huge", &blob).await;
     drop(blob);
     let (len, resp) = next_response(&mut stream, "the 100 MiB CDS push").await;
