@@ -263,7 +263,15 @@ impl Agent {
         let platform = platform
             .await
             .unwrap_or_else(|_| crate::platform::Platform::unknown());
-        let node = Node::with_platform(cfg, node.ips, &platform)?;
+        let mut node = Node::with_platform(cfg, node.ips, &platform)?;
+        if *identity.mode() == crate::identity::IdentityMode::ExternalSds {
+            // Istio's agent marks the node so istiod and the bootstrap send `file-*` names to
+            // the agent's own file-only SDS socket (pkg/istio-agent/agent.go, initSdsServer).
+            node.metadata.insert(
+                bootstrap::FILE_CREDENTIAL_META.to_owned(),
+                serde_json::Value::String("true".to_owned()),
+            );
+        }
         tracing::info!(node = %node.id, ips = ?node.ips, locality = %node.locality, "proxy node");
         if grpc_bootstrap {
             // Istio renders it from the same node metadata as Envoy's (PLATFORM_METADATA and

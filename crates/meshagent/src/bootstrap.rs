@@ -124,6 +124,21 @@ impl Node {
     }
 }
 
+/// Node metadata key saying the agent serves `file-*` SDS names on its own socket because an
+/// external SDS server owns the workload socket (Istio `security.CredentialFileMetaDataName`).
+/// istiod then points `file-*` secrets at cluster `sds-files-grpc`.
+pub const FILE_CREDENTIAL_META: &str = "file-credential";
+
+/// Where Envoy reaches the agent's file-only SDS server, when the node says it has one: Istio
+/// sets its `custom_file_path` template option to `security.FileCredentialNameSocketPath`
+/// when the raw metadata has the `file-credential` key at all (pkg/bootstrap/config.go), and
+/// the template adds cluster `sds-files-grpc` for it.
+pub fn custom_file_sds_path(node: &Node) -> Option<String> {
+    node.metadata
+        .contains_key(FILE_CREDENTIAL_META)
+        .then(|| format!("./{}", crate::sds::FILES_SOCKET))
+}
+
 /// Renders Istio's default bootstrap for `cfg` and `node`.
 pub fn render(cfg: &Config, node: &Node) -> Result<Value, BootstrapError> {
     let inp = Inputs::new(cfg, node)?;
@@ -155,6 +170,11 @@ fn render_inputs(cfg: &Config, node: &Node, inp: &Inputs) -> Value {
     let mut sds = static_cluster("sds-grpc", "1s", json!({"pipe": {"path": sds_socket}}));
     sds["typed_extension_protocol_options"] = h2_options();
     clusters.push(sds);
+    if let Some(path) = custom_file_sds_path(node) {
+        let mut files = static_cluster("sds-files-grpc", "1s", json!({"pipe": {"path": path}}));
+        files["typed_extension_protocol_options"] = h2_options();
+        clusters.push(files);
+    }
     let mut xds = static_cluster(
         "xds-grpc",
         "1s",

@@ -65,6 +65,8 @@ pub enum RunError {
     Netns { path: String, error: String },
     #[error("cannot set up logging: {0}")]
     Logging(String),
+    #[error("--cni-mode: cannot set up the pod-scoped xtables lock ({step}): {error}")]
+    LockSandbox { step: String, error: String },
 }
 
 /// If `argv` (with argv\[0\]) runs the `istio-iptables` subcommand, its arguments (root
@@ -179,10 +181,79 @@ fn enter_netns(ns: &str) -> Result<(), RunError> {
     })
 }
 
+/// The host's xtables lock, which every legacy iptables command takes (`--wait`).
+const XTABLES_LOCK: &str = "/run/xtables.lock";
+
+/// `--cni-mode`: the commands run from the host's filesystem but in the pod's network
+/// namespace, so they would share the host's `/run/xtables.lock` with every other pod being
+/// set up and with the node's own iptables users. As Istio's `runInSandbox`
+/// (tools/istio-iptables/pkg/dependencies/implementation_linux.go), this process moves into a
+/// mount namespace of its own (propagation from the host kept one-way) and bind-mounts the
+/// network namespace file over the lock, so the lock is per pod. Every command started
+/// afterwards inherits it; nothing is changed outside this process.
+///
+/// Must run before any thread is started (unshare(CLONE_NEWNS) needs an unshared `fs`): the
+/// `istio-iptables` subcommand is single-threaded.
+fn enter_lock_sandbox(netns: &str) -> Result<(), RunError> {
+    use nix::mount::{MsFlags, mount};
+    let fail = |step: &str| {
+        let step = step.to_owned();
+        move |e: nix::Error| RunError::LockSandbox {
+            step,
+            error: e.to_string(),
+        }
+    };
+    let source = if netns.is_empty() {
+        // Already in the pod's namespace (the CNI plugin entered it): its file is ours.
+        PathBuf::from("/proc/self/ns/net")
+    } else if netns.starts_with('/') {
+        PathBuf::from(netns)
+    } else {
+        PathBuf::from("/var/run/netns").join(netns)
+    };
+    nix::sched::unshare(nix::sched::CloneFlags::CLONE_NEWNS)
+        .map_err(fail("unshare a mount namespace"))?;
+    mount(
+        None::<&str>,
+        "/",
+        None::<&str>,
+        MsFlags::MS_SLAVE | MsFlags::MS_REC,
+        None::<&str>,
+    )
+    .map_err(fail("make / a slave mount"))?;
+    // The bind target must exist; iptables would create it anyway.
+    if let Err(e) = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(XTABLES_LOCK)
+    {
+        return Err(RunError::LockSandbox {
+            step: format!("create {XTABLES_LOCK}"),
+            error: e.to_string(),
+        });
+    }
+    mount(
+        Some(&source),
+        XTABLES_LOCK,
+        None::<&str>,
+        MsFlags::MS_BIND,
+        None::<&str>,
+    )
+    .map_err(fail(&format!(
+        "bind {} over {XTABLES_LOCK}",
+        source.display()
+    )))?;
+    tracing::debug!(lock = %source.display(), "pod-scoped xtables lock");
+    Ok(())
+}
+
 /// The configured run (Istio tools/istio-iptables/pkg/cmd/root.go `Run`).
 pub fn run(mut cfg: Config) -> Result<u8, RunError> {
     if !cfg.network_namespace.is_empty() {
         enter_netns(&cfg.network_namespace)?;
+    }
+    if cfg.cni_mode && !cfg.dry_run {
+        enter_lock_sandbox(&cfg.network_namespace)?;
     }
     match cfg.detect(RESOLV_CONF) {
         Ok(()) => {}

@@ -24,6 +24,8 @@ struct Case {
     annotations: Vec<(&'static str, &'static str)>,
     labels: Vec<(&'static str, &'static str)>,
     ips: Vec<&'static str>,
+    /// Node metadata the agent adds after startup decisions (e.g. `file-credential`).
+    node_meta: Vec<(&'static str, &'static str)>,
     flags: fn(&mut ProxyFlags),
     /// Turns the default expectation into this case's.
     expect: fn(&mut Value),
@@ -37,6 +39,7 @@ impl Case {
             annotations: vec![],
             labels: vec![],
             ips: vec!["10.3.3.3", "10.4.4.4"],
+            node_meta: vec![],
             flags: |_| {},
             expect: |_| {},
         }
@@ -60,6 +63,10 @@ impl Case {
     }
     fn ips(mut self, ips: &[&'static str]) -> Self {
         self.ips = ips.to_vec();
+        self
+    }
+    fn node_meta(mut self, k: &'static str, v: &'static str) -> Self {
+        self.node_meta.push((k, v));
         self
     }
     fn flags(mut self, f: fn(&mut ProxyFlags)) -> Self {
@@ -393,6 +400,24 @@ fn sds(name: &str) -> Value {
 fn cases() -> Vec<Case> {
     vec![
         Case::new("default"),
+        // An external SDS server owns the workload socket: the agent marks the node
+        // `file-credential` and Istio's config.go sets `custom_file_path` to the agent's
+        // file-only socket, for which the template adds `sds-files-grpc` (shaped as
+        // `sds-grpc`) right after it.
+        Case::new("external_sds_file_credential")
+            .node_meta("file-credential", "true")
+            .expect(|v| {
+                meta(v).insert("file-credential".into(), json!("true"));
+                let clusters = v["static_resources"]["clusters"].as_array_mut().unwrap();
+                let at = clusters.iter().position(|c| c["name"] == "sds-grpc").unwrap();
+                clusters.insert(
+                    at + 1,
+                    pipe_cluster(
+                        "sds-files-grpc",
+                        "./var/run/secrets/credential-uds/files-socket",
+                    ),
+                );
+            }),
         // serviceClusterOrDefault: no namespace → plain istio-proxy; empty NAMESPACE omitted.
         Case::new("no_namespace").unset("POD_NAMESPACE").expect(|v| {
             v["node"]["id"] = json!("sidecar~10.3.3.3~foo.~.svc.cluster.local");
@@ -1021,7 +1046,10 @@ fn golden_bootstraps() {
     for case in cases() {
         let dir = tempfile::tempdir().unwrap();
         let cfg = load(&case, dir.path());
-        let node = Node::with_ips(&cfg, ips(&case)).unwrap();
+        let mut node = Node::with_ips(&cfg, ips(&case)).unwrap();
+        for (k, v) in &case.node_meta {
+            node.metadata.insert((*k).to_owned(), json!(v));
+        }
         let got =
             bootstrap::render(&cfg, &node).unwrap_or_else(|e| panic!("{}: render: {e}", case.name));
         let mut want = expected_default();

@@ -33,6 +33,7 @@ pub const NAMES: &[&str] = &[
     "dual_stack",
     "dns_lookup_family",
     "outlier_log_path",
+    "custom_file_path",
     "log_json",
     "zipkin",
     "lightstep",
@@ -181,6 +182,9 @@ pub fn params(cfg: &Config, node: &Node, inp: &Inputs) -> Map<String, Value> {
     put("dual_stack", json!(inp.additional_wildcard.is_some()));
     put("dns_lookup_family", json!(inp.dns_lookup_family));
     put("outlier_log_path", json!(cfg.flags.outlier_log_path));
+    if let Some(path) = super::custom_file_sds_path(node) {
+        put("custom_file_path", json!(path));
+    }
     put("log_json", json!(cfg.flags.log_as_json));
     match &inp.tracer {
         Some(Tracer::Zipkin { address }) => put("zipkin", json_str(address)),
