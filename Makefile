@@ -9,7 +9,7 @@ export ENVOY_BIN
 
 NEXTEST := $(shell cargo nextest --version >/dev/null 2>&1 && echo yes)
 
-.PHONY: all build agent test lint unit envoy peers netpeers dnspeers wasmpeers fuzz-dns bench demo fuzz fuzz-tools clean-tools \
+.PHONY: all build agent test lint unit envoy peers netpeers dnspeers wasmpeers bench demo fuzz fuzz-tools clean-tools \
 	deploytools deploy-validate imagetools image image-test orderfile
 
 all: build
@@ -101,17 +101,6 @@ wasmpeers:
 	else echo "installing wabt docker-registry skopeo apache2-utils"; \
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq wabt docker-registry skopeo apache2-utils >/dev/null; fi
 
-# The DNS request-path fuzz target (crates/meshagent/fuzz); longer runs:
-# FUZZ_SECONDS=3600 make fuzz-dns. Needs the nightly toolchain and cargo-fuzz, so it is not part
-# of `make test` (which replays the corpus in a normal test instead).
-FUZZ_SECONDS ?= 20
-fuzz-dns:
-	@rustup toolchain list | grep -q '^nightly' || rustup toolchain install nightly --profile minimal
-	@cargo fuzz --version >/dev/null 2>&1 || cargo install cargo-fuzz --locked
-	mkdir -p $(TOOLS)/fuzz/dns_request
-	cd crates/meshagent && cargo +nightly fuzz run dns_request $(TOOLS)/fuzz/dns_request fuzz/corpus/dns_request -- \
-	  -max_total_time=$(FUZZ_SECONDS) -max_len=4096
-
 lint:
 	cargo fmt --all -- --check
 	cargo clippy --workspace --all-targets -- -D warnings
@@ -138,6 +127,7 @@ bench: envoy agent netpeers dnspeers wasmpeers
 	MESHAGENT_BIN=$(AGENT_BIN) cargo bench -p meshagent --bench iptables
 	MESHAGENT_BIN=$(AGENT_BIN) cargo bench -p meshagent --bench grpc
 	MESHAGENT_BIN=$(AGENT_BIN) cargo bench -p meshagent --bench dns_push
+	MESHAGENT_BIN=$(AGENT_BIN) cargo bench -p meshagent --bench storm
 
 # Fuzzing (not part of `make test`, which replays fuzz/corpus through the same entry points
 # in tests/fuzz_corpus.rs): a short libFuzzer run of every target. cargo-fuzz needs nightly
@@ -145,7 +135,7 @@ bench: envoy agent netpeers dnspeers wasmpeers
 # New inputs go to fuzz/corpus-run/<target> (gitignored); crashes to fuzz/artifacts/<target>.
 # A crash is a defect: fix it and commit the input under fuzz/corpus/<target>/.
 CARGO_FUZZ_VERSION := 0.13.2
-FUZZ_TARGETS := config_env proxy_config probers xds_wire xds_framing sds metrics_dedupe
+FUZZ_TARGETS := config_env proxy_config probers xds_wire xds_framing sds metrics_dedupe dns_request
 FUZZ_SECONDS ?= 30
 fuzz-tools:
 	@if cargo fuzz --version 2>/dev/null | grep -q "$(CARGO_FUZZ_VERSION)"; then :; \

@@ -164,6 +164,31 @@ struct Stream {
     resources: Resources,
 }
 
+/// Largest request devplane accepts, as istiod: its gRPC server takes `MaxRecvMsgSize` from
+/// `ISTIO_GPRC_MAXRECVMSGSIZE` (default 4 MiB; Istio `pkg/features`, applied by
+/// `pkg/istio-agent/grpcxds`'s and istiod's shared `istiogrpc.ServerOptions`).
+pub const MAX_RECV_MESSAGE: usize = 4 * 1024 * 1024;
+
+/// The status istiod's client sees for a failed receive, or `None` when the client went away
+/// (nobody to tell). tonic reports an oversized message as `OutOfRange`; grpc-go, and so
+/// istiod, as `ResourceExhausted` "grpc: received message larger than max (N vs. M)".
+fn receive_error(s: Status) -> Option<Status> {
+    if s.code() == tonic::Code::OutOfRange
+        && let Some(rest) = s
+            .message()
+            .strip_prefix("Error, decoded message length too large: found ")
+    {
+        let found = rest.split(' ').next().unwrap_or("?");
+        return Some(Status::resource_exhausted(format!(
+            "grpc: received message larger than max ({found} vs. {MAX_RECV_MESSAGE})"
+        )));
+    }
+    match s.code() {
+        tonic::Code::Cancelled | tonic::Code::Unknown => None,
+        _ => Some(s),
+    }
+}
+
 enum Event<R> {
     Request(R),
     MeshChanged,
@@ -280,6 +305,11 @@ impl Stream {
                 }
                 Event::Closed(status) => {
                     tracing::info!(client = self.client.id(), ?status, "client disconnected");
+                    // istiod returns a receive error to the client as the stream's status
+                    // (`pilot/pkg/xds/ads.go` `Stream`), e.g. an oversized request.
+                    if let Some(s) = status.and_then(receive_error) {
+                        let _ = tx.send(Err(s)).await;
+                    }
                     return;
                 }
             };
@@ -402,6 +432,11 @@ impl Stream {
                 }
                 Event::Closed(status) => {
                     tracing::info!(client = self.client.id(), ?status, "client disconnected");
+                    // istiod returns a receive error to the client as the stream's status
+                    // (`pilot/pkg/xds/ads.go` `Stream`), e.g. an oversized request.
+                    if let Some(s) = status.and_then(receive_error) {
+                        let _ = tx.send(Err(s)).await;
+                    }
                     return;
                 }
             };

@@ -1,8 +1,11 @@
 //! Debug HTTP endpoint (bind it to loopback): JSON views of what clients sent, for tests.
 //!
-//! * `GET /debug/clients`: every xDS client (live and recently disconnected)
+//! * `GET /debug/clients`: every xDS client (live and recently disconnected), with
+//!   `serving_since` (Unix seconds: when this devplane process started listening, so a
+//!   benchmark can time reconnects relative to a restart)
 //! * `GET /debug/acks`: live clients' ACKed versions and NACKs only (cheap to poll)
-//! * `GET /debug/csr`: the last CSR calls
+//! * `GET /debug/csr`: the last CSR calls, each with `unix_time` (Unix seconds of arrival)
+//!   besides the RFC 3339 `time`
 //! * `GET /debug/token?namespace=NS&serviceAccount=SA[&ttlSeconds=N]`: a token devplane accepts
 //! * `POST /debug/resource?type=URL&name=NAME` (body: the serialized resource, any bytes):
 //!   serve it to every client as resource NAME of type URL, in place of a generated one, and
@@ -10,7 +13,7 @@
 //! * `GET /healthz`: 200 once serving
 
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use axum::Json;
 use axum::body::Bytes;
@@ -35,6 +38,8 @@ pub struct DebugState {
     pub mesh: watch::Receiver<Arc<Mesh>>,
     pub tokens: Arc<TokenIssuer>,
     pub overrides: watch::Sender<Arc<Resources>>,
+    /// When the gRPC listener was bound.
+    pub serving_since: SystemTime,
 }
 
 /// Largest resource accepted by `POST /debug/resource`.
@@ -57,7 +62,11 @@ pub fn router(state: DebugState) -> axum::Router {
         .route("/healthz", get(|| async { "ok" }))
         .route(
             "/debug/clients",
-            get(|State(s): State<DebugState>| async move { Json(s.clients.snapshot()) }),
+            get(|State(s): State<DebugState>| async move {
+                let mut v = s.clients.snapshot();
+                v["serving_since"] = unix_secs(s.serving_since).into();
+                Json(v)
+            }),
         )
         .route(
             "/debug/acks",
@@ -65,7 +74,7 @@ pub fn router(state: DebugState) -> axum::Router {
         )
         .route(
             "/debug/csr",
-            get(|State(s): State<DebugState>| async move { Json(s.csr_log.snapshot()) }),
+            get(|State(s): State<DebugState>| async move { Json(csr_records(&s.csr_log)) }),
         )
         .route("/debug/token", get(token))
         .route(
@@ -73,6 +82,25 @@ pub fn router(state: DebugState) -> axum::Router {
             post(set_resource).layer(DefaultBodyLimit::max(MAX_RESOURCE)),
         )
         .with_state(state)
+}
+
+fn unix_secs(t: SystemTime) -> f64 {
+    t.duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs_f64())
+        .unwrap_or_default()
+}
+
+/// The CSR log with each record's arrival also in Unix seconds (millisecond RFC 3339 is too
+/// coarse to histogram a storm, and clients compare it with their own clock).
+fn csr_records(log: &CsrLog) -> serde_json::Value {
+    log.snapshot()
+        .into_iter()
+        .map(|r| {
+            let mut v = serde_json::to_value(&r).unwrap_or_default();
+            v["unix_time"] = unix_secs(r.time).into();
+            v
+        })
+        .collect()
 }
 
 #[derive(Deserialize)]

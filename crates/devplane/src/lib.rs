@@ -90,6 +90,7 @@ pub async fn serve(opts: ServeOptions) -> Result<(), ServeError> {
             source,
         })?;
     let grpc_addr = grpc.local_addr().unwrap_or(opts.grpc_addr);
+    let serving_since = std::time::SystemTime::now();
     let mut tasks = tokio::task::JoinSet::new();
     {
         let ads = ads::AdsService::new(
@@ -141,6 +142,7 @@ pub async fn serve(opts: ServeOptions) -> Result<(), ServeError> {
             mesh: mesh_rx,
             tokens,
             overrides: overrides_tx,
+            serving_since,
         });
         tasks.spawn(async move {
             axum::serve(l, app)
@@ -165,7 +167,8 @@ fn grpc_router(ads: ads::AdsService, ca: ca::CaService) -> tonic::transport::ser
         .http2_keepalive_interval(Some(Duration::from_secs(30)))
         .add_service(
             AggregatedDiscoveryServiceServer::new(ads)
-                .max_decoding_message_size(usize::MAX)
+                // Requests are limited as istiod limits them; responses are not.
+                .max_decoding_message_size(ads::MAX_RECV_MESSAGE)
                 .max_encoding_message_size(usize::MAX),
         )
         .add_service(ca.into_server())

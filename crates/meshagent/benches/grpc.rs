@@ -14,172 +14,15 @@
 //! `GRPC_BENCH_N=50,200` chooses the sizes; `GRPC_BENCH_CHANGES` the changes per phase.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex};
+mod support;
+
+use std::path::Path;
 use std::time::Duration;
 
 use meshagent::control_plane::{Keepalive, Roots, Target, Tls};
-use meshagent_proto::envoy::pb::envoy::config::core::v3::Node;
-use meshagent_proto::envoy::pb::envoy::service::discovery::v3::{
-    DiscoveryRequest, DiscoveryResponse,
-};
-use meshagent_proto::envoy::pb::google::protobuf::{Struct, Value as PbValue, value::Kind};
-use meshagent_proto::type_url;
-use meshagent_testkit::{Devplane, Sidecar, wait_for};
-use tokio::sync::mpsc;
+use meshagent_testkit::{Devplane, wait_for};
+use support::{Seen, attach, cpu_secs, median, mesh, rss_mib, start_agents, uds_channel};
 use tokio::time::Instant;
-
-const SOTW: &str =
-    "/envoy.service.discovery.v3.AggregatedDiscoveryService/StreamAggregatedResources";
-const CLUSTER: &str = "outbound|7070||echo.default.svc.cluster.local";
-const CLOCK_TICKS: f64 = 100.0;
-
-fn mesh(endpoints: usize) -> String {
-    let mut y = String::from("workloads:\n");
-    let mut sel = vec![];
-    for i in 0..endpoints {
-        y.push_str(&format!(
-            "  - {{name: echo{i}, serviceAccount: echo, address: 127.0.0.{}, ports: [{{port: 17070, inboundPort: 17070}}]}}\n",
-            i + 1
-        ));
-        sel.push(format!("echo{i}"));
-    }
-    y.push_str(&format!(
-        "services:\n  - {{name: echo, selector: [{}], ports: [{{port: 7070, targetPort: 17070}}]}}\n",
-        sel.join(", ")
-    ));
-    y
-}
-
-/// One client's view: versions of EDS responses, with arrival times.
-type Seen = Arc<Mutex<Vec<(String, Instant)>>>;
-
-fn node(id: &str) -> Node {
-    let mut fields = std::collections::BTreeMap::new();
-    fields.insert(
-        "GENERATOR".to_owned(),
-        PbValue {
-            kind: Some(Kind::StringValue("grpc".into())),
-        },
-    );
-    Node {
-        id: id.into(),
-        metadata: Some(Struct {
-            fields: fields.into_iter().collect(),
-        }),
-        ..Default::default()
-    }
-}
-
-/// A SotW ADS client on `channel` subscribed to [`CLUSTER`]'s endpoints.
-async fn xds_client(
-    channel: tonic::transport::Channel,
-    token: Option<String>,
-    node_id: String,
-    seen: Seen,
-) {
-    let (tx, rx) = mpsc::channel::<DiscoveryRequest>(4);
-    tx.send(DiscoveryRequest {
-        node: Some(node(&node_id)),
-        type_url: type_url::ENDPOINT.into(),
-        resource_names: vec![CLUSTER.into()],
-        ..Default::default()
-    })
-    .await
-    .unwrap();
-    let mut grpc = tonic::client::Grpc::new(channel);
-    grpc.ready().await.unwrap();
-    let mut req = tonic::Request::new(tokio_stream::wrappers::ReceiverStream::new(rx));
-    if let Some(t) = token {
-        req.metadata_mut()
-            .insert("authorization", format!("Bearer {t}").parse().unwrap());
-    }
-    let codec = tonic_prost::ProstCodec::<DiscoveryRequest, DiscoveryResponse>::default();
-    let mut stream = grpc
-        .streaming(req, http::uri::PathAndQuery::from_static(SOTW), codec)
-        .await
-        .unwrap()
-        .into_inner();
-    while let Ok(Some(resp)) = stream.message().await {
-        seen.lock()
-            .unwrap()
-            .push((resp.version_info.clone(), Instant::now()));
-        let _ = tx
-            .send(DiscoveryRequest {
-                type_url: resp.type_url,
-                version_info: resp.version_info,
-                response_nonce: resp.nonce,
-                resource_names: vec![CLUSTER.into()],
-                ..Default::default()
-            })
-            .await;
-    }
-}
-
-fn uds_channel(path: PathBuf) -> tonic::transport::Channel {
-    tonic::transport::Endpoint::from_static("http://localhost").connect_with_connector_lazy(
-        tower::service_fn(move |_| {
-            let p = path.clone();
-            async move {
-                Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(
-                    tokio::net::UnixStream::connect(p).await?,
-                ))
-            }
-        }),
-    )
-}
-
-fn cpu_secs(pid: u32) -> f64 {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
-    let after = stat.rsplit_once(')').map_or("", |(_, r)| r);
-    let f: Vec<&str> = after.split_whitespace().collect();
-    let t = |i: usize| f.get(i).and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0);
-    (t(11) + t(12)) / CLOCK_TICKS
-}
-
-fn rss_mib(pid: u32) -> f64 {
-    std::fs::read_to_string(format!("/proc/{pid}/status"))
-        .unwrap_or_default()
-        .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<f64>().ok())
-        .unwrap_or(0.0)
-        / 1024.0
-}
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(|a, b| a.total_cmp(b));
-    v[v.len() / 2]
-}
-
-/// Starts one client per channel; returns their views and tasks once all have a version.
-async fn attach(
-    channels: Vec<(tonic::transport::Channel, Option<String>)>,
-) -> (Vec<Seen>, Vec<tokio::task::JoinHandle<()>>) {
-    let mut seen = vec![];
-    let mut tasks = vec![];
-    for (i, (ch, token)) in channels.into_iter().enumerate() {
-        let s: Seen = Arc::default();
-        seen.push(s.clone());
-        tasks.push(tokio::spawn(xds_client(
-            ch,
-            token,
-            format!("sidecar~127.0.0.1~bench{i}-1.default~default.svc.cluster.local"),
-            s,
-        )));
-    }
-    let views = seen.clone();
-    wait_for(
-        "every client's first EDS response",
-        Duration::from_secs(120),
-        || {
-            let ok = views.iter().all(|s| !s.lock().unwrap().is_empty());
-            async move { ok.then_some(()) }
-        },
-    )
-    .await;
-    (seen, tasks)
-}
 
 /// Writes the mesh with `endpoints` endpoints and returns (time for all clients to see a
 /// new version, devplane CPU seconds meanwhile).
@@ -229,21 +72,8 @@ async fn main() {
     println!("proxyless gRPC: N agents (DISABLE_ENVOY) against one devplane, one xDS client each");
     for n in sizes {
         let dp = Devplane::start(&mesh(1)).await;
-        let env: Vec<(&str, String)> = vec![
-            ("ISTIO_META_GENERATOR", "grpc".into()),
-            ("OUTPUT_CERTS", "./var/lib/istio/data".into()),
-            ("ISTIO_META_DNS_CAPTURE", "false".into()),
-            ("DISABLE_ENVOY", "true".into()),
-            ("ECC_SIGNATURE_ALGORITHM", "ECDSA".into()),
-        ];
         let started = Instant::now();
-        let mut agents = vec![];
-        for i in 0..n {
-            agents.push(Sidecar::start(&dp, &format!("bench{i}"), "default", "bench", &env).await);
-        }
-        for a in &mut agents {
-            a.wait_ready(Duration::from_secs(180)).await;
-        }
+        let agents = start_agents(&dp, "bench", n).await;
         let ready_s = started.elapsed().as_secs_f64();
         let token = dp.token("default", "bench", 3600).await;
         let target = Target {

@@ -21,27 +21,16 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use meshagent::iptables::config::{Config, MapEnv, resolv_conf_servers};
-use meshagent::iptables::{nft, rules};
+use meshagent::iptables::{ISTIO_INIT_DEFAULT_ARGS, nft, rules};
 
-const DEFAULT_ARGS: &[&str] = &[
-    "-p",
-    "15001",
-    "-z",
-    "15006",
-    "-u",
-    "1337",
-    "-m",
-    "REDIRECT",
-    "-i",
-    "*",
-    "-x",
-    "",
-    "-b",
-    "*",
-    "-d",
-    "15090,15021,15020",
-    "--log_output_level=default:error",
-];
+/// The injector's istio-init arguments, quieter than its `default:info`.
+fn default_args() -> Vec<&'static str> {
+    [
+        ISTIO_INIT_DEFAULT_ARGS,
+        &["--log_output_level=default:error"],
+    ]
+    .concat()
+}
 
 fn sh(cmd: &str, args: &[&str]) {
     let st = Command::new(cmd)
@@ -208,11 +197,11 @@ fn main() {
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(30);
-    let dns_v6: Vec<&str> = [DEFAULT_ARGS, &["--redirect-dns", "--dual-stack"]].concat();
+    let dns_v6: Vec<&str> = [default_args(), vec!["--redirect-dns", "--dual-stack"]].concat();
     let scenarios = [
         Scenario {
             name: "iptables default",
-            args: DEFAULT_ARGS.to_vec(),
+            args: default_args(),
             v6: false,
             nft: false,
         },
@@ -224,7 +213,7 @@ fn main() {
         },
         Scenario {
             name: "nft default",
-            args: [&["--native-nftables"][..], DEFAULT_ARGS].concat(),
+            args: [vec!["--native-nftables"], default_args()].concat(),
             v6: false,
             nft: true,
         },

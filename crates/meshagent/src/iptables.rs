@@ -26,6 +26,32 @@ use config::{Config, ConfigError, ProcessEnv};
 /// Path of the resolv.conf whose servers DNS capture redirects.
 pub const RESOLV_CONF: &str = "/etc/resolv.conf";
 
+/// The capture arguments Istio's sidecar injector gives the `istio-init` container of a pod
+/// without traffic annotations (`manifests/charts/istio-control/istio-discovery/files/injection-template.yaml`,
+/// the `istio-init` container's `args`: listener ports, proxy uid, interception mode, the
+/// `includeOutboundIPRanges` / `excludeOutboundIPRanges` / `includeInboundPorts` defaults, and
+/// `-d` from the template's `excludeInboundPort` function: 15090, 15021 and the status port
+/// 15020). The injector follows them with `--log_output_level=default:info`, left to callers
+/// here; annotations add `-q`/`-o`/`-k`/`-c`. Tests and benchmarks start from this list.
+pub const ISTIO_INIT_DEFAULT_ARGS: &[&str] = &[
+    "-p",
+    "15001",
+    "-z",
+    "15006",
+    "-u",
+    "1337",
+    "-m",
+    "REDIRECT",
+    "-i",
+    "*",
+    "-x",
+    "",
+    "-b",
+    "*",
+    "-d",
+    "15090,15021,15020",
+];
+
 /// A failed run (exit code 1).
 #[derive(Debug, thiserror::Error)]
 pub enum RunError {

@@ -249,9 +249,10 @@ async fn malformed_packets_get_formerr_or_are_dropped_and_the_server_keeps_servi
         let (m, _) = udp(proxy.addr, &good).await;
         assert_eq!(answers(&m), ["productpage. A 10.0.0.1"], "after {what}");
     }
-    // The fuzz target's seed corpus (crates/meshagent/fuzz/corpus/dns_request): any reply or
-    // none, but every reply decodes with the request's ID, and serving goes on.
-    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("fuzz/corpus/dns_request");
+    // The fuzz target's seed corpus (fuzz/corpus/dns_request at the root): any reply or none,
+    // but every reply decodes with the request's ID, and serving goes on.
+    let dir =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fuzz/corpus/dns_request");
     let mut seeds: Vec<_> = std::fs::read_dir(&dir)
         .unwrap()
         .map(|e| e.unwrap().path())

@@ -94,3 +94,8 @@ fn fuzz_corpus_sds() {
 fn fuzz_corpus_metrics_dedupe() {
     replay("metrics_dedupe");
 }
+
+#[test]
+fn fuzz_corpus_dns_request() {
+    replay("dns_request");
+}

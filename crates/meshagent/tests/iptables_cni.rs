@@ -13,28 +13,10 @@ use std::fs::OpenOptions;
 use std::process::{Command, Output};
 use std::time::{Duration, Instant};
 
+use meshagent::iptables::ISTIO_INIT_DEFAULT_ARGS;
 use nix::fcntl::{Flock, FlockArg};
 
 const BIN: &str = env!("CARGO_BIN_EXE_meshagent");
-/// The injector's default istio-init arguments.
-const DEFAULT_ARGS: &[&str] = &[
-    "-p",
-    "15001",
-    "-z",
-    "15006",
-    "-u",
-    "1337",
-    "-m",
-    "REDIRECT",
-    "-i",
-    "*",
-    "-x",
-    "",
-    "-b",
-    "*",
-    "-d",
-    "15090,15021,15020",
-];
 
 fn run(cmd: &str, args: &[&str]) -> Output {
     let out = Command::new(cmd).args(args).output().unwrap_or_else(|e| {
@@ -91,7 +73,7 @@ fn cni_mode_takes_a_pod_scoped_xtables_lock() {
         "--force-iptables-binary",
         "legacy",
     ];
-    args.extend_from_slice(DEFAULT_ARGS);
+    args.extend_from_slice(ISTIO_INIT_DEFAULT_ARGS);
     let out = Command::new(BIN).args(&args).output().unwrap();
     let took = started.elapsed();
     drop(held);

@@ -27,7 +27,7 @@
 #![allow(clippy::unwrap_used)] // tests fail loudly by design
 
 use meshagent::iptables::config::{Config, MapEnv};
-use meshagent::iptables::{nft, rules};
+use meshagent::iptables::{ISTIO_INIT_DEFAULT_ARGS, nft, rules};
 
 struct Case {
     args: &'static [&'static str],
@@ -35,6 +35,11 @@ struct Case {
     ipv6: bool,
     dns4: &'static [&'static str],
     dns6: &'static [&'static str],
+}
+
+/// [`ISTIO_INIT_DEFAULT_ARGS`] followed by `extra` (leaked: cases hold `'static` slices).
+fn injected(extra: &[&'static str]) -> &'static [&'static str] {
+    [ISTIO_INIT_DEFAULT_ARGS, extra].concat().leak()
 }
 
 const fn case(args: &'static [&'static str]) -> Case {
@@ -204,10 +209,7 @@ fn iptables_cases() -> Vec<(&'static str, Case, String)> {
             // The injector's default istio-init arguments: -d ports RETURN before the
             // catch-all; -i '*' redirects all remaining outbound; -x '' adds nothing.
             "injected-default",
-            case(&[
-                "-p", "15001", "-z", "15006", "-u", "1337", "-m", "REDIRECT", "-i", "*", "-x", "", "-b", "*", "-d",
-                "15090,15021,15020", "--log_output_level=default:info",
-            ]),
+            case(injected(&["--log_output_level=default:info"])),
             cat(&[
                 NAT4,
                 FIXED,
@@ -1459,24 +1461,7 @@ fn nft_cases() -> Vec<(&'static str, Case, String)> {
         ),
         (
             "injected-default",
-            case(&[
-                "-p",
-                "15001",
-                "-z",
-                "15006",
-                "-u",
-                "1337",
-                "-m",
-                "REDIRECT",
-                "-i",
-                "*",
-                "-x",
-                "",
-                "-b",
-                "*",
-                "-d",
-                "15090,15021,15020",
-            ]),
+            case(injected(&[])),
             nat_head(true, false)
                 + &nft_fixed()
                 + &n("prerouting", "meta l4proto tcp counter jump istio-inbound")

@@ -21,6 +21,7 @@ use std::process::{Command, Output};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
+use meshagent::iptables::ISTIO_INIT_DEFAULT_ARGS;
 use meshagent::iptables::validation::original_dst;
 use nix::sys::socket::{self, sockopt};
 
@@ -316,27 +317,14 @@ fn sa(s: &str) -> SocketAddr {
     s.parse().unwrap()
 }
 
-const SIDECAR: &[&str] = &[
-    "-p",
-    "15001",
-    "-z",
-    "15006",
-    "-u",
-    "1337",
-    "-m",
-    "REDIRECT",
-    "-i",
-    "*",
-    "-x",
-    "",
-    "-b",
-    "*",
-    "-d",
-    "15090,15021,15020",
-    "-o",
-    "9090",
-    "--log_output_level=default:info",
-];
+/// The injector's arguments for a pod with `excludeOutboundPorts: "9090"`.
+fn sidecar() -> Vec<&'static str> {
+    [
+        ISTIO_INIT_DEFAULT_ARGS,
+        &["-o", "9090", "--log_output_level=default:info"],
+    ]
+    .concat()
+}
 
 fn with_backend<'a>(backend: Backend, args: &[&'a str]) -> Vec<&'a str> {
     let mut v: Vec<&str> = backend.flags().to_vec();
@@ -349,7 +337,7 @@ fn sidecar_capture(backend: Backend) {
     let pod = Pod::new();
     pod.add_foreign_rules();
     let before = pod.ruleset(backend);
-    let args = with_backend(backend, SIDECAR);
+    let args = with_backend(backend, &sidecar());
     let log = pod.apply(&args);
 
     let outbound = pod.listen(&pod.app, "0.0.0.0:15001");
@@ -584,193 +572,67 @@ fn nft_tproxy_delivery() {
     tproxy_delivery(Backend::Nft);
 }
 
+/// [`ISTIO_INIT_DEFAULT_ARGS`] with the values of the flags in `set` replaced (what a pod's
+/// annotations change), followed by `extra`.
+fn injected(set: &[(&str, &'static str)], extra: &[&'static str]) -> Vec<&'static str> {
+    let mut v = ISTIO_INIT_DEFAULT_ARGS.to_vec();
+    for (flag, value) in set {
+        let i = v.iter().position(|a| a == flag).expect("a default flag");
+        v[i + 1] = value;
+    }
+    v.extend_from_slice(extra);
+    v
+}
+
+const LOG: &str = "--log_output_level=default:info";
+
 /// Argument lists Istio's injection template emits for istio-init (and the CNI validation
 /// container), each applied for real and cleaned up again.
-const INJECTED: &[&[&str]] = &[
-    // default
-    &[
-        "-p",
-        "15001",
-        "-z",
-        "15006",
-        "-u",
-        "1337",
-        "-m",
-        "REDIRECT",
-        "-i",
-        "*",
-        "-x",
-        "",
-        "-b",
-        "*",
-        "-d",
-        "15090,15021,15020",
-        "--log_output_level=default:info",
-    ],
-    // TPROXY (interceptionMode annotation)
-    &[
-        "-p",
-        "15001",
-        "-z",
-        "15006",
-        "-u",
-        "1337",
-        "-m",
-        "TPROXY",
-        "-i",
-        "*",
-        "-x",
-        "",
-        "-b",
-        "*",
-        "-d",
-        "15090,15021,15020",
-        "--log_output_level=default:info",
-    ],
-    // includeInboundPorts / excludeOutboundPorts / excludeOutboundIPRanges / includeOutboundPorts
-    &[
-        "-p",
-        "15001",
-        "-z",
-        "15006",
-        "-u",
-        "1337",
-        "-m",
-        "REDIRECT",
-        "-i",
-        "10.96.0.0/12,2001:db8:1::/64",
-        "-x",
-        "169.254.169.254/32",
-        "-b",
-        "8080,9090",
-        "-d",
-        "15090,15021,15020",
-        "-q",
-        "3306",
-        "-o",
-        "25,465",
-        "--log_output_level=default:info",
-    ],
-    // kubevirtInterfaces and excludeInterfaces
-    &[
-        "-p",
-        "15001",
-        "-z",
-        "15006",
-        "-u",
-        "1337",
-        "-m",
-        "REDIRECT",
-        "-i",
-        "*",
-        "-x",
-        "",
-        "-b",
-        "*",
-        "-d",
-        "15090,15021,15020",
-        "-k",
-        "net1",
-        "-c",
-        "net2",
-        "--log_output_level=default:info",
-    ],
-    // DNS capture (ISTIO_META_DNS_CAPTURE arrives as env; here the flag), drop invalid, dual stack
-    &[
-        "-p",
-        "15001",
-        "-z",
-        "15006",
-        "-u",
-        "1337",
-        "-m",
-        "REDIRECT",
-        "-i",
-        "*",
-        "-x",
-        "",
-        "-b",
-        "*",
-        "-d",
-        "15090,15021,15020",
-        "--redirect-dns",
-        "--drop-invalid",
-        "--dual-stack",
-        "--log_output_level=default:info",
-    ],
-    // forceApplyIptables + logAsJson
-    &[
-        "-p",
-        "15001",
-        "-z",
-        "15006",
-        "-u",
-        "1337",
-        "-m",
-        "REDIRECT",
-        "-i",
-        "*",
-        "-x",
-        "",
-        "-b",
-        "*",
-        "-d",
-        "15090,15021,15020",
-        "--force-apply",
-        "--log_output_level=default:info",
-        "--log_as_json",
-    ],
-    // OpenShift-style proxy uid
-    &[
-        "-p",
-        "15001",
-        "-z",
-        "15006",
-        "-u",
-        "1000650001",
-        "-m",
-        "REDIRECT",
-        "-i",
-        "*",
-        "-x",
-        "",
-        "-b",
-        "*",
-        "-d",
-        "15090,15021,15020",
-        "--log_output_level=default:info",
-    ],
-    // CNI validation container
-    &[
-        "-p",
-        "15001",
-        "-z",
-        "15006",
-        "-u",
-        "1337",
-        "-m",
-        "REDIRECT",
-        "-i",
-        "*",
-        "-x",
-        "",
-        "-b",
-        "*",
-        "-d",
-        "15090,15021,15020",
-        "--run-validation",
-        "--skip-rule-apply",
-        "--probe-timeout=1s",
-    ],
-];
+fn injected_lists() -> Vec<Vec<&'static str>> {
+    vec![
+        // default
+        injected(&[], &[LOG]),
+        // TPROXY (interceptionMode annotation)
+        injected(&[("-m", "TPROXY")], &[LOG]),
+        // includeInboundPorts / excludeOutboundPorts / excludeOutboundIPRanges / includeOutboundPorts
+        injected(
+            &[
+                ("-i", "10.96.0.0/12,2001:db8:1::/64"),
+                ("-x", "169.254.169.254/32"),
+                ("-b", "8080,9090"),
+            ],
+            &["-q", "3306", "-o", "25,465", LOG],
+        ),
+        // kubevirtInterfaces and excludeInterfaces
+        injected(&[], &["-k", "net1", "-c", "net2", LOG]),
+        // DNS capture (ISTIO_META_DNS_CAPTURE arrives as env; here the flag), drop invalid, dual stack
+        injected(
+            &[],
+            &["--redirect-dns", "--drop-invalid", "--dual-stack", LOG],
+        ),
+        // forceApplyIptables + logAsJson
+        injected(&[], &["--force-apply", LOG, "--log_as_json"]),
+        // OpenShift-style proxy uid
+        injected(&[("-u", "1000650001")], &[LOG]),
+        // CNI validation container
+        injected(
+            &[],
+            &[
+                "--run-validation",
+                "--skip-rule-apply",
+                "--probe-timeout=1s",
+            ],
+        ),
+    ]
+}
 
 fn injected_args(backend: Backend) {
     let pod = Pod::new();
     pod.resolv_conf("nameserver 192.0.2.53\nnameserver 2001:db8::53\n");
     pod.add_foreign_rules();
     let before = pod.ruleset(backend);
-    for args in INJECTED {
-        let args = with_backend(backend, args);
+    for args in injected_lists() {
+        let args = with_backend(backend, &args);
         let validation_only = args.contains(&"--skip-rule-apply");
         let (code, log) = pod.istio_iptables(&args, &[("ISTIO_OUTBOUND_OWNER_GROUPS", "*")]);
         if validation_only {
@@ -810,7 +672,7 @@ fn nft_injected_args_apply_and_clean_up() {
 #[test]
 fn run_validation_passes_with_rules() {
     let pod = Pod::new();
-    pod.apply(SIDECAR);
+    pod.apply(&sidecar());
     let out = Command::new("ip")
         .args([
             "netns",

@@ -168,3 +168,128 @@ async fn exit_on_zero_active_connections() {
         "exit after {took:?}"
     );
 }
+
+/// One HTTP/1.1 request on an open keep-alive connection; returns the status line and the
+/// response head's lines (lower-cased), after reading the body (`content-length`).
+async fn keepalive_get(s: &mut tokio::net::TcpStream) -> (String, Vec<String>) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    s.write_all(b"GET / HTTP/1.1\r\nhost: b.default\r\n\r\n")
+        .await
+        .unwrap();
+    let mut buf = Vec::new();
+    let mut chunk = [0u8; 4096];
+    let head_end = loop {
+        if let Some(i) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+            break i + 4;
+        }
+        let n = tokio::time::timeout(DEADLINE, s.read(&mut chunk))
+            .await
+            .expect("a response within the deadline")
+            .unwrap();
+        assert!(n > 0, "connection closed before a response head");
+        buf.extend_from_slice(&chunk[..n]);
+    };
+    let head = String::from_utf8_lossy(&buf[..head_end]).to_lowercase();
+    let mut lines = head.lines().map(str::to_owned);
+    let status = lines.next().unwrap_or_default();
+    let headers: Vec<String> = lines.filter(|l| !l.is_empty()).collect();
+    let len: usize = headers
+        .iter()
+        .find_map(|h| h.strip_prefix("content-length:"))
+        .map_or(0, |v| v.trim().parse().unwrap());
+    while buf.len() < head_end + len {
+        let n = s.read(&mut chunk).await.unwrap();
+        assert!(n > 0, "connection closed mid-body");
+        buf.extend_from_slice(&chunk[..n]);
+    }
+    (status, headers)
+}
+
+/// F16, outbound during the drain: after SIGTERM a sidecar drains only its inbound listeners
+/// (Istio `pkg/envoy/agent.go` drains with `/drain_listeners?inboundonly&graceful`), so the
+/// app's outbound calls through it keep working on their keep-alive connection and never get
+/// `connection: close` while terminationDrainDuration runs (istio#44690, #47718).
+#[tokio::test(flavor = "multi_thread")]
+async fn f16_outbound_requests_during_the_drain_get_no_connection_close() {
+    let (mesh, a_to_b, a_app, b_app) = two_workload_mesh();
+    let dp = Devplane::start(&mesh).await;
+    app("a", a_app, Duration::ZERO).await;
+    app("b", b_app, Duration::ZERO).await;
+    let mut a = Sidecar::start_with(
+        &dp,
+        "a",
+        "default",
+        "a",
+        &[],
+        json!({"terminationDrainDuration": "8s"}),
+    )
+    .await;
+    let mut b = Sidecar::start(&dp, "b", "default", "b", &[]).await;
+    a.wait_ready(READY).await;
+    b.wait_ready(READY).await;
+    wait_for("first request", DEADLINE, || async {
+        http_get(a_to_b, "/").await.ok().filter(|(c, _)| *c == 200)
+    })
+    .await;
+    // A keep-alive connection from A's app to A's outbound listener, used before and during
+    // the drain.
+    let mut conn = tokio::net::TcpStream::connect(a_to_b).await.unwrap();
+    let (status, headers) = keepalive_get(&mut conn).await;
+    assert!(status.contains(" 200 "), "{status}");
+    let close = |h: &[String]| {
+        h.iter()
+            .any(|l| l.starts_with("connection:") && l.contains("close"))
+    };
+    assert!(!close(&headers), "before the drain: {headers:?}");
+
+    assert!(
+        Command::new("kill")
+            .args(["-TERM", &a.proc.pid().to_string()])
+            .status()
+            .unwrap()
+            .success()
+    );
+    wait_for("A's agent to start draining Envoy", DEADLINE, || {
+        let drained = a.proc.log_text().contains("draining Envoy listeners");
+        async move { drained.then_some(()) }
+    })
+    .await;
+    assert!(
+        a.proc.log_text().contains("inboundonly"),
+        "a sidecar drains inbound listeners only:\n{}",
+        a.proc.log_text()
+    );
+    // Well inside terminationDrainDuration (8 s): outbound requests on the same connection and
+    // on new ones answer 200 with no `connection: close`.
+    for i in 0..5 {
+        let (status, headers) = keepalive_get(&mut conn).await;
+        assert!(
+            status.contains(" 200 "),
+            "request {i} during the drain: {status}"
+        );
+        assert!(
+            !close(&headers),
+            "request {i} during the drain: {headers:?}"
+        );
+        let mut fresh = tokio::net::TcpStream::connect(a_to_b).await.unwrap();
+        let (status, headers) = keepalive_get(&mut fresh).await;
+        assert!(status.contains(" 200 "), "new connection {i}: {status}");
+        assert!(!close(&headers), "new connection {i}: {headers:?}");
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+    assert!(
+        a.proc.try_wait().is_none(),
+        "A exited before terminationDrainDuration"
+    );
+    // The contrast, so this test can fail: draining every listener (what the agent must not
+    // do to a sidecar) makes Envoy answer the outbound requests with `connection: close`.
+    let (code, _) = meshagent_testkit::http("POST", a.admin, "/drain_listeners?graceful&skip_exit")
+        .await
+        .unwrap();
+    assert_eq!(code, 200);
+    let (_, headers) = keepalive_get(&mut conn).await;
+    assert!(
+        close(&headers),
+        "a fully drained outbound listener: {headers:?}"
+    );
+}

@@ -277,6 +277,159 @@ async fn health_is_replayed_after_lds_and_sent_on_change() {
     assert_eq!(c["nacks"].as_object().unwrap().len(), 1, "{c:#}");
 }
 
+fn sha256(b: &[u8]) -> Vec<u8> {
+    aws_lc_rs::digest::digest(&aws_lc_rs::digest::SHA256, b)
+        .as_ref()
+        .to_vec()
+}
+
+/// The next response on a raw stream, decoded (panics on a stream end).
+async fn next_response(
+    stream: &mut tonic::Streaming<bytes::Bytes>,
+    what: &str,
+) -> (
+    usize,
+    meshagent_proto::envoy::pb::envoy::service::discovery::v3::DiscoveryResponse,
+) {
+    use prost::Message;
+    let raw = tokio::time::timeout(Duration::from_secs(60), stream.message())
+        .await
+        .unwrap_or_else(|_| panic!("no response within 60 s: {what}"))
+        .unwrap_or_else(|s| panic!("stream failed waiting for {what}: {s}"))
+        .unwrap_or_else(|| panic!("stream ended waiting for {what}"));
+    (
+        raw.len(),
+        meshagent_proto::envoy::pb::envoy::service::discovery::v3::DiscoveryResponse::decode(raw)
+            .unwrap(),
+    )
+}
+
+/// F9: a 100 MiB CDS response from devplane reaches the client on the agent's socket intact
+/// (no agent-side limit on responses: istio#52815), and `xds_proxy_upstream_recv_max` shows
+/// it. A raw gRPC client stands in for Envoy, whose own handling of 100 MiB is not the
+/// agent's concern (the 20 MiB test above runs a real Envoy).
+#[tokio::test(flavor = "multi_thread")]
+async fn hundred_mib_response_reaches_the_client_intact() {
+    const SIZE: usize = 100 * 1024 * 1024;
+    let dp = Devplane::start(&mesh_yaml(false)).await;
+    let dir = tempfile::tempdir().unwrap();
+    let agent = agent_for(&dp, dir.path(), &[]).await;
+    let (tx, stream) = raw_sotw(agent.handle.socket()).await;
+    let mut stream = stream.unwrap();
+    tx.send(sotw_request(type_url::CLUSTER, vec![], None))
+        .await
+        .unwrap();
+    let (_, first) = next_response(&mut stream, "the first CDS response").await;
+    tx.send(sotw_request(
+        type_url::CLUSTER,
+        vec![],
+        Some((&first.version_info, &first.nonce)),
+    ))
+    .await
+    .unwrap();
+
+    let blob = big_cluster("huge", SIZE);
+    let want = sha256(&blob);
+    let started = tokio::time::Instant::now();
+    dp.set_resource(type_url::CLUSTER, "huge", &blob).await;
+    drop(blob);
+    let (len, resp) = next_response(&mut stream, "the 100 MiB CDS push").await;
+    eprintln!(
+        "a {len}-byte CDS response through the agent in {:?}",
+        started.elapsed()
+    );
+    assert!(len > SIZE, "{len}");
+    let huge: Vec<_> = resp
+        .resources
+        .iter()
+        .filter(|r| r.value.len() >= SIZE)
+        .collect();
+    assert_eq!(huge.len(), 1, "one huge cluster in the push");
+    assert_eq!(sha256(&huge[0].value), want, "the cluster arrived intact");
+    assert!(agent.metric("istio_agent_xds_proxy_upstream_recv_max") > SIZE as f64);
+    assert_eq!(
+        agent.metric("istio_agent_istiod_connection_terminations{type=\"error\"}"),
+        0.0
+    );
+}
+
+/// F9, the other way: a 20 MiB request (an Envoy subscribing to 10,000 long EDS names)
+/// passes the agent — whose own limit is 64 MiB (`xds::MAX_MESSAGE`), so no agent-side
+/// failure — and is counted by `pilot_xds_recv_max`; devplane, like istiod (4 MiB
+/// `ISTIO_GPRC_MAXRECVMSGSIZE`), refuses it, and the client sees istiod's clean error
+/// (`ResourceExhausted`, grpc-go's message) rather than a hang or a reset. The agent keeps
+/// serving: a new stream gets config.
+#[tokio::test(flavor = "multi_thread")]
+async fn twenty_mib_request_passes_the_agent_and_devplane_refuses_it_as_istiod() {
+    let dp = Devplane::start(&mesh_yaml(false)).await;
+    let dir = tempfile::tempdir().unwrap();
+    let agent = agent_for(&dp, dir.path(), &[]).await;
+    let (tx, stream) = raw_sotw(agent.handle.socket()).await;
+    let mut stream = stream.unwrap();
+    tx.send(sotw_request(type_url::CLUSTER, vec![], None))
+        .await
+        .unwrap();
+    let (_, first) = next_response(&mut stream, "the first CDS response").await;
+
+    let names: Vec<String> = (0..10_000)
+        .map(|i| {
+            format!(
+                "outbound|80||svc-{i:05}.{}.svc.cluster.local",
+                "n".repeat(2100)
+            )
+        })
+        .collect();
+    let big = sotw_request(type_url::ENDPOINT, names, None);
+    let size = big.len();
+    assert!(
+        size > 20 * 1024 * 1024 && size < meshagent::xds::MAX_MESSAGE,
+        "{size}"
+    );
+    tx.send(sotw_request(
+        type_url::CLUSTER,
+        vec![],
+        Some((&first.version_info, &first.nonce)),
+    ))
+    .await
+    .unwrap();
+    tx.send(big).await.unwrap();
+    let status = loop {
+        match tokio::time::timeout(Duration::from_secs(60), stream.message())
+            .await
+            .expect("the stream to end within 60 s")
+        {
+            Ok(Some(_)) => continue,
+            Ok(None) => panic!("the stream ended without devplane's error"),
+            Err(s) => break s,
+        }
+    };
+    assert_eq!(status.code(), tonic::Code::ResourceExhausted, "{status:?}");
+    assert!(
+        status.message().contains(&format!(
+            "grpc: received message larger than max ({} vs. 4194304)",
+            size
+        )),
+        "{status:?}"
+    );
+    assert!(
+        agent.metric("istio_agent_pilot_xds_recv_max") >= size as f64,
+        "{}",
+        agent.registry.encode()
+    );
+    assert_eq!(
+        agent.metric("istio_agent_istiod_connection_terminations{type=\"error\"}"),
+        1.0
+    );
+    // The agent serves on: a new stream gets config.
+    let (tx2, stream2) = raw_sotw(agent.handle.socket()).await;
+    let mut stream2 = stream2.unwrap();
+    tx2.send(sotw_request(type_url::CLUSTER, vec![], None))
+        .await
+        .unwrap();
+    let (_, again) = next_response(&mut stream2, "CDS on a new stream").await;
+    assert!(!again.resources.is_empty());
+}
+
 /// Sends a signal to a process by pid (SIGSTOP/SIGCONT to pause Envoy).
 fn signal(pid: u32, sig: &str) {
     let ok = std::process::Command::new("kill")

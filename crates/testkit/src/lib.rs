@@ -332,6 +332,13 @@ impl Devplane {
     /// Kills and starts devplane again on the same ports and state (same root CA).
     pub async fn restart(&mut self) {
         self.proc.kill();
+        self.start_again().await;
+    }
+
+    /// Starts devplane again after [`Devplane::stop`], on the same ports and state (same root
+    /// CA), and waits until it serves (an outage of a chosen length: stop, wait, start again).
+    pub async fn start_again(&mut self) {
+        self.proc.kill();
         self.proc = Self::spawn(
             self.dir.path(),
             self.grpc_addr,

@@ -890,25 +890,13 @@ mod tests {
     fn injected_default_args() {
         // The injector's istio-init args (injection-template.yaml).
         let c = Config::from_args(
-            &args(&[
-                "-p",
-                "15001",
-                "-z",
-                "15006",
-                "-u",
-                "1337",
-                "-m",
-                "REDIRECT",
-                "-i",
-                "*",
-                "-x",
-                "",
-                "-b",
-                "*",
-                "-d",
-                "15090,15021,15020",
-                "--log_output_level=default:info",
-            ]),
+            &args(
+                &[
+                    crate::iptables::ISTIO_INIT_DEFAULT_ARGS,
+                    &["--log_output_level=default:info"],
+                ]
+                .concat(),
+            ),
             &env(&[]),
         )
         .unwrap();

@@ -261,3 +261,73 @@ pub fn big_cluster(name: &str, size: usize) -> Vec<u8> {
     }
     .encode_to_vec()
 }
+
+/// A raw SotW ADS stream on a unix socket (the agent's `XDS`), as Envoy opens it: requests are
+/// encoded by the caller and sent through the returned sender; responses arrive undecoded.
+/// No client-side size limits, so only the agent's and devplane's apply.
+pub async fn raw_sotw(
+    socket: &Path,
+) -> (
+    tokio::sync::mpsc::Sender<bytes::Bytes>,
+    Result<tonic::Streaming<bytes::Bytes>, tonic::Status>,
+) {
+    let path = socket.to_path_buf();
+    let channel = tonic::transport::Endpoint::from_static("http://localhost")
+        .connect_with_connector_lazy(tower::service_fn(move |_| {
+            let p = path.clone();
+            async move {
+                Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(
+                    tokio::net::UnixStream::connect(p).await?,
+                ))
+            }
+        }));
+    let (tx, rx) = tokio::sync::mpsc::channel::<bytes::Bytes>(4);
+    let mut grpc = tonic::client::Grpc::new(channel)
+        .max_decoding_message_size(usize::MAX)
+        .max_encoding_message_size(usize::MAX);
+    grpc.ready().await.unwrap();
+    let stream = grpc
+        .streaming(
+            tonic::Request::new(tokio_stream::wrappers::ReceiverStream::new(rx)),
+            http::uri::PathAndQuery::from_static(meshagent::xds::stream::SOTW_PATH),
+            meshagent::xds::codec::RawCodec,
+        )
+        .await
+        .map(|r| r.into_inner());
+    (tx, stream)
+}
+
+/// A SotW request for `type_url` with Envoy's node (as in [`bootstrap`]) and `names`.
+pub fn sotw_request(type_url: &str, names: Vec<String>, ack: Option<(&str, &str)>) -> bytes::Bytes {
+    use meshagent_proto::envoy::pb::envoy::config::core::v3::Node;
+    use meshagent_proto::envoy::pb::envoy::service::discovery::v3::DiscoveryRequest;
+    use meshagent_proto::envoy::pb::google::protobuf::{Struct, Value as PbValue, value::Kind};
+    use prost::Message;
+    let s = |v: &str| PbValue {
+        kind: Some(Kind::StringValue(v.into())),
+    };
+    let node = Node {
+        id: NODE_ID.into(),
+        cluster: "a.default".into(),
+        metadata: Some(Struct {
+            fields: [
+                ("NAMESPACE".to_owned(), s("default")),
+                ("NAME".to_owned(), s("a-5f7d")),
+                ("CLUSTER_ID".to_owned(), s("Kubernetes")),
+            ]
+            .into(),
+        }),
+        ..Default::default()
+    };
+    let (version_info, response_nonce) = ack.unwrap_or_default();
+    DiscoveryRequest {
+        node: Some(node),
+        type_url: type_url.into(),
+        resource_names: names,
+        version_info: version_info.into(),
+        response_nonce: response_nonce.into(),
+        ..Default::default()
+    }
+    .encode_to_vec()
+    .into()
+}
