@@ -473,3 +473,75 @@ async fn failing_targets_still_serve_agent_and_envoy() {
     assert!(!has_family(&p, "envoy_server_live") || value(&p, "envoy_server_live[]") == Some(0.0));
     assert!(agent.metrics.failures("envoy") >= 1);
 }
+
+/// F18: a 100,000-line Envoy exposition (1,000 histogram and counter families, as a sidecar
+/// with many clusters and `statsInclusionPrefixes` produces) is merged whole with the
+/// application's and the agent's metrics: every Envoy series arrives once and the output
+/// still parses strictly.
+#[tokio::test]
+async fn f18_hundred_thousand_line_envoy_output_is_merged_whole() {
+    const FAMILIES: usize = 1_000;
+    const SERIES: usize = 98; // + HELP and TYPE: 100 lines per family
+    fn envoy_body() -> String {
+        let mut s = String::with_capacity(8 << 20);
+        for f in 0..FAMILIES {
+            s.push_str(&format!(
+                "# HELP envoy_cluster_upstream_rq_{f} Requests.\n# TYPE envoy_cluster_upstream_rq_{f} counter\n"
+            ));
+            for i in 0..SERIES {
+                s.push_str(&format!(
+                    "envoy_cluster_upstream_rq_{f}{{cluster_name=\"outbound|80||svc{i}.ns.svc.cluster.local\"}} {i}\n"
+                ));
+            }
+        }
+        s
+    }
+    let body = Arc::new(envoy_body());
+    assert_eq!(body.lines().count(), 100_000);
+    let served = body.clone();
+    let fake_envoy = axum::Router::new().route(
+        "/stats/prometheus",
+        axum::routing::get(move || {
+            let b = served.clone();
+            async move {
+                (
+                    [(header::CONTENT_TYPE, "text/plain; version=0.0.4")],
+                    (*b).clone(),
+                )
+            }
+        }),
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let envoy_addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, fake_envoy).await });
+    let app = start_app().await;
+    let agent = start_status(
+        Some(envoy_addr),
+        vec![ScrapeTarget {
+            port: app,
+            path: "/metrics".into(),
+        }],
+    )
+    .await;
+
+    let (code, _, merged) = scrape(agent.addr, &[]).await;
+    assert_eq!(code, 200);
+    let p = parse_exposition(&merged, false).unwrap_or_else(|e| panic!("{e}"));
+    let envoy_series = p
+        .series
+        .keys()
+        .filter(|k| k.starts_with("envoy_cluster_upstream_rq_"))
+        .count();
+    assert_eq!(envoy_series, FAMILIES * SERIES, "every Envoy series, once");
+    assert_eq!(
+        value(
+            &p,
+            r#"envoy_cluster_upstream_rq_999[("cluster_name", "outbound|80||svc97.ns.svc.cluster.local")]"#
+        ),
+        Some(97.0)
+    );
+    assert!(has_family(&p, "app_requests"));
+    assert!(has_family(&p, "istio_agent_xds_proxy_requests"));
+    assert_eq!(agent.metrics.failures("envoy"), 0);
+    assert_eq!(agent.metrics.failures("application"), 0);
+}
