@@ -72,8 +72,15 @@ pub async fn bind(path: &Path) -> Result<UnixListener, SdsError> {
         }
         match UnixListener::bind(path) {
             Ok(l) => {
-                std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o666))
-                    .map_err(err)?;
+                match std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o666)) {
+                    Ok(()) => {}
+                    // Removed between bind and chmod: the server supervisor notices the
+                    // missing socket and binds it again, so this is not a startup failure.
+                    Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                        tracing::warn!(path = %shown.display(), "SDS socket removed right after bind");
+                    }
+                    Err(e) => return Err(err(e)),
+                }
                 return Ok(l);
             }
             Err(e) if attempt < 5 && e.kind() != std::io::ErrorKind::InvalidInput => {

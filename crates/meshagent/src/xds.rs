@@ -417,7 +417,15 @@ fn bind(path: &Path) -> Result<tokio::net::UnixListener, XdsError> {
         Err(e) => return Err(listen_err(e)),
     }
     let l = tokio::net::UnixListener::bind(&bound).map_err(listen_err)?;
-    std::fs::set_permissions(&bound, std::fs::Permissions::from_mode(0o666)).map_err(listen_err)?;
+    match std::fs::set_permissions(&bound, std::fs::Permissions::from_mode(0o666)) {
+        Ok(()) => {}
+        // Removed between bind and chmod: the server supervisor notices the missing socket
+        // and binds it again, so this is not a startup failure.
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            tracing::warn!(socket = %path.display(), "xDS socket removed right after bind");
+        }
+        Err(e) => return Err(listen_err(e)),
+    }
     Ok(l)
 }
 
