@@ -150,27 +150,9 @@ async fn main() {
 
     println!("scenario: istio-iptables --dry-run (the injector's default arguments)");
     let out = Command::new(&bin)
-        .args([
-            "istio-iptables",
-            "-p",
-            "15001",
-            "-z",
-            "15006",
-            "-u",
-            "1337",
-            "-m",
-            "REDIRECT",
-            "-i",
-            "*",
-            "-x",
-            "",
-            "-b",
-            "*",
-            "-d",
-            "15090,15021,15020",
-            "--redirect-dns",
-            "--dry-run",
-        ])
+        .arg("istio-iptables")
+        .args(meshagent::iptables::ISTIO_INIT_DEFAULT_ARGS)
+        .args(["--redirect-dns", "--dry-run"])
         .output()
         .unwrap();
     println!("  exit {}", out.status);
