@@ -28,6 +28,7 @@ pub mod sds;
 pub mod status;
 pub mod supervise;
 pub mod tasks;
+pub mod uds;
 pub mod wait;
 pub mod wasm;
 pub mod xds;

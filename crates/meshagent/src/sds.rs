@@ -1,12 +1,10 @@
-//! The SDS server Envoy's `sds-grpc` cluster talks to (spec §4.1 step 6, §4.2).
+//! The SDS server Envoy's `sds-grpc` cluster talks to (Istio `security/pkg/nodeagent/sds`).
 //!
-//! Listens on a unix socket (by default `<cwd>/var/run/secrets/workload-spiffe-uds/socket`):
-//! the directory is created, a stale socket from a previous run is removed, and the socket is
-//! made 0666 so Envoy can connect whatever its uid. Protocol details are in [`service`].
+//! Listens on a unix socket (by default `<cwd>/var/run/secrets/workload-spiffe-uds/socket`),
+//! bound by [`crate::uds`]; the directory is created first. Protocol details are in [`service`].
 
 pub mod service;
 
-use std::os::unix::fs::PermissionsExt as _;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
@@ -34,19 +32,7 @@ pub enum SdsError {
     },
 }
 
-/// The path to bind a unix socket at: relative to the process's working directory when `path`
-/// is under it, as Istio binds `./var/run/...` and `./etc/istio/proxy/XDS`. A socket address
-/// holds at most 107 bytes (SUN_LEN), so an absolute path under a long working directory
-/// would not bind.
-pub fn bind_path(path: &Path) -> PathBuf {
-    if path.is_absolute()
-        && let Ok(cwd) = std::env::current_dir()
-        && let Ok(rel) = path.strip_prefix(&cwd)
-    {
-        return Path::new(".").join(rel);
-    }
-    path.to_path_buf()
-}
+pub use crate::uds::bind_path;
 
 /// Binds `path` (removing a stale socket, creating the directory, mode 0666). Retried up to 5
 /// times with 1 s doubling, as Istio does for a transiently busy path; an unusable path (e.g.
@@ -56,35 +42,16 @@ pub async fn bind(path: &Path) -> Result<UnixListener, SdsError> {
         path: path.to_path_buf(),
         source,
     };
-    let shown = path;
-    let bound = bind_path(path);
-    let path = bound.as_path();
-    if let Some(dir) = path.parent() {
+    if let Some(dir) = bind_path(path).parent() {
         std::fs::create_dir_all(dir).map_err(err)?;
     }
     let mut delay = Duration::from_secs(1);
     let mut attempt = 0;
     loop {
-        match std::fs::remove_file(path) {
-            Ok(()) => tracing::debug!(path = %shown.display(), "removed stale SDS socket"),
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-            Err(e) => return Err(err(e)),
-        }
-        match UnixListener::bind(path) {
-            Ok(l) => {
-                match std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o666)) {
-                    Ok(()) => {}
-                    // Removed between bind and chmod: the server supervisor notices the
-                    // missing socket and binds it again, so this is not a startup failure.
-                    Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-                        tracing::warn!(path = %shown.display(), "SDS socket removed right after bind");
-                    }
-                    Err(e) => return Err(err(e)),
-                }
-                return Ok(l);
-            }
+        match crate::uds::bind_once(path, "SDS") {
+            Ok(l) => return Ok(l),
             Err(e) if attempt < 5 && e.kind() != std::io::ErrorKind::InvalidInput => {
-                tracing::warn!(path = %shown.display(), error = %e, retry_in = ?delay, "cannot listen for SDS; retrying");
+                tracing::warn!(path = %path.display(), error = %e, retry_in = ?delay, "cannot listen for SDS; retrying");
                 attempt += 1;
                 tokio::time::sleep(delay).await;
                 delay *= 2;

@@ -394,7 +394,7 @@ pub fn start_with(
 /// local user (0666) as Istio does: Envoy may run as another uid; file permissions of the
 /// directory are the only access control (spec §5.1).
 fn bind(path: &Path) -> Result<tokio::net::UnixListener, XdsError> {
-    use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
+    use std::os::unix::fs::DirBuilderExt;
     if let Some(dir) = path.parent() {
         std::fs::DirBuilder::new()
             .recursive(true)
@@ -405,28 +405,11 @@ fn bind(path: &Path) -> Result<tokio::net::UnixListener, XdsError> {
                 source,
             })?;
     }
-    let listen_err = |source| XdsError::Listen {
+    // Relative to the working directory, as Istio binds it (SUN_LEN: see `uds::bind_path`).
+    crate::uds::bind_once(path, "xDS").map_err(|source| XdsError::Listen {
         path: path.to_path_buf(),
         source,
-    };
-    // Relative to the working directory, as Istio binds it (SUN_LEN: see `sds::bind_path`).
-    let bound = crate::sds::bind_path(path);
-    match std::fs::remove_file(&bound) {
-        Ok(()) => tracing::debug!(socket = %path.display(), "removed stale xDS socket"),
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-        Err(e) => return Err(listen_err(e)),
-    }
-    let l = tokio::net::UnixListener::bind(&bound).map_err(listen_err)?;
-    match std::fs::set_permissions(&bound, std::fs::Permissions::from_mode(0o666)) {
-        Ok(()) => {}
-        // Removed between bind and chmod: the server supervisor notices the missing socket
-        // and binds it again, so this is not a startup failure.
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-            tracing::warn!(socket = %path.display(), "xDS socket removed right after bind");
-        }
-        Err(e) => return Err(listen_err(e)),
-    }
-    Ok(l)
+    })
 }
 
 // === the ADS service over raw bytes ===
