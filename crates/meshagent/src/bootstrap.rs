@@ -27,9 +27,10 @@ use crate::config::Config;
 
 pub use inputs::{Inputs, RemoteService};
 pub use remote::expand_host_ip;
+pub use resources::SELF_DISCOVERY_CLUSTER;
 use resources::{
     compressors, h2_options, hcm, listener, remote_service_cluster, route, router,
-    secure_metrics_listener, socket, static_cluster,
+    secure_metrics_listener, self_discovery_cluster, socket, static_cluster,
 };
 pub use stats::{
     ANNOTATION_EVICTION_INTERVAL, ANNOTATION_EXTRA_STAT_TAGS, ANNOTATION_FLUSH_INTERVAL,
@@ -207,6 +208,9 @@ fn render_inputs(cfg: &Config, node: &Node, inp: &Inputs) -> Value {
             inp.dns_lookup_family,
         ));
     }
+    if inp.self_discovery {
+        clusters.push(self_discovery_cluster());
+    }
 
     let (metrics_addr, metrics_additional) = if inp.metrics_localhost_only {
         (&inp.localhost, inp.additional_localhost.as_deref())
@@ -345,6 +349,9 @@ fn render_inputs(cfg: &Config, node: &Node, inp: &Inputs) -> Value {
     }
     if let Some(lrs) = &inp.load_stats_config {
         cm.insert("load_stats_config".into(), lrs.clone());
+    }
+    if inp.self_discovery {
+        cm.insert("local_cluster_name".into(), json!(SELF_DISCOVERY_CLUSTER));
     }
     cm.insert("enable_deferred_cluster_creation".into(), json!(true));
     out["cluster_manager"] = Value::Object(cm);

@@ -390,6 +390,16 @@ fn dns_cluster(name: &str, addr: &str, port: u16, family: &str) -> Value {
     })
 }
 
+/// The self-discovery cluster: type EDS from ADS with the template's ADS config-source
+/// convention (as its lds/cds: `ads`, `initial_fetch_timeout: 0s`, V3). The exact template text
+/// was not available to the project: README "Bootstrap" documents this choice.
+fn local_cluster() -> Value {
+    json!({
+        "name": "local_cluster", "type": "EDS", "connect_timeout": "1s",
+        "eds_cluster_config": {"eds_config": {"ads": {}, "initial_fetch_timeout": "0s", "resource_api_version": "V3"}}
+    })
+}
+
 fn sds(name: &str) -> Value {
     json!({"name": name, "sds_config": {"api_config_source": {
         "api_type": "GRPC", "set_node_on_first_message_only": true, "transport_api_version": "V3",
@@ -943,6 +953,47 @@ fn cases() -> Vec<Case> {
                     "time": "%Y-%m-%dT%T.%fZ", "level": "%l", "scope": "envoy %n",
                     "msg": "%j", "caller": "%g:%#", "thread": "%t"
                 }});
+            }),
+        // ISTIO_META_ENABLE_SELF_DISCOVERY (1.31, proxyMetadata): the `local_cluster` static
+        // EDS cluster over ADS, last of the static clusters, and
+        // `cluster_manager.local_cluster_name` naming it. The metadata flag itself is a string
+        // in the node metadata like every ISTIO_META_* variable.
+        Case::new("self_discovery")
+            .env("PROXY_CONFIG", r#"{"proxyMetadata":{"ISTIO_META_ENABLE_SELF_DISCOVERY":"true"}}"#)
+            .expect(|v| {
+                pc(v).insert("proxyMetadata".into(), json!({"ISTIO_META_ENABLE_SELF_DISCOVERY": "true"}));
+                meta(v).insert("ENABLE_SELF_DISCOVERY".into(), json!("true"));
+                clusters(v).push(local_cluster());
+                v["cluster_manager"]["local_cluster_name"] = json!("local_cluster");
+            }),
+        // "false": no cluster and no local_cluster_name; the metadata keeps the raw ISTIO_META_
+        // string (the typed StringBool is omitted, the raw map still holds it).
+        Case::new("self_discovery_false")
+            .env("ISTIO_META_ENABLE_SELF_DISCOVERY", "false")
+            .expect(|v| {
+                meta(v).insert("ENABLE_SELF_DISCOVERY".into(), json!("false"));
+            }),
+        // Self-discovery with the remote-service clusters: `local_cluster` comes after
+        // `envoy_metrics_service` and `envoy_accesslog_service` (the template's cluster order).
+        Case::new("self_discovery_after_remote_services")
+            .env("ISTIO_META_ENABLE_SELF_DISCOVERY", "true")
+            .env("PROXY_CONFIG", r#"{"envoyMetricsService":{"address":"ms:15000"},"envoyAccessLogService":{"address":"als:15001"}}"#)
+            .expect(|v| {
+                pc(v).insert("envoyMetricsService".into(), json!({"address": "ms:15000"}));
+                pc(v).insert("envoyAccessLogService".into(), json!({"address": "als:15001"}));
+                meta(v).insert("ENABLE_SELF_DISCOVERY".into(), json!("true"));
+                for (name, host, port) in [("envoy_metrics_service", "ms", 15000), ("envoy_accesslog_service", "als", 15001)] {
+                    let mut c = dns_cluster(name, host, port, "V4_ONLY");
+                    c["typed_extension_protocol_options"] = h2();
+                    clusters(v).push(c);
+                }
+                clusters(v).push(local_cluster());
+                v["stats_sinks"] = json!([{"name": "envoy.stat_sinks.metrics_service", "typed_config": {
+                    "@type": "type.googleapis.com/envoy.config.metrics.v3.MetricsServiceConfig",
+                    "transport_api_version": "V3",
+                    "grpc_service": {"envoy_grpc": {"cluster_name": "envoy_metrics_service"}}
+                }}]);
+                v["cluster_manager"]["local_cluster_name"] = json!("local_cluster");
             }),
         // runtimeValues ("" deletes, "true"/"false" become booleans) and the fragment flag.
         Case::new("runtime_values")

@@ -153,3 +153,21 @@ pub(super) fn remote_service_cluster(
     }
     c
 }
+
+/// The self-discovery cluster's name: pilot's `util.SelfDiscoveryCluster`, which istiod's EDS
+/// generator (pilot/pkg/xds/eds.go `parseClusterName`) answers with the proxy's own service.
+pub const SELF_DISCOVERY_CLUSTER: &str = "local_cluster";
+
+/// `ISTIO_META_ENABLE_SELF_DISCOVERY=true` (Istio 1.31, PR istio/istio#60765): a static EDS
+/// cluster fed over ADS, named by `cluster_manager.local_cluster_name`, which Envoy's
+/// zone-aware load balancer reads for the local zone's share of the proxy's own service.
+/// The config source follows the template's own lds/cds sources (ADS, no initial fetch
+/// timeout, V3); the exact template text was not available, see README "Bootstrap".
+pub(super) fn self_discovery_cluster() -> Value {
+    json!({
+        "name": SELF_DISCOVERY_CLUSTER,
+        "type": "EDS",
+        "connect_timeout": "1s",
+        "eds_cluster_config": {"eds_config": {"ads": {}, "initial_fetch_timeout": "0s", "resource_api_version": "V3"}}
+    })
+}
