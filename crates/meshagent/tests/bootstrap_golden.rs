@@ -1087,12 +1087,90 @@ fn validate(dir: &Path, file: &Path) -> Result<(), String> {
     }
 }
 
+/// Envoy's API descriptors: envoy-types ships the FileDescriptorSet its Rust types were
+/// generated from (`src/generated/types.bin`), found through `cargo metadata` at the version
+/// Cargo.lock pins. `udpa.type.v1.TypedStruct` (cncf/xds) is not in that set; it is added by
+/// hand (two fields), its `value` staying an untyped `Struct` as it is for Envoy.
+fn envoy_descriptors() -> prost_reflect::DescriptorPool {
+    use prost_reflect::prost_types::{
+        DescriptorProto, FieldDescriptorProto, FileDescriptorProto,
+        field_descriptor_proto::{Label, Type},
+    };
+    let out = Command::new(env!("CARGO"))
+        .args([
+            "metadata",
+            "--format-version",
+            "1",
+            "--offline",
+            "--manifest-path",
+        ])
+        .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("../../Cargo.toml"))
+        .output()
+        .expect("cargo metadata");
+    assert!(
+        out.status.success(),
+        "cargo metadata: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let meta: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let manifest = meta["packages"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|p| p["name"] == "envoy-types")
+        .and_then(|p| p["manifest_path"].as_str())
+        .expect("envoy-types in cargo metadata");
+    let set = Path::new(manifest).with_file_name("src/generated/types.bin");
+    let bytes = std::fs::read(&set).unwrap_or_else(|e| panic!("{}: {e}", set.display()));
+    let mut pool = prost_reflect::DescriptorPool::decode(bytes.as_slice())
+        .unwrap_or_else(|e| panic!("{}: {e}", set.display()));
+    let field = |name: &str, number: i32, ty: Type, type_name: Option<&str>| FieldDescriptorProto {
+        name: Some(name.into()),
+        json_name: None,
+        number: Some(number),
+        label: Some(Label::Optional as i32),
+        r#type: Some(ty as i32),
+        type_name: type_name.map(str::to_owned),
+        ..Default::default()
+    };
+    pool.add_file_descriptor_proto(FileDescriptorProto {
+        name: Some("udpa/type/v1/typed_struct.proto".into()),
+        package: Some("udpa.type.v1".into()),
+        dependency: vec!["google/protobuf/struct.proto".into()],
+        message_type: vec![DescriptorProto {
+            name: Some("TypedStruct".into()),
+            field: vec![
+                field("type_url", 1, Type::String, None),
+                field("value", 2, Type::Message, Some(".google.protobuf.Struct")),
+            ],
+            ..Default::default()
+        }],
+        syntax: Some("proto3".into()),
+        ..Default::default()
+    })
+    .unwrap();
+    pool
+}
+
+/// `v` parsed as an `envoy.config.bootstrap.v3.Bootstrap` (proto3 JSON mapping, unknown fields
+/// rejected, every `typed_config` resolved), printed back in the canonical proto-JSON form:
+/// two bootstraps are the same proto exactly when these are equal.
+fn as_bootstrap_proto(pool: &prost_reflect::DescriptorPool, v: &Value) -> Result<Value, String> {
+    let desc = pool
+        .get_message_by_name("envoy.config.bootstrap.v3.Bootstrap")
+        .ok_or("no Bootstrap descriptor")?;
+    let msg = prost_reflect::DynamicMessage::deserialize(desc, v.clone())
+        .map_err(|e| format!("not a Bootstrap proto: {e}"))?;
+    serde_json::to_value(&msg).map_err(|e| e.to_string())
+}
+
 fn ips(case: &Case) -> Vec<IpAddr> {
     case.ips.iter().map(|s| s.parse().unwrap()).collect()
 }
 
 #[test]
 fn golden_bootstraps() {
+    let pool = envoy_descriptors();
     let mut failures = vec![];
     for case in cases() {
         let dir = tempfile::tempdir().unwrap();
@@ -1105,10 +1183,26 @@ fn golden_bootstraps() {
             bootstrap::render(&cfg, &node).unwrap_or_else(|e| panic!("{}: render: {e}", case.name));
         let mut want = expected_default();
         (case.expect)(&mut want);
-        let mut d = vec![];
-        diff("", &got, &want, &mut d);
-        if !d.is_empty() {
-            failures.push(format!("case {}:\n  {}", case.name, d.join("\n  ")));
+        // Compared as envoy.config.bootstrap.v3.Bootstrap protos (what Envoy reads): both
+        // sides parsed strictly, then their canonical proto-JSON compared (the diff names the
+        // differing fields).
+        match (
+            as_bootstrap_proto(&pool, &got),
+            as_bootstrap_proto(&pool, &want),
+        ) {
+            (Ok(g), Ok(w)) => {
+                let mut d = vec![];
+                diff("", &g, &w, &mut d);
+                if !d.is_empty() {
+                    failures.push(format!("case {}:\n  {}", case.name, d.join("\n  ")));
+                }
+            }
+            (g, w) => failures.push(format!(
+                "case {}: rendered: {:?}; expected: {:?}",
+                case.name,
+                g.err(),
+                w.err()
+            )),
         }
         let rendered = bootstrap::generate(&cfg, &node, None).unwrap();
         let file = bootstrap::write(&cfg, dir.path(), &rendered).unwrap();
@@ -1213,4 +1307,31 @@ fn lightstep_token_file() {
         std::fs::metadata(&token).unwrap().permissions().mode() & 0o777,
         0o666
     );
+}
+
+/// The proto comparison itself: representation differences vanish, unknown fields and bad
+/// types are errors, and a different value is a difference.
+#[test]
+fn bootstrap_proto_comparison() {
+    let pool = envoy_descriptors();
+    let one = json!({"static_resources": {"clusters": [{"name": "c", "connect_timeout": "1s", "type": "STATIC"}]}});
+    let same = json!({"staticResources": {"clusters": [{"name": "c", "connectTimeout": "1.000s", "type": "STATIC"}]}});
+    let other = json!({"static_resources": {"clusters": [{"name": "c", "connect_timeout": "2s", "type": "STATIC"}]}});
+    let p = |v: &Value| as_bootstrap_proto(&pool, v);
+    assert_eq!(p(&one).unwrap(), p(&same).unwrap());
+    assert_ne!(p(&one).unwrap(), p(&other).unwrap());
+    for bad in [
+        json!({"static_resources": {"clusters": [{"name": "c", "conect_timeout": "1s"}]}}),
+        json!({"admin": {"address": {"socket_address": {"port_value": "x"}}}}),
+        json!({"bootstrap_extensions": [{"name": "x", "typed_config": {"@type": "type.googleapis.com/no.such.Type"}}]}),
+    ] {
+        assert!(p(&bad).is_err(), "{bad}");
+    }
+    // Typed configs are resolved and compared field by field.
+    let hcm = |prefix: &str| {
+        json!({"static_resources": {"listeners": [{"name": "l", "filter_chains": [{"filters": [{"name": "h", "typed_config": {
+        "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
+        "stat_prefix": prefix}}]}]}]}})
+    };
+    assert_ne!(p(&hcm("a")).unwrap(), p(&hcm("b")).unwrap());
 }
