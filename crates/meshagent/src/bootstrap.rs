@@ -250,8 +250,11 @@ fn render_inputs(cfg: &Config, node: &Node, inp: &Inputs) -> Value {
         json!({"filters": [hcm("agent", json!([route("/healthz/ready", "agent")]), vec![router()])]}),
     );
     if boot.envoy_status_port_enable_proxy_protocol {
-        status["listener_filters"] = json!([{"name": "envoy.filters.listener.proxy_protocol", "typed_config": {
-            "@type": "type.googleapis.com/envoy.extensions.filters.listener.proxy_protocol.v3.ProxyProtocol"
+        // The template's legacy filter name; plain health checks keep working
+        // (`allow_requests_without_proxy_protocol`).
+        status["listener_filters"] = json!([{"name": "envoy.listener.proxy_protocol", "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.filters.listener.proxy_protocol.v3.ProxyProtocol",
+            "allow_requests_without_proxy_protocol": true
         }}]);
     }
     listeners.push(status);
@@ -340,8 +343,15 @@ fn render_inputs(cfg: &Config, node: &Node, inp: &Inputs) -> Value {
     if !sinks.is_empty() {
         out["stats_sinks"] = Value::Array(sinks);
     }
+    // `cluster_manager` only with an outlier log, LRS or self-discovery (the template's
+    // `if or .outlier_log_path .load_stats_config_json_str …`); deferred cluster creation
+    // rides along.
+    let outlier = !cfg.flags.outlier_log_path.is_empty();
+    if !(outlier || inp.load_stats_config.is_some() || inp.self_discovery) {
+        return out;
+    }
     let mut cm = Map::new();
-    if !cfg.flags.outlier_log_path.is_empty() {
+    if outlier {
         cm.insert(
             "outlier_detection".into(),
             json!({"event_log_path": cfg.flags.outlier_log_path}),

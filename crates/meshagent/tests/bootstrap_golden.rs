@@ -138,7 +138,7 @@ fn route(prefix: &str, cluster: &str) -> Value {
 }
 
 /// The 15090 compressors: brotli, zstd, gzip, each named after its algorithm, with the
-/// stats content types.
+/// stats content types (text, protobuf, OpenMetrics text and protobuf, the template's order).
 fn compressors() -> Vec<Value> {
     ["brotli", "zstd", "gzip"]
         .iter()
@@ -152,7 +152,7 @@ fn compressors() -> Vec<Value> {
                 "@type": "type.googleapis.com/envoy.extensions.filters.http.compressor.v3.Compressor",
                 "compressor_library": {"name": format!("stats_{a}"), "typed_config": {"@type": ty}},
                 "response_direction_config": {"common_config": {"content_type": [
-                    "text/plain", "application/openmetrics-text", "application/vnd.google.protobuf", "application/json"
+                    "text/plain", "application/vnd.google.protobuf", "application/openmetrics-text", "application/openmetrics-protobuf"
                 ]}}
             }})
         })
@@ -355,7 +355,8 @@ fn expected_default() -> Value {
                 "max_active_downstream_connections": 2147483647u64
             }
         }]},
-        "cluster_manager": {"enable_deferred_cluster_creation": true},
+        // No cluster_manager: the template writes it only with an outlier log, LRS or
+        // self-discovery.
         "deferred_stat_options": {"enable_deferred_creation_stats": true}
     })
 }
@@ -719,7 +720,9 @@ fn cases() -> Vec<Case> {
                     "envoyAccessLogService".into(),
                     json!({"address": "als.svc:15001"}),
                 );
+                // Both service clusters carry `alt_stat_name` like every template cluster.
                 let mut ms = dns_cluster("envoy_metrics_service", "metrics.svc", 15000, "V4_ONLY");
+                ms["alt_stat_name"] = json!("envoy_metrics_service;");
                 ms["typed_extension_protocol_options"] = h2();
                 ms["transport_socket"] = json!({"name": "envoy.transport_sockets.tls", "typed_config": {
                     "@type": "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext",
@@ -736,6 +739,7 @@ fn cases() -> Vec<Case> {
                 ms["upstream_connection_options"] = json!({"tcp_keepalive": {"keepalive_probes": 3, "keepalive_time": 10, "keepalive_interval": 5}});
                 clusters(v).push(ms);
                 let mut als = dns_cluster("envoy_accesslog_service", "als.svc", 15001, "V4_ONLY");
+                als["alt_stat_name"] = json!("envoy_accesslog_service;");
                 als["typed_extension_protocol_options"] = h2();
                 clusters(v).push(als);
                 v["stats_sinks"] = json!([{"name": "envoy.stat_sinks.metrics_service", "typed_config": {
@@ -766,6 +770,7 @@ fn cases() -> Vec<Case> {
                     "LOAD_STATS_CONFIG_JSON".into(),
                     json!(r#"{"api_type":"GRPC","transport_api_version":"V3","grpc_services":[{"envoy_grpc":{"cluster_name":"xds-grpc"}}]}"#),
                 );
+                v["cluster_manager"]["enable_deferred_cluster_creation"] = json!(true);
                 v["cluster_manager"]["load_stats_config"] = json!({"api_type":"GRPC","transport_api_version":"V3","grpc_services":[{"envoy_grpc":{"cluster_name":"xds-grpc"}}]});
                 v["layered_runtime"]["layers"][0]["static_layer"]
                     ["envoy.reloadable_features.google_grpc_disable_tls_13"] = json!(true);
@@ -775,7 +780,10 @@ fn cases() -> Vec<Case> {
             .flags(|f| f.outlier_log_path = "/dev/stdout".into())
             .expect(|v| {
                 meta(v).insert("OUTLIER_LOG_PATH".into(), json!("/dev/stdout"));
-                v["cluster_manager"]["outlier_detection"] = json!({"event_log_path": "/dev/stdout"});
+                v["cluster_manager"] = json!({
+                    "outlier_detection": {"event_log_path": "/dev/stdout"},
+                    "enable_deferred_cluster_creation": true
+                });
             }),
         // Stats flush and eviction intervals from the annotations.
         Case::new("stats_intervals")
@@ -941,8 +949,11 @@ fn cases() -> Vec<Case> {
         Case::new("status_proxy_protocol")
             .env("ENVOY_STATUS_PORT_ENABLE_PROXY_PROTOCOL", "true")
             .expect(|v| {
-                listeners(v)[1]["listener_filters"] = json!([{"name": "envoy.filters.listener.proxy_protocol", "typed_config": {
-                    "@type": "type.googleapis.com/envoy.extensions.filters.listener.proxy_protocol.v3.ProxyProtocol"
+                // The template's filter name `envoy.listener.proxy_protocol`, and requests
+                // without the header still allowed.
+                listeners(v)[1]["listener_filters"] = json!([{"name": "envoy.listener.proxy_protocol", "typed_config": {
+                    "@type": "type.googleapis.com/envoy.extensions.filters.listener.proxy_protocol.v3.ProxyProtocol",
+                    "allow_requests_without_proxy_protocol": true
                 }}]);
             }),
         // --log_as_json: JSON application log format.
@@ -964,7 +975,7 @@ fn cases() -> Vec<Case> {
                 pc(v).insert("proxyMetadata".into(), json!({"ISTIO_META_ENABLE_SELF_DISCOVERY": "true"}));
                 meta(v).insert("ENABLE_SELF_DISCOVERY".into(), json!("true"));
                 clusters(v).push(local_cluster());
-                v["cluster_manager"]["local_cluster_name"] = json!("local_cluster");
+                v["cluster_manager"] = json!({"local_cluster_name": "local_cluster", "enable_deferred_cluster_creation": true});
             }),
         // "false": no cluster and no local_cluster_name; the metadata keeps the raw ISTIO_META_
         // string (the typed StringBool is omitted, the raw map still holds it).
@@ -984,6 +995,7 @@ fn cases() -> Vec<Case> {
                 meta(v).insert("ENABLE_SELF_DISCOVERY".into(), json!("true"));
                 for (name, host, port) in [("envoy_metrics_service", "ms", 15000), ("envoy_accesslog_service", "als", 15001)] {
                     let mut c = dns_cluster(name, host, port, "V4_ONLY");
+                    c["alt_stat_name"] = json!(format!("{name};"));
                     c["typed_extension_protocol_options"] = h2();
                     clusters(v).push(c);
                 }
@@ -993,7 +1005,7 @@ fn cases() -> Vec<Case> {
                     "transport_api_version": "V3",
                     "grpc_service": {"envoy_grpc": {"cluster_name": "envoy_metrics_service"}}
                 }}]);
-                v["cluster_manager"]["local_cluster_name"] = json!("local_cluster");
+                v["cluster_manager"] = json!({"local_cluster_name": "local_cluster", "enable_deferred_cluster_creation": true});
             }),
         // runtimeValues ("" deletes, "true"/"false" become booleans) and the fragment flag.
         Case::new("runtime_values")

@@ -69,14 +69,15 @@ pub(super) fn route(prefix: &str, cluster: &str) -> Value {
     json!({"match": {"prefix": prefix}, "route": {"cluster": cluster}})
 }
 
-/// The Prometheus listener's compressors: brotli, zstd, gzip, for the stats content types.
-/// The `content_type` list is best effort: the references name four types but not which.
+/// The Prometheus listener's compressors: brotli, zstd, gzip, for the four content types the
+/// stats endpoint answers with (text, protobuf, OpenMetrics text and protobuf), in the
+/// template's order.
 pub(super) fn compressors() -> Vec<Value> {
     let content_types = json!([
         "text/plain",
-        "application/openmetrics-text",
         "application/vnd.google.protobuf",
-        "application/json"
+        "application/openmetrics-text",
+        "application/openmetrics-protobuf"
     ]);
     [
         ("brotli", "envoy.extensions.compression.brotli.compressor.v3.Brotli"),
@@ -137,6 +138,7 @@ pub(super) fn remote_service_cluster(
 ) -> Value {
     let mut c = json!({
         "name": name,
+        "alt_stat_name": format!("{name};"),
         "type": "STRICT_DNS",
         "respect_dns_ttl": true,
         "dns_lookup_family": dns_lookup_family,
