@@ -3,8 +3,9 @@
 //! pkg/bootstrap/config.go). Each expectation is written here from Istio's template facts and
 //! says which branch it comes from; none is captured from meshagent's own output.
 //!
-//! Every case is compared structurally (JSON values: key order is irrelevant, list order
-//! matters as it does to Envoy) and then checked by the real Envoy with `--mode validate`.
+//! Every case is compared as an `envoy.config.bootstrap.v3.Bootstrap` proto (both sides parsed
+//! strictly with Envoy's descriptors, then diffed field by field; list order matters as it
+//! does to Envoy) and then checked by the real Envoy with `--mode validate`.
 
 #![allow(clippy::unwrap_used)] // tests fail loudly by design
 
@@ -1109,11 +1110,13 @@ fn envoy_descriptors() -> prost_reflect::DescriptorPool {
         field_descriptor_proto::{Label, Type},
     };
     let out = Command::new(env!("CARGO"))
+        // Not `--offline`: listing every platform's packages may need crates a Linux build
+        // never downloaded.
         .args([
             "metadata",
             "--format-version",
             "1",
-            "--offline",
+            "--locked",
             "--manifest-path",
         ])
         .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("../../Cargo.toml"))
