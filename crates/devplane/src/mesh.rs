@@ -351,7 +351,7 @@ impl Mesh {
     pub fn first_service_selecting(&self, w: &Workload) -> Option<&Service> {
         self.services
             .iter()
-            .find(|s| s.namespace == w.namespace && s.selector.iter().any(|n| *n == w.name))
+            .find(|s| s.namespace == w.namespace && s.selector.contains(&w.name))
     }
 
     /// `key` is `<name>.<namespace>`.
