@@ -127,6 +127,28 @@ services:
         local_cluster_name(&a).await.as_deref(),
         Some("local_cluster")
     );
+
+    // A new replica in a third zone of the region: istiod pushes the local service's new
+    // endpoints (pilot/pkg/xds/eds.go `affectedService`), and Envoy's local_cluster follows.
+    let a5 = free_port();
+    let replica = format!(
+        "  - name: a-z3\n    serviceAccount: a\n    address: 127.0.0.6\n    locality: r1/z3/s1\n    labels: {{service.istio.io/workload-name: a, pod-template-hash: h1}}\n    ports: [{{name: http, port: {app}, inboundPort: {a5}}}]\nservices:"
+    );
+    let edited = mesh.replacen("services:", &replica, 1).replacen(
+        "selector: [a, a-z2,",
+        "selector: [a, a-z2, a-z3,",
+        1,
+    );
+    dp.write_mesh(&edited);
+    let mut want = want;
+    want.insert(format!("127.0.0.6:{a5}"));
+    let got = wait_for(
+        "local_cluster with the new zone's replica",
+        DEADLINE,
+        || async { local_cluster_hosts(&a).await.filter(|h| *h == want) },
+    )
+    .await;
+    assert_eq!(got, want);
 }
 
 /// A proxy no service selects gets an empty `local_cluster` (istiod answers every watched
