@@ -393,11 +393,12 @@ fn dns_cluster(name: &str, addr: &str, port: u16, family: &str) -> Value {
 }
 
 /// The self-discovery cluster: type EDS from ADS with the template's ADS config-source
-/// convention (as its lds/cds: `ads`, `initial_fetch_timeout: 0s`, V3). The exact template text
-/// was not available to the project: README "Bootstrap" documents this choice.
+/// convention (as its lds/cds: `ads`, `initial_fetch_timeout: 0s`, V3) and its cluster
+/// convention (`alt_stat_name: "<name>;"`, a 1 s connect timeout). The exact template text was
+/// not available to the project: README "Bootstrap" documents this choice.
 fn local_cluster() -> Value {
     json!({
-        "name": "local_cluster", "type": "EDS", "connect_timeout": "1s",
+        "name": "local_cluster", "alt_stat_name": "local_cluster;", "type": "EDS", "connect_timeout": "1s",
         "eds_cluster_config": {"eds_config": {"ads": {}, "initial_fetch_timeout": "0s", "resource_api_version": "V3"}}
     })
 }

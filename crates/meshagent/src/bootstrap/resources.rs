@@ -164,10 +164,13 @@ pub const SELF_DISCOVERY_CLUSTER: &str = "local_cluster";
 /// cluster fed over ADS, named by `cluster_manager.local_cluster_name`, which Envoy's
 /// zone-aware load balancer reads for the local zone's share of the proxy's own service.
 /// The config source follows the template's own lds/cds sources (ADS, no initial fetch
-/// timeout, V3); the exact template text was not available, see README "Bootstrap".
+/// timeout, V3) and, like every cluster of the template, it has `alt_stat_name: "<name>;"`
+/// (the `cluster_name` tag regex needs the `;`); the exact template text was not available,
+/// see README "Bootstrap".
 pub(super) fn self_discovery_cluster() -> Value {
     json!({
         "name": SELF_DISCOVERY_CLUSTER,
+        "alt_stat_name": format!("{SELF_DISCOVERY_CLUSTER};"),
         "type": "EDS",
         "connect_timeout": "1s",
         "eds_cluster_config": {"eds_config": {"ads": {}, "initial_fetch_timeout": "0s", "resource_api_version": "V3"}}
