@@ -103,6 +103,14 @@ pub fn generate(mesh: &Mesh, proxy: &ProxyIdentity) -> Resources {
             ecds.insert(p.resource_name(), p.extension_config());
         }
     }
+    // istiod answers the self-discovery cluster for any proxy that watches it (Envoy does when
+    // its bootstrap has `local_cluster`), empty when the proxy has no service.
+    out.get_mut(type_url::ENDPOINT).map(|m| {
+        m.insert(
+            crate::local_cluster::NAME.into(),
+            pack_any(crate::local_cluster::load_assignment(mesh, me)),
+        )
+    });
     let table = crate::nds::name_table(mesh);
     out.get_mut(type_url::NAME_TABLE)
         .map(|m| m.insert(NAME_TABLE_RESOURCE.into(), pack_any(table)));

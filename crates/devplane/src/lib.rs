@@ -13,6 +13,7 @@ pub mod conn;
 pub mod debug;
 pub mod generate;
 pub mod grpcgen;
+pub mod local_cluster;
 pub mod mesh;
 pub mod nds;
 pub mod state;

@@ -100,6 +100,29 @@ pub struct Workload {
     /// `region/zone/subzone` (the `topology.istio.io/locality` label); empty: none.
     #[serde(default)]
     pub locality: String,
+    /// Pod labels. devplane reads `service.istio.io/workload-name` (the workload's name for
+    /// istiod, default `name`) and the pod-template-hash labels, for self-discovery.
+    #[serde(default)]
+    pub labels: BTreeMap<String, String>,
+}
+
+/// The label naming a pod's workload (its Deployment), as istiod reads it.
+pub const WORKLOAD_NAME_LABEL: &str = "service.istio.io/workload-name";
+
+impl Workload {
+    /// The workload name istiod groups replicas by: the `service.istio.io/workload-name`
+    /// label, else the workload's `name`.
+    pub fn workload_name(&self) -> &str {
+        self.labels
+            .get(WORKLOAD_NAME_LABEL)
+            .map(String::as_str)
+            .unwrap_or(&self.name)
+    }
+
+    /// The region part of `locality`.
+    pub fn region(&self) -> &str {
+        self.locality.split('/').next().unwrap_or_default()
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
@@ -322,6 +345,13 @@ impl Mesh {
         self.workloads
             .iter()
             .find(|w| w.namespace == namespace && w.name == name)
+    }
+
+    /// The first service (file order) selecting `w`: istiod's `proxy.LocalService`.
+    pub fn first_service_selecting(&self, w: &Workload) -> Option<&Service> {
+        self.services
+            .iter()
+            .find(|s| s.namespace == w.namespace && s.selector.contains(&w.name))
     }
 
     /// `key` is `<name>.<namespace>`.

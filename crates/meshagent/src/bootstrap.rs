@@ -27,9 +27,10 @@ use crate::config::Config;
 
 pub use inputs::{Inputs, RemoteService};
 pub use remote::expand_host_ip;
+pub use resources::SELF_DISCOVERY_CLUSTER;
 use resources::{
     compressors, h2_options, hcm, listener, remote_service_cluster, route, router,
-    secure_metrics_listener, socket, static_cluster,
+    secure_metrics_listener, self_discovery_cluster, socket, static_cluster,
 };
 pub use stats::{
     ANNOTATION_EVICTION_INTERVAL, ANNOTATION_EXTRA_STAT_TAGS, ANNOTATION_FLUSH_INTERVAL,
@@ -207,6 +208,9 @@ fn render_inputs(cfg: &Config, node: &Node, inp: &Inputs) -> Value {
             inp.dns_lookup_family,
         ));
     }
+    if inp.self_discovery {
+        clusters.push(self_discovery_cluster());
+    }
 
     let (metrics_addr, metrics_additional) = if inp.metrics_localhost_only {
         (&inp.localhost, inp.additional_localhost.as_deref())
@@ -246,8 +250,11 @@ fn render_inputs(cfg: &Config, node: &Node, inp: &Inputs) -> Value {
         json!({"filters": [hcm("agent", json!([route("/healthz/ready", "agent")]), vec![router()])]}),
     );
     if boot.envoy_status_port_enable_proxy_protocol {
-        status["listener_filters"] = json!([{"name": "envoy.filters.listener.proxy_protocol", "typed_config": {
-            "@type": "type.googleapis.com/envoy.extensions.filters.listener.proxy_protocol.v3.ProxyProtocol"
+        // The template's legacy filter name; plain health checks keep working
+        // (`allow_requests_without_proxy_protocol`).
+        status["listener_filters"] = json!([{"name": "envoy.listener.proxy_protocol", "typed_config": {
+            "@type": "type.googleapis.com/envoy.extensions.filters.listener.proxy_protocol.v3.ProxyProtocol",
+            "allow_requests_without_proxy_protocol": true
         }}]);
     }
     listeners.push(status);
@@ -336,8 +343,15 @@ fn render_inputs(cfg: &Config, node: &Node, inp: &Inputs) -> Value {
     if !sinks.is_empty() {
         out["stats_sinks"] = Value::Array(sinks);
     }
+    // `cluster_manager` only with an outlier log, LRS or self-discovery (the template's
+    // `if or .outlier_log_path .load_stats_config_json_str …`); deferred cluster creation
+    // rides along.
+    let outlier = !cfg.flags.outlier_log_path.is_empty();
+    if !(outlier || inp.load_stats_config.is_some() || inp.self_discovery) {
+        return out;
+    }
     let mut cm = Map::new();
-    if !cfg.flags.outlier_log_path.is_empty() {
+    if outlier {
         cm.insert(
             "outlier_detection".into(),
             json!({"event_log_path": cfg.flags.outlier_log_path}),
@@ -345,6 +359,9 @@ fn render_inputs(cfg: &Config, node: &Node, inp: &Inputs) -> Value {
     }
     if let Some(lrs) = &inp.load_stats_config {
         cm.insert("load_stats_config".into(), lrs.clone());
+    }
+    if inp.self_discovery {
+        cm.insert("local_cluster_name".into(), json!(SELF_DISCOVERY_CLUSTER));
     }
     cm.insert("enable_deferred_cluster_creation".into(), json!(true));
     out["cluster_manager"] = Value::Object(cm);

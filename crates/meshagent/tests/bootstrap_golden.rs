@@ -3,8 +3,9 @@
 //! pkg/bootstrap/config.go). Each expectation is written here from Istio's template facts and
 //! says which branch it comes from; none is captured from meshagent's own output.
 //!
-//! Every case is compared structurally (JSON values: key order is irrelevant, list order
-//! matters as it does to Envoy) and then checked by the real Envoy with `--mode validate`.
+//! Every case is compared as an `envoy.config.bootstrap.v3.Bootstrap` proto (both sides parsed
+//! strictly with Envoy's descriptors, then diffed field by field; list order matters as it
+//! does to Envoy) and then checked by the real Envoy with `--mode validate`.
 
 #![allow(clippy::unwrap_used)] // tests fail loudly by design
 
@@ -138,7 +139,7 @@ fn route(prefix: &str, cluster: &str) -> Value {
 }
 
 /// The 15090 compressors: brotli, zstd, gzip, each named after its algorithm, with the
-/// stats content types.
+/// stats content types (text, protobuf, OpenMetrics text and protobuf, the template's order).
 fn compressors() -> Vec<Value> {
     ["brotli", "zstd", "gzip"]
         .iter()
@@ -152,7 +153,7 @@ fn compressors() -> Vec<Value> {
                 "@type": "type.googleapis.com/envoy.extensions.filters.http.compressor.v3.Compressor",
                 "compressor_library": {"name": format!("stats_{a}"), "typed_config": {"@type": ty}},
                 "response_direction_config": {"common_config": {"content_type": [
-                    "text/plain", "application/openmetrics-text", "application/vnd.google.protobuf", "application/json"
+                    "text/plain", "application/vnd.google.protobuf", "application/openmetrics-text", "application/openmetrics-protobuf"
                 ]}}
             }})
         })
@@ -355,7 +356,8 @@ fn expected_default() -> Value {
                 "max_active_downstream_connections": 2147483647u64
             }
         }]},
-        "cluster_manager": {"enable_deferred_cluster_creation": true},
+        // No cluster_manager: the template writes it only with an outlier log, LRS or
+        // self-discovery.
         "deferred_stat_options": {"enable_deferred_creation_stats": true}
     })
 }
@@ -387,6 +389,17 @@ fn dns_cluster(name: &str, addr: &str, port: u16, family: &str) -> Value {
         "name": name, "type": "STRICT_DNS", "respect_dns_ttl": true,
         "dns_lookup_family": family, "connect_timeout": "1s", "lb_policy": "ROUND_ROBIN",
         "load_assignment": {"cluster_name": name, "endpoints": [{"lb_endpoints": [{"endpoint": {"address": {"socket_address": {"address": addr, "port_value": port}}}}]}]}
+    })
+}
+
+/// The self-discovery cluster: type EDS from ADS with the template's ADS config-source
+/// convention (as its lds/cds: `ads`, `initial_fetch_timeout: 0s`, V3) and its cluster
+/// convention (`alt_stat_name: "<name>;"`, a 1 s connect timeout). The exact template text was
+/// not available to the project: README "Bootstrap" documents this choice.
+fn local_cluster() -> Value {
+    json!({
+        "name": "local_cluster", "alt_stat_name": "local_cluster;", "type": "EDS", "connect_timeout": "1s",
+        "eds_cluster_config": {"eds_config": {"ads": {}, "initial_fetch_timeout": "0s", "resource_api_version": "V3"}}
     })
 }
 
@@ -709,7 +722,9 @@ fn cases() -> Vec<Case> {
                     "envoyAccessLogService".into(),
                     json!({"address": "als.svc:15001"}),
                 );
+                // Both service clusters carry `alt_stat_name` like every template cluster.
                 let mut ms = dns_cluster("envoy_metrics_service", "metrics.svc", 15000, "V4_ONLY");
+                ms["alt_stat_name"] = json!("envoy_metrics_service;");
                 ms["typed_extension_protocol_options"] = h2();
                 ms["transport_socket"] = json!({"name": "envoy.transport_sockets.tls", "typed_config": {
                     "@type": "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext",
@@ -726,6 +741,7 @@ fn cases() -> Vec<Case> {
                 ms["upstream_connection_options"] = json!({"tcp_keepalive": {"keepalive_probes": 3, "keepalive_time": 10, "keepalive_interval": 5}});
                 clusters(v).push(ms);
                 let mut als = dns_cluster("envoy_accesslog_service", "als.svc", 15001, "V4_ONLY");
+                als["alt_stat_name"] = json!("envoy_accesslog_service;");
                 als["typed_extension_protocol_options"] = h2();
                 clusters(v).push(als);
                 v["stats_sinks"] = json!([{"name": "envoy.stat_sinks.metrics_service", "typed_config": {
@@ -756,6 +772,7 @@ fn cases() -> Vec<Case> {
                     "LOAD_STATS_CONFIG_JSON".into(),
                     json!(r#"{"api_type":"GRPC","transport_api_version":"V3","grpc_services":[{"envoy_grpc":{"cluster_name":"xds-grpc"}}]}"#),
                 );
+                v["cluster_manager"]["enable_deferred_cluster_creation"] = json!(true);
                 v["cluster_manager"]["load_stats_config"] = json!({"api_type":"GRPC","transport_api_version":"V3","grpc_services":[{"envoy_grpc":{"cluster_name":"xds-grpc"}}]});
                 v["layered_runtime"]["layers"][0]["static_layer"]
                     ["envoy.reloadable_features.google_grpc_disable_tls_13"] = json!(true);
@@ -765,7 +782,10 @@ fn cases() -> Vec<Case> {
             .flags(|f| f.outlier_log_path = "/dev/stdout".into())
             .expect(|v| {
                 meta(v).insert("OUTLIER_LOG_PATH".into(), json!("/dev/stdout"));
-                v["cluster_manager"]["outlier_detection"] = json!({"event_log_path": "/dev/stdout"});
+                v["cluster_manager"] = json!({
+                    "outlier_detection": {"event_log_path": "/dev/stdout"},
+                    "enable_deferred_cluster_creation": true
+                });
             }),
         // Stats flush and eviction intervals from the annotations.
         Case::new("stats_intervals")
@@ -931,8 +951,11 @@ fn cases() -> Vec<Case> {
         Case::new("status_proxy_protocol")
             .env("ENVOY_STATUS_PORT_ENABLE_PROXY_PROTOCOL", "true")
             .expect(|v| {
-                listeners(v)[1]["listener_filters"] = json!([{"name": "envoy.filters.listener.proxy_protocol", "typed_config": {
-                    "@type": "type.googleapis.com/envoy.extensions.filters.listener.proxy_protocol.v3.ProxyProtocol"
+                // The template's filter name `envoy.listener.proxy_protocol`, and requests
+                // without the header still allowed.
+                listeners(v)[1]["listener_filters"] = json!([{"name": "envoy.listener.proxy_protocol", "typed_config": {
+                    "@type": "type.googleapis.com/envoy.extensions.filters.listener.proxy_protocol.v3.ProxyProtocol",
+                    "allow_requests_without_proxy_protocol": true
                 }}]);
             }),
         // --log_as_json: JSON application log format.
@@ -943,6 +966,48 @@ fn cases() -> Vec<Case> {
                     "time": "%Y-%m-%dT%T.%fZ", "level": "%l", "scope": "envoy %n",
                     "msg": "%j", "caller": "%g:%#", "thread": "%t"
                 }});
+            }),
+        // ISTIO_META_ENABLE_SELF_DISCOVERY (1.31, proxyMetadata): the `local_cluster` static
+        // EDS cluster over ADS, last of the static clusters, and
+        // `cluster_manager.local_cluster_name` naming it. The metadata flag itself is a string
+        // in the node metadata like every ISTIO_META_* variable.
+        Case::new("self_discovery")
+            .env("PROXY_CONFIG", r#"{"proxyMetadata":{"ISTIO_META_ENABLE_SELF_DISCOVERY":"true"}}"#)
+            .expect(|v| {
+                pc(v).insert("proxyMetadata".into(), json!({"ISTIO_META_ENABLE_SELF_DISCOVERY": "true"}));
+                meta(v).insert("ENABLE_SELF_DISCOVERY".into(), json!("true"));
+                clusters(v).push(local_cluster());
+                v["cluster_manager"] = json!({"local_cluster_name": "local_cluster", "enable_deferred_cluster_creation": true});
+            }),
+        // "false": no cluster and no local_cluster_name; the metadata keeps the raw ISTIO_META_
+        // string (the typed StringBool is omitted, the raw map still holds it).
+        Case::new("self_discovery_false")
+            .env("ISTIO_META_ENABLE_SELF_DISCOVERY", "false")
+            .expect(|v| {
+                meta(v).insert("ENABLE_SELF_DISCOVERY".into(), json!("false"));
+            }),
+        // Self-discovery with the remote-service clusters: `local_cluster` comes after
+        // `envoy_metrics_service` and `envoy_accesslog_service` (the template's cluster order).
+        Case::new("self_discovery_after_remote_services")
+            .env("ISTIO_META_ENABLE_SELF_DISCOVERY", "true")
+            .env("PROXY_CONFIG", r#"{"envoyMetricsService":{"address":"ms:15000"},"envoyAccessLogService":{"address":"als:15001"}}"#)
+            .expect(|v| {
+                pc(v).insert("envoyMetricsService".into(), json!({"address": "ms:15000"}));
+                pc(v).insert("envoyAccessLogService".into(), json!({"address": "als:15001"}));
+                meta(v).insert("ENABLE_SELF_DISCOVERY".into(), json!("true"));
+                for (name, host, port) in [("envoy_metrics_service", "ms", 15000), ("envoy_accesslog_service", "als", 15001)] {
+                    let mut c = dns_cluster(name, host, port, "V4_ONLY");
+                    c["alt_stat_name"] = json!(format!("{name};"));
+                    c["typed_extension_protocol_options"] = h2();
+                    clusters(v).push(c);
+                }
+                clusters(v).push(local_cluster());
+                v["stats_sinks"] = json!([{"name": "envoy.stat_sinks.metrics_service", "typed_config": {
+                    "@type": "type.googleapis.com/envoy.config.metrics.v3.MetricsServiceConfig",
+                    "transport_api_version": "V3",
+                    "grpc_service": {"envoy_grpc": {"cluster_name": "envoy_metrics_service"}}
+                }}]);
+                v["cluster_manager"] = json!({"local_cluster_name": "local_cluster", "enable_deferred_cluster_creation": true});
             }),
         // runtimeValues ("" deletes, "true"/"false" become booleans) and the fragment flag.
         Case::new("runtime_values")
@@ -1036,12 +1101,92 @@ fn validate(dir: &Path, file: &Path) -> Result<(), String> {
     }
 }
 
+/// Envoy's API descriptors: envoy-types ships the FileDescriptorSet its Rust types were
+/// generated from (`src/generated/types.bin`), found through `cargo metadata` at the version
+/// Cargo.lock pins. `udpa.type.v1.TypedStruct` (cncf/xds) is not in that set; it is added by
+/// hand (two fields), its `value` staying an untyped `Struct` as it is for Envoy.
+fn envoy_descriptors() -> prost_reflect::DescriptorPool {
+    use prost_reflect::prost_types::{
+        DescriptorProto, FieldDescriptorProto, FileDescriptorProto,
+        field_descriptor_proto::{Label, Type},
+    };
+    let out = Command::new(env!("CARGO"))
+        // Not `--offline`: listing every platform's packages may need crates a Linux build
+        // never downloaded.
+        .args([
+            "metadata",
+            "--format-version",
+            "1",
+            "--locked",
+            "--manifest-path",
+        ])
+        .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("../../Cargo.toml"))
+        .output()
+        .expect("cargo metadata");
+    assert!(
+        out.status.success(),
+        "cargo metadata: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let meta: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let manifest = meta["packages"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|p| p["name"] == "envoy-types")
+        .and_then(|p| p["manifest_path"].as_str())
+        .expect("envoy-types in cargo metadata");
+    let set = Path::new(manifest).with_file_name("src/generated/types.bin");
+    let bytes = std::fs::read(&set).unwrap_or_else(|e| panic!("{}: {e}", set.display()));
+    let mut pool = prost_reflect::DescriptorPool::decode(bytes.as_slice())
+        .unwrap_or_else(|e| panic!("{}: {e}", set.display()));
+    let field = |name: &str, number: i32, ty: Type, type_name: Option<&str>| FieldDescriptorProto {
+        name: Some(name.into()),
+        json_name: None,
+        number: Some(number),
+        label: Some(Label::Optional as i32),
+        r#type: Some(ty as i32),
+        type_name: type_name.map(str::to_owned),
+        ..Default::default()
+    };
+    pool.add_file_descriptor_proto(FileDescriptorProto {
+        name: Some("udpa/type/v1/typed_struct.proto".into()),
+        package: Some("udpa.type.v1".into()),
+        dependency: vec!["google/protobuf/struct.proto".into()],
+        message_type: vec![DescriptorProto {
+            name: Some("TypedStruct".into()),
+            field: vec![
+                field("type_url", 1, Type::String, None),
+                field("value", 2, Type::Message, Some(".google.protobuf.Struct")),
+            ],
+            ..Default::default()
+        }],
+        syntax: Some("proto3".into()),
+        ..Default::default()
+    })
+    .unwrap();
+    pool
+}
+
+/// `v` parsed as an `envoy.config.bootstrap.v3.Bootstrap` (proto3 JSON mapping, unknown fields
+/// rejected, every `typed_config` resolved), printed back in the canonical proto-JSON form:
+/// two bootstraps are the same proto exactly when these are equal.
+fn as_bootstrap_proto(pool: &prost_reflect::DescriptorPool, v: &Value) -> Result<Value, String> {
+    let desc = pool
+        .get_message_by_name("envoy.config.bootstrap.v3.Bootstrap")
+        .ok_or("no Bootstrap descriptor")?;
+    let msg = prost_reflect::DynamicMessage::deserialize(desc, v.clone())
+        .map_err(|e| format!("not a Bootstrap proto: {e}"))?;
+    serde_json::to_value(&msg).map_err(|e| e.to_string())
+}
+
 fn ips(case: &Case) -> Vec<IpAddr> {
     case.ips.iter().map(|s| s.parse().unwrap()).collect()
 }
 
 #[test]
 fn golden_bootstraps() {
+    let pool = envoy_descriptors();
     let mut failures = vec![];
     for case in cases() {
         let dir = tempfile::tempdir().unwrap();
@@ -1054,10 +1199,26 @@ fn golden_bootstraps() {
             bootstrap::render(&cfg, &node).unwrap_or_else(|e| panic!("{}: render: {e}", case.name));
         let mut want = expected_default();
         (case.expect)(&mut want);
-        let mut d = vec![];
-        diff("", &got, &want, &mut d);
-        if !d.is_empty() {
-            failures.push(format!("case {}:\n  {}", case.name, d.join("\n  ")));
+        // Compared as envoy.config.bootstrap.v3.Bootstrap protos (what Envoy reads): both
+        // sides parsed strictly, then their canonical proto-JSON compared (the diff names the
+        // differing fields).
+        match (
+            as_bootstrap_proto(&pool, &got),
+            as_bootstrap_proto(&pool, &want),
+        ) {
+            (Ok(g), Ok(w)) => {
+                let mut d = vec![];
+                diff("", &g, &w, &mut d);
+                if !d.is_empty() {
+                    failures.push(format!("case {}:\n  {}", case.name, d.join("\n  ")));
+                }
+            }
+            (g, w) => failures.push(format!(
+                "case {}: rendered: {:?}; expected: {:?}",
+                case.name,
+                g.err(),
+                w.err()
+            )),
         }
         let rendered = bootstrap::generate(&cfg, &node, None).unwrap();
         let file = bootstrap::write(&cfg, dir.path(), &rendered).unwrap();
@@ -1162,4 +1323,31 @@ fn lightstep_token_file() {
         std::fs::metadata(&token).unwrap().permissions().mode() & 0o777,
         0o666
     );
+}
+
+/// The proto comparison itself: representation differences vanish, unknown fields and bad
+/// types are errors, and a different value is a difference.
+#[test]
+fn bootstrap_proto_comparison() {
+    let pool = envoy_descriptors();
+    let one = json!({"static_resources": {"clusters": [{"name": "c", "connect_timeout": "1s", "type": "STATIC"}]}});
+    let same = json!({"staticResources": {"clusters": [{"name": "c", "connectTimeout": "1.000s", "type": "STATIC"}]}});
+    let other = json!({"static_resources": {"clusters": [{"name": "c", "connect_timeout": "2s", "type": "STATIC"}]}});
+    let p = |v: &Value| as_bootstrap_proto(&pool, v);
+    assert_eq!(p(&one).unwrap(), p(&same).unwrap());
+    assert_ne!(p(&one).unwrap(), p(&other).unwrap());
+    for bad in [
+        json!({"static_resources": {"clusters": [{"name": "c", "conect_timeout": "1s"}]}}),
+        json!({"admin": {"address": {"socket_address": {"port_value": "x"}}}}),
+        json!({"bootstrap_extensions": [{"name": "x", "typed_config": {"@type": "type.googleapis.com/no.such.Type"}}]}),
+    ] {
+        assert!(p(&bad).is_err(), "{bad}");
+    }
+    // Typed configs are resolved and compared field by field.
+    let hcm = |prefix: &str| {
+        json!({"static_resources": {"listeners": [{"name": "l", "filter_chains": [{"filters": [{"name": "h", "typed_config": {
+        "@type": "type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
+        "stat_prefix": prefix}}]}]}]}})
+    };
+    assert_ne!(p(&hcm("a")).unwrap(), p(&hcm("b")).unwrap());
 }

@@ -194,10 +194,13 @@ fn own_default_template_reproduces_the_builtin_bootstrap() {
         ("default", vec![], vec![]),
         (
             "zipkin_tls_metrics_statsd",
-            vec![(
-                "PROXY_CONFIG",
-                r#"{"tracing":{"zipkin":{"address":"zipkin:9411"},"tlsSettings":{"mode":"SIMPLE","caCertificates":"/ca.pem"}},"envoyMetricsService":{"address":"ms:15000","tcpKeepalive":{"probes":3}},"envoyAccessLogService":{"address":"als:15001","tlsSettings":{"mode":"ISTIO_MUTUAL"}},"statsdUdpAddress":"10.1.1.1:8125","extraStatTags":["t1"],"statsCompression":false}"#,
-            )],
+            vec![
+                ("ISTIO_META_ENABLE_SELF_DISCOVERY", "true"),
+                (
+                    "PROXY_CONFIG",
+                    r#"{"tracing":{"zipkin":{"address":"zipkin:9411"},"tlsSettings":{"mode":"SIMPLE","caCertificates":"/ca.pem"}},"envoyMetricsService":{"address":"ms:15000","tcpKeepalive":{"probes":3}},"envoyAccessLogService":{"address":"als:15001","tlsSettings":{"mode":"ISTIO_MUTUAL"}},"statsdUdpAddress":"10.1.1.1:8125","extraStatTags":["t1"],"statsCompression":false}"#,
+                ),
+            ],
             vec![
                 (
                     "sidecar.istio.io/statsHistogramBuckets",

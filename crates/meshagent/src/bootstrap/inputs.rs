@@ -20,6 +20,9 @@ pub struct Inputs {
     pub dns_lookup_family: &'static str,
     pub delta: bool,
     pub metadata_discovery: bool,
+    /// Node metadata `ENABLE_SELF_DISCOVERY` (env `ISTIO_META_ENABLE_SELF_DISCOVERY` or the
+    /// same key in proxyMetadata): the `local_cluster` static cluster.
+    pub self_discovery: bool,
     pub stats: stats::StatsInputs,
     pub tracer: Option<tracing::Tracer>,
     pub tracing_tls: Option<Value>,
@@ -170,6 +173,13 @@ impl Inputs {
                 .get("METADATA_DISCOVERY")
                 .and_then(Value::as_str)
                 == Some("true");
+        // pkg/bootstrap/config.go passes the node metadata's StringBool to the template, so
+        // proxyMetadata alone enables it as well as the container env.
+        let self_discovery = node
+            .metadata
+            .get("ENABLE_SELF_DISCOVERY")
+            .and_then(Value::as_str)
+            == Some("true");
         let tracer = tracing::tracer(cfg)?;
         let tracing_tls = match &tracer {
             Some(t) => tracing::tracing_tls(cfg, &node.metadata, t)?,
@@ -205,6 +215,7 @@ impl Inputs {
             },
             delta,
             metadata_discovery,
+            self_discovery,
             stats: stats::StatsInputs::from_config(cfg, &node.ips)?,
             tracer,
             tracing_tls,

@@ -246,10 +246,7 @@ pub fn params(cfg: &Config, node: &Node, inp: &Inputs) -> Map<String, Value> {
     if cfg.flags.sts_port != 0 {
         put("sts_port", json!(cfg.flags.sts_port));
     }
-    put(
-        "enable_self_discovery",
-        json!(cfg.bootstrap.enable_self_discovery),
-    );
+    put("enable_self_discovery", json!(inp.self_discovery));
     put(
         "metrics_localhost_access_only",
         json!(inp.metrics_localhost_only),

@@ -69,14 +69,15 @@ pub(super) fn route(prefix: &str, cluster: &str) -> Value {
     json!({"match": {"prefix": prefix}, "route": {"cluster": cluster}})
 }
 
-/// The Prometheus listener's compressors: brotli, zstd, gzip, for the stats content types.
-/// The `content_type` list is best effort: the references name four types but not which.
+/// The Prometheus listener's compressors: brotli, zstd, gzip, for the four content types the
+/// stats endpoint answers with (text, protobuf, OpenMetrics text and protobuf), in the
+/// template's order.
 pub(super) fn compressors() -> Vec<Value> {
     let content_types = json!([
         "text/plain",
-        "application/openmetrics-text",
         "application/vnd.google.protobuf",
-        "application/json"
+        "application/openmetrics-text",
+        "application/openmetrics-protobuf"
     ]);
     [
         ("brotli", "envoy.extensions.compression.brotli.compressor.v3.Brotli"),
@@ -137,6 +138,7 @@ pub(super) fn remote_service_cluster(
 ) -> Value {
     let mut c = json!({
         "name": name,
+        "alt_stat_name": format!("{name};"),
         "type": "STRICT_DNS",
         "respect_dns_ttl": true,
         "dns_lookup_family": dns_lookup_family,
@@ -152,4 +154,25 @@ pub(super) fn remote_service_cluster(
         c["upstream_connection_options"] = k.clone();
     }
     c
+}
+
+/// The self-discovery cluster's name: pilot's `util.SelfDiscoveryCluster`, which istiod's EDS
+/// generator (pilot/pkg/xds/eds.go `parseClusterName`) answers with the proxy's own service.
+pub const SELF_DISCOVERY_CLUSTER: &str = "local_cluster";
+
+/// `ISTIO_META_ENABLE_SELF_DISCOVERY=true` (Istio 1.31, PR istio/istio#60765): a static EDS
+/// cluster fed over ADS, named by `cluster_manager.local_cluster_name`, which Envoy's
+/// zone-aware load balancer reads for the local zone's share of the proxy's own service.
+/// The config source follows the template's own lds/cds sources (ADS, no initial fetch
+/// timeout, V3) and, like every cluster of the template, it has `alt_stat_name: "<name>;"`
+/// (the `cluster_name` tag regex needs the `;`); the exact template text was not available,
+/// see README "Bootstrap".
+pub(super) fn self_discovery_cluster() -> Value {
+    json!({
+        "name": SELF_DISCOVERY_CLUSTER,
+        "alt_stat_name": format!("{SELF_DISCOVERY_CLUSTER};"),
+        "type": "EDS",
+        "connect_timeout": "1s",
+        "eds_cluster_config": {"eds_config": {"ads": {}, "initial_fetch_timeout": "0s", "resource_api_version": "V3"}}
+    })
 }
