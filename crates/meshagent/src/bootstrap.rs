@@ -343,13 +343,10 @@ fn render_inputs(cfg: &Config, node: &Node, inp: &Inputs) -> Value {
     if !sinks.is_empty() {
         out["stats_sinks"] = Value::Array(sinks);
     }
-    // `cluster_manager` only with an outlier log, LRS or self-discovery (the template's
-    // `if or .outlier_log_path .load_stats_config_json_str …`); deferred cluster creation
-    // rides along.
+    // `cluster_manager` is always written: Istio's current template turns on deferred cluster
+    // creation for every proxy (the conformance cases all carry it), and adds the
+    // outlier log, LRS and self-discovery entries when those are configured.
     let outlier = !cfg.flags.outlier_log_path.is_empty();
-    if !(outlier || inp.load_stats_config.is_some() || inp.self_discovery) {
-        return out;
-    }
     let mut cm = Map::new();
     if outlier {
         cm.insert(

@@ -356,8 +356,7 @@ fn expected_default() -> Value {
                 "max_active_downstream_connections": 2147483647u64
             }
         }]},
-        // No cluster_manager: the template writes it only with an outlier log, LRS or
-        // self-discovery.
+        "cluster_manager": {"enable_deferred_cluster_creation": true},
         "deferred_stat_options": {"enable_deferred_creation_stats": true}
     })
 }
