@@ -314,10 +314,11 @@ impl Stream {
                 }
             };
             for resp in out {
-                self.client.update(|c| c.responses += 1);
+                let sent = (resp.type_url.clone(), resp.version_info.clone());
                 if tx.send(Ok(resp)).await.is_err() {
                     return;
                 }
+                self.client.update(|c| record_sent(c, sent));
             }
         }
     }
@@ -441,10 +442,11 @@ impl Stream {
                 }
             };
             for resp in out {
-                self.client.update(|c| c.responses += 1);
+                let sent = (resp.type_url.clone(), resp.system_version_info.clone());
                 if tx.send(Ok(resp)).await.is_err() {
                     return;
                 }
+                self.client.update(|c| record_sent(c, sent));
             }
         }
     }
@@ -567,6 +569,18 @@ impl Stream {
             ..Default::default()
         })
     }
+}
+
+/// Counts a response handed to the stream and remembers its version and time per type.
+fn record_sent(c: &mut ClientInfo, (type_url, version): (String, String)) {
+    c.responses += 1;
+    c.sent.insert(
+        type_url,
+        clients::Sent {
+            version,
+            unix_time: clients::now(),
+        },
+    );
 }
 
 /// Stable content hash, so versions survive a devplane restart (Envoy resends them in
