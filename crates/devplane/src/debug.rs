@@ -28,10 +28,10 @@ use meshagent_proto::type_url;
 use serde::Deserialize;
 use tokio::sync::watch;
 
+use crate::MeshFeed;
 use crate::ca::CsrLog;
 use crate::clients::Clients;
 use crate::generate::Resources;
-use crate::MeshFeed;
 use crate::mesh::Mesh;
 use crate::token::TokenIssuer;
 

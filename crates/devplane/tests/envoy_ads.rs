@@ -117,14 +117,10 @@ async fn envoy_gets_config(delta: bool) {
     assert!(cds["unix_time"].as_f64().unwrap_or(0.0) > 0.0, "{cds}");
     assert!(!cds["version"].as_str().unwrap_or("").is_empty(), "{cds}");
     // A mesh devplane cannot parse is refused with its reason, and nothing changes.
-    let (status, body) = meshagent_testkit::http_with_body(
-        "POST",
-        dp.debug_addr,
-        "/debug/mesh",
-        b"workloads: 7",
-    )
-    .await
-    .unwrap();
+    let (status, body) =
+        meshagent_testkit::http_with_body("POST", dp.debug_addr, "/debug/mesh", b"workloads: 7")
+            .await
+            .unwrap();
     assert_eq!(status, 400, "{body}");
     drop(envoy);
 }

@@ -254,10 +254,14 @@ async fn main() {
                     t.abort();
                 }
                 // Let the streams close before the other path attaches.
-                wait_for("the block's streams to close", Duration::from_secs(60), || {
-                    let live = dp.acks();
-                    async move { (live.await.len() <= idle).then_some(()) }
-                })
+                wait_for(
+                    "the block's streams to close",
+                    Duration::from_secs(60),
+                    || {
+                        let live = dp.acks();
+                        async move { (live.await.len() <= idle).then_some(()) }
+                    },
+                )
                 .await;
             }
         }
@@ -276,9 +280,9 @@ async fn main() {
                 median(c.iter().map(|x| x.1).collect()) * 1000.0,
             )
         };
-        let ((va, vs), (_, ds)) = (per_change(&cpu_via), per_change(&cpu_direct));
+        let ((va, vs), (da, ds)) = (per_change(&cpu_via), per_change(&cpu_direct));
         println!(
-            "       CPU per change (10 ms ticks, median of blocks): all {n} agents {va:.0} ms; bench clients {vs:.0} ms through agents, {ds:.0} ms direct"
+            "       CPU per change (median of blocks): all {n} agents {va:.1} ms through agents, {da:.1} ms while idle (direct blocks); bench clients {vs:.1} ms through agents, {ds:.1} ms direct"
         );
         println!(
             "       ratio of medians (through agents / direct): {:.2} ({} changes per path)",

@@ -367,9 +367,10 @@ impl Devplane {
     /// Replaces the mesh through `POST /debug/mesh` (the file watch's path without its poll
     /// delay); returns when devplane published it, in Unix seconds.
     pub async fn post_mesh(&self, yaml: &str) -> f64 {
-        let (status, body) = http_with_body("POST", self.debug_addr, "/debug/mesh", yaml.as_bytes())
-            .await
-            .unwrap();
+        let (status, body) =
+            http_with_body("POST", self.debug_addr, "/debug/mesh", yaml.as_bytes())
+                .await
+                .unwrap();
         assert_eq!(status, 200, "POST /debug/mesh: {body}");
         let v: Value = serde_json::from_str(&body).unwrap();
         v["unix_time"].as_f64().unwrap()
