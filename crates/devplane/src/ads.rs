@@ -315,6 +315,9 @@ impl Stream {
             };
             for resp in out {
                 let sent = (resp.type_url.clone(), resp.version_info.clone());
+                // Counted before the send (which waits while the client reads slowly), so
+                // a test sees what devplane tried to send; timed once handed over.
+                self.client.update(|c| c.responses += 1);
                 if tx.send(Ok(resp)).await.is_err() {
                     return;
                 }
@@ -443,6 +446,9 @@ impl Stream {
             };
             for resp in out {
                 let sent = (resp.type_url.clone(), resp.system_version_info.clone());
+                // Counted before the send (which waits while the client reads slowly), so
+                // a test sees what devplane tried to send; timed once handed over.
+                self.client.update(|c| c.responses += 1);
                 if tx.send(Ok(resp)).await.is_err() {
                     return;
                 }
@@ -571,9 +577,8 @@ impl Stream {
     }
 }
 
-/// Counts a response handed to the stream and remembers its version and time per type.
+/// Remembers the version and time of a response handed to the stream, per type.
 fn record_sent(c: &mut ClientInfo, (type_url, version): (String, String)) {
-    c.responses += 1;
     c.sent.insert(
         type_url,
         clients::Sent {
