@@ -314,10 +314,14 @@ impl Stream {
                 }
             };
             for resp in out {
+                let sent = (resp.type_url.clone(), resp.version_info.clone());
+                // Counted before the send (which waits while the client reads slowly), so
+                // a test sees what devplane tried to send; timed once handed over.
                 self.client.update(|c| c.responses += 1);
                 if tx.send(Ok(resp)).await.is_err() {
                     return;
                 }
+                self.client.update(|c| record_sent(c, sent));
             }
         }
     }
@@ -441,10 +445,14 @@ impl Stream {
                 }
             };
             for resp in out {
+                let sent = (resp.type_url.clone(), resp.system_version_info.clone());
+                // Counted before the send (which waits while the client reads slowly), so
+                // a test sees what devplane tried to send; timed once handed over.
                 self.client.update(|c| c.responses += 1);
                 if tx.send(Ok(resp)).await.is_err() {
                     return;
                 }
+                self.client.update(|c| record_sent(c, sent));
             }
         }
     }
@@ -567,6 +575,17 @@ impl Stream {
             ..Default::default()
         })
     }
+}
+
+/// Remembers the version and time of a response handed to the stream, per type.
+fn record_sent(c: &mut ClientInfo, (type_url, version): (String, String)) {
+    c.sent.insert(
+        type_url,
+        clients::Sent {
+            version,
+            unix_time: clients::now(),
+        },
+    );
 }
 
 /// Stable content hash, so versions survive a devplane restart (Envoy resends them in

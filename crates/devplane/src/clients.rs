@@ -38,6 +38,10 @@ pub struct ClientInfo {
     /// ACKed response).
     pub acked: BTreeMap<String, String>,
     pub nacks: BTreeMap<String, Nack>,
+    /// The last response handed to the stream per type: its version (SotW `version_info`,
+    /// Delta `system_version_info`) and when (Unix seconds), so a benchmark can split a push's
+    /// time into devplane's part and the delivery.
+    pub sent: BTreeMap<String, Sent>,
     pub requests: u64,
     pub responses: u64,
     pub stale_nonces: u64,
@@ -47,6 +51,12 @@ pub struct ClientInfo {
 pub struct Subscription {
     pub wildcard: bool,
     pub names: BTreeSet<String>,
+}
+
+#[derive(Debug, Clone, Serialize, Default)]
+pub struct Sent {
+    pub version: String,
+    pub unix_time: f64,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -101,6 +111,7 @@ impl Clients {
                     "node_id": c.node_id,
                     "acked": c.acked,
                     "nacks": c.nacks,
+                    "sent": c.sent,
                     "requests": c.requests,
                     "responses": c.responses,
                 })
@@ -150,7 +161,7 @@ impl Drop for ClientHandle {
     }
 }
 
-fn now() -> f64 {
+pub fn now() -> f64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map(|d| d.as_secs_f64())

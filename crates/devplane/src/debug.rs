@@ -10,6 +10,9 @@
 //! * `POST /debug/resource?type=URL&name=NAME` (body: the serialized resource, any bytes):
 //!   serve it to every client as resource NAME of type URL, in place of a generated one, and
 //!   push. For tests of what an agent does with malformed or very large resources.
+//! * `POST /debug/mesh` (body: a mesh file's YAML): replace the mesh, exactly as a change of
+//!   the mesh file does but without the file poll's delay (benchmarks time pushes from here);
+//!   answers `{"generation": N, "unix_time": T}`, T being when the mesh was published
 //! * `GET /healthz`: 200 once serving
 
 use std::sync::Arc;
@@ -25,6 +28,7 @@ use meshagent_proto::type_url;
 use serde::Deserialize;
 use tokio::sync::watch;
 
+use crate::MeshFeed;
 use crate::ca::CsrLog;
 use crate::clients::Clients;
 use crate::generate::Resources;
@@ -36,6 +40,7 @@ pub struct DebugState {
     pub clients: Clients,
     pub csr_log: CsrLog,
     pub mesh: watch::Receiver<Arc<Mesh>>,
+    pub mesh_feed: Arc<MeshFeed>,
     pub tokens: Arc<TokenIssuer>,
     pub overrides: watch::Sender<Arc<Resources>>,
     /// When the gRPC listener was bound.
@@ -77,6 +82,7 @@ pub fn router(state: DebugState) -> axum::Router {
             get(|State(s): State<DebugState>| async move { Json(csr_records(&s.csr_log)) }),
         )
         .route("/debug/token", get(token))
+        .route("/debug/mesh", post(set_mesh))
         .route(
             "/debug/resource",
             post(set_resource).layer(DefaultBodyLimit::max(MAX_RESOURCE)),
@@ -155,4 +161,21 @@ async fn set_resource(
     });
     tracing::info!(type_url = %q.r#type, name = %q.name, bytes = len, "debug resource set; pushing");
     Ok(format!("set {} {:?} ({len} bytes)\n", q.r#type, q.name))
+}
+
+/// The mesh file's contents, posted: parsed and validated as the file watch does, then
+/// published through the same feed.
+async fn set_mesh(
+    State(s): State<DebugState>,
+    body: Bytes,
+) -> Result<Json<serde_json::Value>, (StatusCode, String)> {
+    let text = std::str::from_utf8(&body)
+        .map_err(|e| (StatusCode::BAD_REQUEST, format!("mesh is not UTF-8: {e}")))?;
+    let mesh = Mesh::parse(std::path::Path::new("POST /debug/mesh"), text)
+        .map_err(|e| (StatusCode::BAD_REQUEST, e.to_string()))?;
+    let unix_time = unix_secs(SystemTime::now());
+    let generation = s.mesh_feed.publish(mesh, "POST /debug/mesh");
+    Ok(Json(
+        serde_json::json!({ "generation": generation, "unix_time": unix_time }),
+    ))
 }

@@ -23,6 +23,7 @@ pub mod wasm;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use meshagent_proto::envoy::pb::envoy::service::discovery::v3::aggregated_discovery_service_server::AggregatedDiscoveryServiceServer;
@@ -72,7 +73,11 @@ pub async fn serve(opts: ServeOptions) -> Result<(), ServeError> {
     let mesh = Mesh::load(&opts.mesh_path)?;
     let trust_domain = mesh.trust_domain.clone();
     let (mesh_tx, mesh_rx) = watch::channel(Arc::new(mesh));
-    tokio::spawn(watch_mesh(opts.mesh_path.clone(), mesh_tx));
+    let mesh_feed = Arc::new(MeshFeed {
+        tx: mesh_tx,
+        generation: AtomicU64::new(0),
+    });
+    tokio::spawn(watch_mesh(opts.mesh_path.clone(), mesh_feed.clone()));
 
     let tokens = Arc::new(state.token_issuer()?);
     let auth = auth::Auth::new(tokens.clone(), trust_domain.clone());
@@ -141,6 +146,7 @@ pub async fn serve(opts: ServeOptions) -> Result<(), ServeError> {
             clients,
             csr_log,
             mesh: mesh_rx,
+            mesh_feed,
             tokens,
             overrides: overrides_tx,
             serving_since,
@@ -175,12 +181,29 @@ fn grpc_router(ads: ads::AdsService, ca: ca::CaService) -> tonic::transport::ser
         .add_service(ca.into_server())
 }
 
-async fn watch_mesh(path: PathBuf, tx: watch::Sender<Arc<Mesh>>) {
+/// Where a new mesh enters devplane: the file watch and `POST /debug/mesh` both publish here,
+/// and every stream regenerates its resources and pushes what changed, as istiod's config
+/// events do (`pilot/pkg/xds/discovery.go` `ConfigUpdate` → `Push`).
+pub struct MeshFeed {
+    tx: watch::Sender<Arc<Mesh>>,
+    generation: AtomicU64,
+}
+
+impl MeshFeed {
+    /// Publishes `mesh` to every stream; returns its generation (1 for the first change).
+    pub fn publish(&self, mesh: Mesh, source: &str) -> u64 {
+        let generation = self.generation.fetch_add(1, Ordering::Relaxed) + 1;
+        tracing::info!(source, generation, "mesh changed; pushing");
+        self.tx.send_replace(Arc::new(mesh));
+        generation
+    }
+}
+
+async fn watch_mesh(path: PathBuf, feed: Arc<MeshFeed>) {
     let mut last = std::fs::read(&path).ok();
-    let mut generation = 0u64;
     loop {
         tokio::time::sleep(MESH_POLL).await;
-        if tx.is_closed() {
+        if feed.tx.is_closed() {
             return;
         }
         let Ok(now) = tokio::fs::read(&path).await else {
@@ -192,9 +215,7 @@ async fn watch_mesh(path: PathBuf, tx: watch::Sender<Arc<Mesh>>) {
         last = Some(now.clone());
         match Mesh::parse(&path, &String::from_utf8_lossy(&now)) {
             Ok(m) => {
-                generation += 1;
-                tracing::info!(path = %path.display(), generation, "mesh changed; pushing");
-                tx.send_replace(Arc::new(m));
+                feed.publish(m, &path.display().to_string());
             }
             Err(e) => tracing::error!(error = %e, "mesh file invalid; keeping the previous mesh"),
         }

@@ -90,8 +90,14 @@ async fn envoy_gets_config(delta: bool) {
         "Envoy rejected generated config"
     );
 
-    // A mesh edit is pushed and reaches Envoy.
-    dp.write_mesh(&TwoWorkloads::new().yaml(true));
+    // A mesh edit is pushed and reaches Envoy: a mesh-file change (SotW) or the same change
+    // posted to `POST /debug/mesh` (Delta), which takes the file watch's path without its poll.
+    if delta {
+        let published = dp.post_mesh(&TwoWorkloads::new().yaml(true)).await;
+        assert!(published > 0.0);
+    } else {
+        dp.write_mesh(&TwoWorkloads::new().yaml(true));
+    }
     envoy
         .wait_for_cluster(
             "the pushed cluster for service c",
@@ -101,6 +107,21 @@ async fn envoy_gets_config(delta: bool) {
         .await;
     let client = client_for(&dp, api).await;
     assert_eq!(client["nacks"], json!({}), "Envoy rejected pushed config");
+    // The last response handed over per type is on record, with its time.
+    let sent = client["sent"].as_object().cloned().unwrap_or_default();
+    let cds = sent
+        .iter()
+        .find(|(k, _)| k.ends_with("Cluster"))
+        .map(|(_, v)| v.clone())
+        .unwrap_or_else(|| panic!("no CDS response on record: {client}"));
+    assert!(cds["unix_time"].as_f64().unwrap_or(0.0) > 0.0, "{cds}");
+    assert!(!cds["version"].as_str().unwrap_or("").is_empty(), "{cds}");
+    // A mesh devplane cannot parse is refused with its reason, and nothing changes.
+    let (status, body) =
+        meshagent_testkit::http_with_body("POST", dp.debug_addr, "/debug/mesh", b"workloads: 7")
+            .await
+            .unwrap();
+    assert_eq!(status, 400, "{body}");
     drop(envoy);
 }
 

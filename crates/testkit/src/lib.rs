@@ -364,6 +364,18 @@ impl Devplane {
         write_atomic(&self.mesh_path(), yaml.as_bytes());
     }
 
+    /// Replaces the mesh through `POST /debug/mesh` (the file watch's path without its poll
+    /// delay); returns when devplane published it, in Unix seconds.
+    pub async fn post_mesh(&self, yaml: &str) -> f64 {
+        let (status, body) =
+            http_with_body("POST", self.debug_addr, "/debug/mesh", yaml.as_bytes())
+                .await
+                .unwrap();
+        assert_eq!(status, 200, "POST /debug/mesh: {body}");
+        let v: Value = serde_json::from_str(&body).unwrap();
+        v["unix_time"].as_f64().unwrap()
+    }
+
     pub async fn token(&self, namespace: &str, service_account: &str, ttl_seconds: u64) -> String {
         let path = format!(
             "/debug/token?namespace={namespace}&serviceAccount={service_account}&ttlSeconds={ttl_seconds}"
