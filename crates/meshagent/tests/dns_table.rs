@@ -334,17 +334,16 @@ async fn ndsz_shows_the_whole_table() {
         "a",
         &[
             ("ISTIO_META_DNS_CAPTURE", "true".to_owned()),
-            (
-                "DNS_PROXY_ADDR",
-                meshagent_testkit::free_addr().to_string(),
-            ),
+            ("DNS_PROXY_ADDR", meshagent_testkit::free_addr().to_string()),
         ],
     )
     .await;
     a.wait_ready(DEADLINE).await;
     let status = a.status;
     let body = wait_for("the table in /debug/ndsz", DEADLINE, || async move {
-        let (code, body) = meshagent_testkit::http_get(status, "/debug/ndsz").await.ok()?;
+        let (code, body) = meshagent_testkit::http_get(status, "/debug/ndsz")
+            .await
+            .ok()?;
         (code == 200).then_some(body)
     })
     .await;
@@ -356,6 +355,8 @@ async fn ndsz_shows_the_whole_table() {
     assert_eq!(got_n, want_n, "hosts in ndsz\n{}", a.proc.log_text());
     assert!(got == want, "ndsz differs from the table sent");
     // Twice: rendering does not consume what the agent keeps.
-    let (code, again) = meshagent_testkit::http_get(status, "/debug/ndsz").await.unwrap();
+    let (code, again) = meshagent_testkit::http_get(status, "/debug/ndsz")
+        .await
+        .unwrap();
     assert_eq!((code, again.len()), (200, body.len()));
 }

@@ -176,7 +176,9 @@ impl LookupTable {
         }
         let proxy_domain = parts.join(".");
         let mut t = LookupTable {
-            first: parts.first().map_or(String::new(), |s| s.to_ascii_lowercase()),
+            first: parts
+                .first()
+                .map_or(String::new(), |s| s.to_ascii_lowercase()),
             ..LookupTable::default()
         };
         let mut hosts: Vec<(&String, &super::NameInfo)> = nt.table.iter().collect();
@@ -293,7 +295,10 @@ impl LookupTable {
             }
             let labels = hostname.match_indices(s).find(|(i, _)| {
                 (*i == 0 || hostname.as_bytes()[i - 1] == b'.')
-                    && hostname.as_bytes().get(i + s.len()).is_none_or(|b| *b == b'.')
+                    && hostname
+                        .as_bytes()
+                        .get(i + s.len())
+                        .is_none_or(|b| *b == b'.')
             });
             if let Some((i, _)) = labels {
                 return Some((u16::try_from(i).ok()?, len));
@@ -361,7 +366,7 @@ impl LookupTable {
         self.text.get(h.block as usize..).unwrap_or_default()
     }
 
-    fn span<'a>(block: &'a [u8], (at, len): (u16, u16)) -> &'a [u8] {
+    fn span(block: &[u8], (at, len): (u16, u16)) -> &[u8] {
         block
             .get(usize::from(at)..usize::from(at) + usize::from(len))
             .unwrap_or_default()
@@ -497,7 +502,9 @@ impl LookupTable {
 
     /// The NDS host `hostname` (as sent) is in the table.
     pub fn has_host(&self, hostname: &str) -> bool {
-        self.hosts.iter().any(|h| self.hostname(h, self.block(h)) == hostname.as_bytes())
+        self.hosts
+            .iter()
+            .any(|h| self.hostname(h, self.block(h)) == hostname.as_bytes())
     }
 
     /// Istio's `/debug/ndsz` body: the NDS table as sent, in protojson field names, hosts
@@ -534,7 +541,10 @@ impl LookupTable {
                 e.insert("registry".into(), serde_json::json!(registry));
             }
             if h.short.1 > 0 {
-                e.insert("shortname".into(), serde_json::json!(text(Self::span(b, h.short))));
+                e.insert(
+                    "shortname".into(),
+                    serde_json::json!(text(Self::span(b, h.short))),
+                );
             }
             if h.namespace.1 > 0 {
                 e.insert(
@@ -728,7 +738,12 @@ mod tests {
         );
         // Without a search list there is no expansion: the address entry answers.
         assert_eq!(
-            ask_with(&t, "x.example.com.ns1.svc.cluster.local.", RecordType::A, ""),
+            ask_with(
+                &t,
+                "x.example.com.ns1.svc.cluster.local.",
+                RecordType::A,
+                ""
+            ),
             Some(vec![
                 "x.example.com.ns1.svc.cluster.local. 240.240.0.2".to_owned()
             ])
@@ -772,7 +787,10 @@ mod tests {
             k8s("ns1", "productpage", &["10.0.0.1", "fd00::1"]),
         );
         let mut alt = k8s("ns2", "reviews", &["10.0.0.2"]);
-        alt.alt_hosts = vec!["reviews.ns2.svc.clusterset.local".into(), "Rev.Example".into()];
+        alt.alt_hosts = vec![
+            "reviews.ns2.svc.clusterset.local".into(),
+            "Rev.Example".into(),
+        ];
         nt.table.insert("reviews.ns2.svc.cluster.local".into(), alt);
         // Short name and namespace not inside the hostname; addresses not in canonical
         // form or order, one unusable; a host with no usable address; no registry.
@@ -838,7 +856,10 @@ mod tests {
         // `b.ns1.` is host 2's alt host and host 1's short form: one answer, always the
         // same (hosts are taken in hostname order, the later one keeps a shared name).
         let mut nt = NameTable::default();
-        nt.table.insert("b.ns1.svc.cluster.local".into(), k8s("ns1", "b", &["10.0.0.1"]));
+        nt.table.insert(
+            "b.ns1.svc.cluster.local".into(),
+            k8s("ns1", "b", &["10.0.0.1"]),
+        );
         let mut c = k8s("ns1", "c", &["10.0.0.2"]);
         c.alt_hosts = vec!["b.ns1".into()];
         nt.table.insert("c.ns1.svc.cluster.local".into(), c);

@@ -14,6 +14,7 @@
 
 use std::sync::Arc;
 
+use crate::dns::{LookupTable, Scope};
 use bytes::Bytes;
 use futures::future::BoxFuture;
 use meshagent_proto::envoy::pb::envoy::service::discovery::v3::{
@@ -21,7 +22,6 @@ use meshagent_proto::envoy::pb::envoy::service::discovery::v3::{
 };
 use meshagent_proto::envoy::pb::google::protobuf::Any;
 use meshagent_proto::envoy::pb::google::rpc::Status;
-use crate::dns::{LookupTable, Scope};
 use meshagent_proto::type_url;
 use prost::Message;
 use tokio::sync::watch;
@@ -229,7 +229,11 @@ impl Interceptor for Nds {
         Box::pin(async move {
             tokio::task::spawn_blocking(build)
                 .await
-                .unwrap_or_else(|e| Err(InterceptError::Rejected(format!("building the NDS table: {e}"))))
+                .unwrap_or_else(|e| {
+                    Err(InterceptError::Rejected(format!(
+                        "building the NDS table: {e}"
+                    )))
+                })
         })
     }
 }
@@ -390,7 +394,9 @@ mod tests {
         let m = msg.clone();
         let meta = Meta::of(&wire::peek(api.response_kind(), &m).unwrap());
         // On a runtime: NDS builds its table on the blocking pool.
-        let rt = tokio::runtime::Builder::new_current_thread().build().unwrap();
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .unwrap();
         match rt.block_on(i.on_response(api, msg, meta.clone())) {
             Ok(v) => v,
             // What the stream does with a failure: NACK upstream.
@@ -418,7 +424,10 @@ mod tests {
     #[test]
     fn nds_sotw_publishes_and_acks() {
         let (tx, rx) = watch::channel(None);
-        let nds = Nds { table: tx, scope: Scope::default() };
+        let nds = Nds {
+            table: tx,
+            scope: Scope::default(),
+        };
         let v = run(
             &nds,
             Api::Sotw,
@@ -432,7 +441,10 @@ mod tests {
     #[test]
     fn nds_delta_publishes_and_acks_with_nonce() {
         let (tx, rx) = watch::channel(None);
-        let nds = Nds { table: tx, scope: Scope::default() };
+        let nds = Nds {
+            table: tx,
+            scope: Scope::default(),
+        };
         let msg: Bytes = DeltaDiscoveryResponse {
             system_version_info: "sv".into(),
             resources: vec![Resource {
@@ -454,7 +466,10 @@ mod tests {
     #[test]
     fn malformed_name_table_is_nacked_and_not_published() {
         let (tx, rx) = watch::channel(None);
-        let nds = Nds { table: tx, scope: Scope::default() };
+        let nds = Nds {
+            table: tx,
+            scope: Scope::default(),
+        };
         let bad = Any {
             type_url: type_url::NAME_TABLE.into(),
             value: vec![0x0a, 0x05, 0x01], // field 1 claims 5 bytes, has 1
@@ -476,7 +491,10 @@ mod tests {
     #[test]
     fn empty_response_is_ignored_without_ack() {
         let (tx, _rx) = watch::channel(None);
-        let nds = Nds { table: tx, scope: Scope::default() };
+        let nds = Nds {
+            table: tx,
+            scope: Scope::default(),
+        };
         assert_eq!(
             run(&nds, Api::Sotw, sotw_response(type_url::NAME_TABLE, vec![])),
             Verdict::Consume(None)

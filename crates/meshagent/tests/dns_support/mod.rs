@@ -275,7 +275,10 @@ pub fn mesh_table() -> NameTable {
 /// A table feed that already holds `t`.
 pub fn fixed_table(
     t: NameTable,
-) -> (watch::Sender<Option<Arc<dns::LookupTable>>>, dns::NameTableWatch) {
+) -> (
+    watch::Sender<Option<Arc<dns::LookupTable>>>,
+    dns::NameTableWatch,
+) {
     // The scope of `options`' proxy: namespace `default`.
     let scope = dns::Scope {
         namespace: "default".into(),
