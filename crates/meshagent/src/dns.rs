@@ -5,7 +5,7 @@
 //!
 //! | module | does |
 //! |---|---|
-//! | [`table`] | NDS table → lookup table: Istio's short names, search-domain CNAMEs, wildcards |
+//! | [`table`] | NDS table → lookup table: Istio's short names, search-domain CNAMEs, wildcards; renders `/debug/ndsz` |
 //! | [`handler`] | one request → reply / forward / drop; truncation; RA and EDNS echo |
 //! | [`forward`] | upstream exchanges (UDP with a 64 KiB buffer, TCP), sequential or parallel |
 //! | [`cache`] | bounded TTL cache of forwarded answers (Istio has none) |
