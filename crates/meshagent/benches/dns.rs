@@ -134,15 +134,19 @@ fn proxy(
             let opts = dns::Options {
                 addr: "127.0.0.1:0".into(),
                 resolv_conf: resolv,
-                namespace: "ns-0".into(),
-                domain: "ns-0.svc.cluster.local".into(),
                 parallel: false,
                 timeout: Duration::from_secs(5),
                 cache_size: cache,
                 forward_before_table: false,
                 servers: meshagent::supervise::Servers::new(),
             };
-            let (_ttx, trx) = tokio::sync::watch::channel(Some(Arc::new(table())));
+            let (_ttx, trx) = tokio::sync::watch::channel(Some(Arc::new(dns::LookupTable::build(
+                &table(),
+                &dns::Scope {
+                    namespace: "ns-0".into(),
+                    domain: "ns-0.svc.cluster.local".into(),
+                },
+            ))));
             let h = dns::start(opts, &Registry::new(), trx, stop2.clone())
                 .await
                 .unwrap();

@@ -444,7 +444,11 @@ fn main() {
         );
         println!("RSS, DNS off, ready: {rss_off}");
         println!("RSS, DNS on, ready, table loaded, {} queries answered: {rss_on}", a_idle.len());
-        println!("RSS, DNS on, after the {n}-cluster push: {}", rss(pid));
+        println!(
+            "RSS, DNS on, after the {n}-cluster push: {}\n  anonymous > 64 KiB: {}",
+            rss(pid),
+            anon_maps(pid)
+        );
         if let Some(s) = on.proc.try_wait() {
             on.proc.print_log();
             panic!("agent exited: {s}");

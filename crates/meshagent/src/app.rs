@@ -66,7 +66,7 @@ pub struct Agent {
     pub started: tokio::time::Instant,
     /// Where the xDS proxy publishes each NDS name table it receives; read by the DNS
     /// readiness probe and `/debug/ndsz`.
-    pub name_table: tokio::sync::watch::Sender<Option<Arc<crate::dns::NameTable>>>,
+    pub name_table: tokio::sync::watch::Sender<Option<Arc<crate::dns::LookupTable>>>,
     /// The agent's long-lived tasks, waited for (with a deadline) at shutdown.
     pub tasks: Tasks,
     /// Supervised internal servers that are down (SDS, xDS proxy): not ready while any is.
@@ -219,6 +219,9 @@ impl Agent {
         // Identity and xDS serve Envoy until it has drained and stopped, so they stop on their
         // own token, after Envoy — not on the shutdown signal.
         let services = CancellationToken::new();
+        // Freed memory back to the OS after bursts (big xDS pushes, NDS tables).
+        self.tasks
+            .spawn("malloc-trim", crate::malloc::trimmer(services.clone()));
         // DISABLE_ENVOY (the grpc-agent template): no SDS server, certificates only in
         // OUTPUT_CERTS (Istio `agent.go` `initSdsServer`).
         let identity_opts = crate::identity::Options {

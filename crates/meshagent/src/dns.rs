@@ -5,7 +5,7 @@
 //!
 //! | module | does |
 //! |---|---|
-//! | [`table`] | NDS table → lookup table: Istio's short names, search-domain CNAMEs, wildcards |
+//! | [`table`] | NDS table → lookup table: Istio's short names, search-domain CNAMEs, wildcards; renders `/debug/ndsz` |
 //! | [`handler`] | one request → reply / forward / drop; truncation; RA and EDNS echo |
 //! | [`forward`] | upstream exchanges (UDP with a 64 KiB buffer, TCP), sequential or parallel |
 //! | [`cache`] | bounded TTL cache of forwarded answers (Istio has none) |
@@ -30,6 +30,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
+use prost::Message as _;
 use tokio::net::{TcpListener, UdpSocket};
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
@@ -42,10 +43,34 @@ pub use handler::{Core, Proto};
 pub use resolv::ResolvConf;
 pub use table::{LookupTable, Scope};
 
-/// The DNS name table as the xDS proxy publishes it (NDS); `None` until the first push.
+/// The decoded NDS resource (`istio.networking.nds.v1.NameTable`).
 pub type NameTable = meshagent_proto::nds::NameTable;
 pub type NameInfo = meshagent_proto::nds::name_table::NameInfo;
-pub type NameTableWatch = watch::Receiver<Option<Arc<NameTable>>>;
+/// The NDS table as the xDS proxy publishes it, already built into the lookup table (which
+/// also renders `/debug/ndsz`); `None` until the first push.
+pub type NameTableWatch = watch::Receiver<Option<Arc<LookupTable>>>;
+
+/// Decodes an NDS resource and builds the lookup table, then drops the decoded proto and
+/// hands what it used back to the OS: of a 5,000-name table the agent keeps ~0.5 MiB instead
+/// of ~2.3 MiB of decoded strings and hash map (BENCHMARKS.md, DNS proxy). Blocking:
+/// milliseconds of CPU for such a table.
+pub fn build_table(wire: &[u8], scope: &Scope) -> Result<LookupTable, prost::DecodeError> {
+    let nt = NameTable::decode(wire)?;
+    let t = LookupTable::build(&nt, scope);
+    drop(nt);
+    crate::malloc::trim();
+    Ok(t)
+}
+
+impl Scope {
+    /// The proxy's namespace and domain, as Istio's `NewLocalDNSServer` gets them.
+    pub fn from_config(cfg: &Config) -> Scope {
+        Scope {
+            namespace: cfg.pod.namespace.clone(),
+            domain: cfg.domain.clone(),
+        }
+    }
+}
 
 /// Istio's one rule (`pkg/istio-agent/agent.go` `initLocalDNSServer`, and the NDS
 /// subscription in `xds_proxy.go`): sidecars with `ISTIO_META_DNS_CAPTURE`, or any proxy with
@@ -85,8 +110,6 @@ pub enum DnsError {
 pub struct Options {
     pub addr: String,
     pub resolv_conf: PathBuf,
-    pub namespace: String,
-    pub domain: String,
     pub parallel: bool,
     pub timeout: Duration,
     pub cache_size: usize,
@@ -116,8 +139,6 @@ impl Options {
         Options {
             addr,
             resolv_conf,
-            namespace: cfg.pod.namespace.clone(),
-            domain: cfg.domain.clone(),
             parallel: cfg.dns.forward_parallel,
             timeout: cfg.dns.forward_timeout,
             cache_size: cfg.dns.cache_size,
@@ -142,11 +163,11 @@ impl DnsHandle {
 }
 
 /// Reads resolv.conf, binds every address (a failure here is a startup error), and serves
-/// until `stop`. `tables` is the NDS table feed.
+/// until `stop`. `tables` is the NDS table feed (built by the xDS proxy's NDS interceptor).
 pub async fn start(
     opts: Options,
     registry: &Registry,
-    mut tables: NameTableWatch,
+    tables: NameTableWatch,
     stop: CancellationToken,
 ) -> Result<DnsHandle, DnsError> {
     let text = crate::fsio::read(opts.resolv_conf.clone(), 1 << 20, Duration::from_secs(5))
@@ -171,26 +192,14 @@ pub async fn start(
             metrics.cache_misses.clone(),
         )
     });
-    // Tables are built off the reactor: a 5,000-name table is milliseconds of CPU.
-    let scope = Scope {
-        namespace: opts.namespace.clone(),
-        domain: opts.domain.clone(),
-        search: resolv.search.clone(),
-    };
-    // A table that is already known is served from the first query on.
-    let initial = match tables.borrow_and_update().clone() {
-        Some(nt) => {
-            let scope = scope.clone();
-            tokio::task::spawn_blocking(move || LookupTable::build(&nt, &scope))
-                .await
-                .ok()
-                .map(Arc::new)
-        }
-        None => None,
-    };
-    let (table_tx, table_rx) = watch::channel(initial);
+    // The first search domain, for the derived CNAMEs (`LookupTable::lookup`).
+    let search0 = resolv.search.first().map_or(String::new(), |s| {
+        let s = s.to_ascii_lowercase();
+        if s.ends_with('.') { s } else { format!("{s}.") }
+    });
     let core = Arc::new(Core {
-        table: table_rx,
+        table: tables,
+        search0,
         upstreams: resolv.servers.clone(),
         parallel: opts.parallel,
         timeout: opts.timeout,
@@ -200,31 +209,6 @@ pub async fn start(
         pool: forward::Pool::default(),
     });
     tracing::info!(addrs = ?addrs, upstreams = ?resolv.servers, search = ?resolv.search, "DNS proxy listening");
-
-    let builder_stop = stop.clone();
-    tokio::spawn(tracing::Instrument::instrument(
-        async move {
-            loop {
-                tokio::select! {
-                    () = builder_stop.cancelled() => return,
-                    r = tables.changed() => if r.is_err() { return },
-                }
-                let nt = tables.borrow_and_update().clone();
-                if let Some(nt) = nt {
-                    let scope = scope.clone();
-                    match tokio::task::spawn_blocking(move || LookupTable::build(&nt, &scope)).await
-                    {
-                        Ok(t) => {
-                            tracing::debug!(names = t.len(), "DNS lookup table built");
-                            table_tx.send_replace(Some(Arc::new(t)));
-                        }
-                        Err(e) => tracing::error!(error = %e, "building the DNS table failed"),
-                    }
-                }
-            }
-        },
-        tracing::info_span!("task", name = "dns-table"),
-    ));
 
     let mut first = Some(bound);
     let serve_core = core.clone();

@@ -285,7 +285,6 @@ fn dns_core() -> &'static crate::dns::handler::Core {
         let scope = Scope {
             namespace: "default".into(),
             domain: "default.svc.cluster.local".into(),
-            search: vec!["default.svc.cluster.local".into()],
         };
         let table = LookupTable::build(&nt, &scope);
         let (tx, rx) = tokio::sync::watch::channel(Some(Arc::new(table)));
@@ -293,6 +292,7 @@ fn dns_core() -> &'static crate::dns::handler::Core {
         std::mem::forget(tx);
         crate::dns::handler::Core {
             table: rx,
+            search0: "default.svc.cluster.local.".into(),
             upstreams: vec![],
             parallel: false,
             timeout: std::time::Duration::from_secs(1),

@@ -21,6 +21,7 @@ pub mod http_client;
 pub mod identity;
 pub mod iptables;
 pub mod logging;
+pub mod malloc;
 pub mod metrics;
 pub mod platform;
 pub mod request;

@@ -7,6 +7,8 @@ use meshagent::cli::{self, Command, ProxyArgs};
 use meshagent::{config, logging};
 
 fn main() -> ExitCode {
+    // Before any thread exists (mallopt settings are process-wide).
+    meshagent::malloc::configure();
     // `istio-iptables` has its own pflag-style flags (short letters, env bindings); it is
     // dispatched before the agent's command line is parsed.
     let argv: Vec<String> = std::env::args_os()

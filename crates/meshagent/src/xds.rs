@@ -50,7 +50,7 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
-use meshagent_proto::nds::NameTable;
+use crate::dns::LookupTable;
 use tokio::sync::{mpsc, watch};
 use tokio_stream::wrappers::UnixListenerStream;
 use tokio_util::sync::CancellationToken;
@@ -170,6 +170,8 @@ pub struct XdsOptions {
     pub max_streams: u32,
     /// Intercept NDS (the DNS proxy is on).
     pub nds: bool,
+    /// The proxy's namespace and domain, for building the NDS lookup table.
+    pub nds_scope: crate::dns::Scope,
     /// Intercept PCDS (`PROXY_CONFIG_XDS_AGENT`).
     pub pcds: bool,
     /// The ECDS rewrite hook.
@@ -196,6 +198,7 @@ impl XdsOptions {
             max_streams: cfg.xds.max_streams,
             // NDS is subscribed exactly when the DNS proxy runs.
             nds: crate::dns::enabled(cfg),
+            nds_scope: crate::dns::Scope::from_config(cfg),
             pcds: cfg.xds.proxy_config_xds_agent,
             ecds: Arc::new(PassThrough),
             interceptors: Vec::new(),
@@ -239,7 +242,7 @@ fn prewarm(shared: &Arc<stream::Shared>, shutdown: CancellationToken) {
 /// The running proxy.
 pub struct XdsProxyHandle {
     socket: PathBuf,
-    name_table: watch::Receiver<Option<Arc<NameTable>>>,
+    name_table: watch::Receiver<Option<Arc<LookupTable>>>,
     pcds_bundle: watch::Receiver<Vec<String>>,
     health: watch::Sender<Option<Health>>,
     metrics: Metrics,
@@ -253,7 +256,7 @@ impl XdsProxyHandle {
     }
 
     /// The latest NDS name table (`None` until the first one arrives).
-    pub fn name_table(&self) -> watch::Receiver<Option<Arc<NameTable>>> {
+    pub fn name_table(&self) -> watch::Receiver<Option<Arc<LookupTable>>> {
         self.name_table.clone()
     }
 
@@ -309,7 +312,10 @@ pub fn start_with(
 
     let mut interceptors: Vec<Arc<dyn intercept::Interceptor>> = opts.interceptors.clone();
     if opts.nds {
-        interceptors.push(Arc::new(intercept::Nds { table: table_tx }));
+        interceptors.push(Arc::new(intercept::Nds {
+            table: table_tx,
+            scope: opts.nds_scope.clone(),
+        }));
     }
     if opts.pcds {
         interceptors.push(Arc::new(intercept::Pcds { bundle: bundle_tx }));

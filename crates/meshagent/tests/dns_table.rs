@@ -8,6 +8,7 @@ mod xds_support;
 
 use hickory_proto::op::ResponseCode;
 use hickory_proto::rr::RecordType;
+use meshagent::dns::NameInfo;
 use meshagent_proto::type_url;
 use meshagent_testkit::{DEADLINE, Devplane, wait_for};
 use prost::Message as _;
@@ -234,8 +235,9 @@ fn enabled_exactly_as_istio() {
     assert_eq!(o.resolv_conf, std::path::Path::new("/etc/resolv.conf"));
     assert_eq!(o.timeout, std::time::Duration::from_millis(750));
     assert!(o.parallel);
-    assert_eq!(o.domain, "default.svc.cluster.local");
-    assert_eq!(o.namespace, "default");
+    let scope = meshagent::dns::Scope::from_config(&cfg);
+    assert_eq!(scope.domain, "default.svc.cluster.local");
+    assert_eq!(scope.namespace, "default");
 }
 
 /// The agent binary as a pod runs it (`meshagent proxy sidecar`, real Envoy, devplane): with
@@ -268,4 +270,93 @@ async fn the_agent_binary_serves_dns_once_ready() {
     let (m, _) = tcp(dns_addr, &query("b.", RecordType::A, Some(1232))).await;
     assert_eq!(m.answers.len(), 1, "{m:?}");
     assert!(m.metadata.authoritative && m.metadata.recursion_available);
+}
+
+/// `/debug/ndsz` of the agent binary shows the whole NDS table as istiod sent it (Istio's
+/// `NameTable` in protojson field names, every host and field), although the agent keeps
+/// only the resource's wire bytes and the compact lookup table: 2,000 generated hosts with
+/// alt hosts and one address the lookup table cannot use (it stays in ndsz), on top of every
+/// shape of the test mesh.
+#[tokio::test(flavor = "multi_thread")]
+async fn ndsz_shows_the_whole_table() {
+    let mut table = mesh_table();
+    for i in 0..2000 {
+        let ns = format!("ns-{}", i % 20);
+        let mut ni = NameInfo {
+            ips: vec![format!("10.9.{}.{}", i / 256, i % 256)],
+            registry: "Kubernetes".into(),
+            shortname: format!("svc-{i}"),
+            namespace: ns.clone(),
+            alt_hosts: vec![],
+        };
+        if i % 7 == 0 {
+            ni.alt_hosts = vec![format!("svc-{i}.{ns}.svc.clusterset.local")];
+            ni.ips.push(format!("fd00::9:{i:x}"));
+        }
+        table
+            .table
+            .insert(format!("svc-{i}.{ns}.svc.cluster.local"), ni);
+    }
+    table.table.insert(
+        "odd.example.com".into(),
+        NameInfo {
+            ips: vec!["not-an-ip".into(), "240.240.0.7".into()],
+            registry: "External".into(),
+            ..Default::default()
+        },
+    );
+    let mut want = serde_json::Map::new();
+    for (host, ni) in &table.table {
+        let mut e = serde_json::json!({ "ips": ni.ips });
+        for (k, v) in [
+            ("registry", &ni.registry),
+            ("shortname", &ni.shortname),
+            ("namespace", &ni.namespace),
+        ] {
+            if !v.is_empty() {
+                e[k] = serde_json::json!(v);
+            }
+        }
+        if !ni.alt_hosts.is_empty() {
+            e["altHosts"] = serde_json::json!(ni.alt_hosts);
+        }
+        want.insert(host.clone(), e);
+    }
+    let want = serde_json::json!({ "table": want });
+
+    let dp = Devplane::start(&mesh_yaml(false)).await;
+    dp.set_resource(type_url::NAME_TABLE, "", &table.encode_to_vec())
+        .await;
+    let mut a = meshagent_testkit::Sidecar::start(
+        &dp,
+        "a",
+        "default",
+        "a",
+        &[
+            ("ISTIO_META_DNS_CAPTURE", "true".to_owned()),
+            ("DNS_PROXY_ADDR", meshagent_testkit::free_addr().to_string()),
+        ],
+    )
+    .await;
+    a.wait_ready(DEADLINE).await;
+    let status = a.status;
+    let body = wait_for("the table in /debug/ndsz", DEADLINE, || async move {
+        let (code, body) = meshagent_testkit::http_get(status, "/debug/ndsz")
+            .await
+            .ok()?;
+        (code == 200).then_some(body)
+    })
+    .await;
+    let got: serde_json::Value = serde_json::from_str(&body).unwrap();
+    let (got_n, want_n) = (
+        got["table"].as_object().map_or(0, |t| t.len()),
+        want["table"].as_object().map_or(0, |t| t.len()),
+    );
+    assert_eq!(got_n, want_n, "hosts in ndsz\n{}", a.proc.log_text());
+    assert!(got == want, "ndsz differs from the table sent");
+    // Twice: rendering does not consume what the agent keeps.
+    let (code, again) = meshagent_testkit::http_get(status, "/debug/ndsz")
+        .await
+        .unwrap();
+    assert_eq!((code, again.len()), (200, body.len()));
 }

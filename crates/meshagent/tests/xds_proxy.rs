@@ -181,8 +181,9 @@ async fn nds_is_consumed_by_the_agent_and_malformed_tables_are_nacked() {
     })
     .await;
     assert!(
-        table.table.contains_key("b.default.svc.cluster.local"),
-        "{table:?}"
+        table.has_host("b.default.svc.cluster.local"),
+        "{}",
+        table.ndsz()
     );
     let client = wait_for("the NDS ACK at devplane", DEADLINE, || async {
         let c = client_for(&dp, "sotw").await;
@@ -222,8 +223,7 @@ async fn nds_is_consumed_by_the_agent_and_malformed_tables_are_nacked() {
             .borrow()
             .as_ref()
             .unwrap()
-            .table
-            .contains_key("b.default.svc.cluster.local")
+            .has_host("b.default.svc.cluster.local")
     );
     // Envoy's own types were never NACKed.
     let c = client_for(&dp, "sotw").await;

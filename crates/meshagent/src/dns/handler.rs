@@ -60,6 +60,8 @@ pub enum Action {
 
 pub struct Core {
     pub table: watch::Receiver<Option<Arc<LookupTable>>>,
+    /// The first resolv.conf search domain, lower-case and absolute; empty when none.
+    pub search0: String,
     pub upstreams: Vec<SocketAddr>,
     pub parallel: bool,
     pub timeout: Duration,
@@ -117,7 +119,7 @@ impl Core {
         };
         let lower = q.name().to_lowercase();
         let key = lower.to_ascii();
-        match table.lookup(q.query_type(), &key, &lower) {
+        match table.lookup(q.query_type(), &key, &lower, &self.search0) {
             Lookup::Answer(records) => {
                 let mut m = answer(&req, ResponseCode::NoError);
                 m.metadata.authoritative = true;

@@ -1,19 +1,23 @@
 //! The lookup table built from an NDS name table, with Istio's expansion and lookup rules
 //! (`pkg/dns/client/dns.go`: `buildNameTable`, `generateAltHosts`, `buildDNSAnswers`,
-//! `lookupHost`).
+//! `lookupHost`). It is also all the agent keeps of the NDS table: `/debug/ndsz` is rendered
+//! from it ([`LookupTable::ndsz`]), so the decoded proto is dropped as soon as the table is
+//! built.
 //!
-//! Every key is a lower-cased absolute name ending in `.`, mapped to the addresses of the NDS
-//! host it names. Istio also stores one CNAME per name for the first search domain
-//! (`<name>.<search[0]>` → `<name>`); here those are derived at lookup time (strip the suffix,
-//! find the rest), which halves the table and gives the same answers, precedence included: a
-//! derived CNAME wins over an address entry of the same name, as Istio consults its CNAME map
-//! first.
+//! Names: every name a host answers to is a lower-cased absolute name ending in `.`; Istio
+//! also stores one CNAME per name for the first search domain (`<name>.<search[0]>` →
+//! `<name>`); here those are derived at lookup time (strip the suffix, find the rest), which
+//! halves the table and gives the same answers, precedence included: a derived CNAME wins over
+//! an address entry of the same name, as Istio consults its CNAME map first.
 //!
-//! Layout: every key's text in one string, a vector of 16-byte keys sorted by hash (binary
-//! search, then a text compare), and the addresses in two shared vectors. A 5,000-name table
-//! (~15,000 keys) is ~0.6 MiB; the earlier `HashMap<Arc<str>, Entry>` of hickory `Name`s with
-//! one stored CNAME entry per name held ~30,000 entries of ~240 B, i.e. a 65,536-bucket
-//! table of ~16 MiB (estimated from the types; BENCHMARKS.md, DNS proxy).
+//! Layout: a host's strings as istiod sent them (hostname; short name and namespace only when
+//! they are not already inside the hostname, as they are for Kubernetes services; alt hosts;
+//! its addresses only when they are not the canonical text of the parsed ones) in one byte
+//! arena; one 36-byte record per host; addresses in two shared vectors. A name is an 8-byte
+//! key — its hash and (host, form) — sorted by hash: a lookup is a binary search, then a
+//! compare of the asked name with the form spelled from the host's strings (e.g.
+//! `<shortname>.<namespace>.`), case-insensitively. A 5,000-name table is ~0.5 MiB
+//! (BENCHMARKS.md, DNS proxy); the decoded NDS proto it replaces was ~2.3 MiB.
 
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 
@@ -33,37 +37,73 @@ pub struct Scope {
     pub namespace: String,
     /// The proxy's domain (`--domain`, e.g. `ns.svc.cluster.local`).
     pub domain: String,
-    /// The resolv.conf `search` list; only the first entry is used.
-    pub search: Vec<String>,
 }
 
-/// One name: its text in [`LookupTable::text`], and the host it names.
+/// The forms of a name ([`Key::form`]); alt host `i` is `FORM_ALT + i`.
+const FORM_HOST: u8 = 0;
+/// `<shortname>.<namespace>.`
+const FORM_SHORT_NS: u8 = 1;
+/// `<shortname>.` (the proxy's own namespace)
+const FORM_SHORT: u8 = 2;
+/// `<shortname>.<namespace>.<first label of the proxy domain>.` (e.g. `.svc.`)
+const FORM_SHORT_NS_FIRST: u8 = 3;
+const FORM_ALT: u8 = 4;
+/// Hosts are numbered in 24 bits, the form takes the top 8.
+const HOST_BITS: u32 = 24;
+
+/// One name: its hash, and which host and form spell it.
 #[derive(Debug, Clone, Copy)]
 struct Key {
     hash: u32,
-    start: u32,
-    host: u32,
-    len: u16,
+    host_form: u32,
 }
 
-/// One NDS host's addresses: ranges of [`LookupTable::v4`] and [`LookupTable::v6`].
-#[derive(Debug, Clone, Copy)]
+impl Key {
+    fn host(self) -> u32 {
+        self.host_form & ((1 << HOST_BITS) - 1)
+    }
+    fn form(self) -> u8 {
+        // The top 8 bits.
+        (self.host_form >> HOST_BITS) as u8
+    }
+}
+
+/// One NDS host. Its strings are in `text[block..]`: the hostname first, the other offsets
+/// are relative to `block`. Alt hosts and address texts are each a 2-byte little-endian
+/// length and the bytes.
+#[derive(Debug, Clone, Copy, Default)]
 struct Host {
-    v4: (u32, u16),
-    v6: (u32, u16),
+    block: u32,
+    v4: u32,
+    v6: u32,
+    n4: u16,
+    n6: u16,
+    name_len: u16,
+    short: (u16, u16),
+    namespace: (u16, u16),
+    /// Where the alt hosts start; the address texts follow them.
+    alts: u16,
+    n_alts: u16,
+    /// Address texts kept verbatim; 0: the addresses are the canonical text of `v4` then
+    /// `v6`, in that order (checked when built).
+    n_ip_texts: u16,
+    registry: u16,
 }
 
 /// A built table; immutable, swapped whole when a new NDS table arrives.
 #[derive(Debug, Default)]
 pub struct LookupTable {
-    text: String,
-    /// Sorted by `(hash, text)`; one key per distinct name.
+    text: Vec<u8>,
+    /// Sorted by hash; one key per distinct name.
     keys: Vec<Key>,
+    /// Sorted by hostname (the order `/debug/ndsz` lists them in).
     hosts: Vec<Host>,
     v4: Vec<Ipv4Addr>,
     v6: Vec<Ipv6Addr>,
-    /// The first search domain, lower-cased, absolute; empty when there is none.
-    search0: String,
+    /// Registry names (`Kubernetes`, `External`…), each once.
+    registries: Vec<String>,
+    /// The first label of the proxy domain without its namespace (`svc`), lower-cased.
+    first: String,
 }
 
 /// What a lookup found.
@@ -78,7 +118,7 @@ pub enum Lookup {
 /// What a name resolves to in the table.
 enum Found<'a> {
     Host(u32),
-    /// The first-search-domain expansion of `target` (a key of `host`).
+    /// The first-search-domain expansion of `target` (a name of `host`).
     Cname {
         target: &'a str,
         host: u32,
@@ -86,13 +126,45 @@ enum Found<'a> {
 }
 
 /// FNV-1a: keys are short, and the table's content comes from istiod, not from clients.
-fn hash(s: &str) -> u32 {
+fn hash(s: &[u8]) -> u32 {
     let mut h: u32 = 0x811c_9dc5;
-    for b in s.bytes() {
-        h ^= u32::from(b);
+    for b in s {
+        h ^= u32::from(b.to_ascii_lowercase());
         h = h.wrapping_mul(0x0100_0193);
     }
     h
+}
+
+/// Appends `s` with its 2-byte length; `None` when it does not fit the format.
+fn push_counted(text: &mut Vec<u8>, s: &str) -> Option<()> {
+    let len = u16::try_from(s.len()).ok()?;
+    text.extend_from_slice(&len.to_le_bytes());
+    text.extend_from_slice(s.as_bytes());
+    Some(())
+}
+
+/// The `n` counted strings starting at `at`.
+fn counted(bytes: &[u8], mut at: usize, n: u16) -> impl Iterator<Item = &str> {
+    (0..n).map_while(move |_| {
+        let len = usize::from(u16::from_le_bytes([*bytes.get(at)?, *bytes.get(at + 1)?]));
+        let s = std::str::from_utf8(bytes.get(at + 2..at + 2 + len)?).ok()?;
+        at += 2 + len;
+        Some(s)
+    })
+}
+
+/// `name` equals the concatenation of `parts`, ASCII case-insensitively (`name` is
+/// lower-case).
+fn spells(name: &[u8], parts: &[&[u8]]) -> bool {
+    if parts.iter().map(|p| p.len()).sum::<usize>() != name.len() {
+        return false;
+    }
+    let mut at = 0;
+    parts.iter().all(|p| {
+        let ok = name[at..at + p.len()].eq_ignore_ascii_case(p);
+        at += p.len();
+        ok
+    })
 }
 
 impl LookupTable {
@@ -104,89 +176,176 @@ impl LookupTable {
         }
         let proxy_domain = parts.join(".");
         let mut t = LookupTable {
-            search0: scope.search.first().map_or(String::new(), |s| {
-                let s = s.to_ascii_lowercase();
-                if s.ends_with('.') { s } else { format!("{s}.") }
-            }),
+            first: parts
+                .first()
+                .map_or(String::new(), |s| s.to_ascii_lowercase()),
             ..LookupTable::default()
         };
-        // (key, insertion order): the last host to claim a name keeps it.
-        let mut keys: Vec<(Key, u32)> = Vec::new();
-        let mut alt: Vec<String> = Vec::new();
-        for (hostname, ni) in &nt.table {
-            let (v4_start, v6_start) = (t.v4.len(), t.v6.len());
-            for ip in &ni.ips {
-                match ip.parse::<IpAddr>() {
-                    Ok(IpAddr::V4(a)) => t.v4.push(a),
-                    Ok(IpAddr::V6(a)) => t.v6.push(a),
-                    Err(_) => {}
-                }
+        let mut hosts: Vec<(&String, &super::NameInfo)> = nt.table.iter().collect();
+        hosts.sort_unstable_by(|a, b| a.0.cmp(b.0));
+        // (lower-cased name, key): among equal names the last host keeps it.
+        let mut keys: Vec<(String, Key)> = Vec::new();
+        let mut forms: Vec<(String, u8)> = Vec::new();
+        for (hostname, ni) in hosts {
+            let Ok(index) = u32::try_from(t.hosts.len()) else {
+                break;
+            };
+            if index >= 1 << HOST_BITS {
+                tracing::warn!("NDS table has more than 16M hosts; the rest are ignored");
+                break;
             }
-            let (n4, n6) = (t.v4.len() - v4_start, t.v6.len() - v6_start);
-            if n4 == 0 && n6 == 0 {
-                continue;
-            }
-            // u16 counts and u32 offsets: an NDS table is far below both.
-            let (Ok(n4), Ok(n6), Ok(s4), Ok(s6), Ok(host)) = (
-                u16::try_from(n4),
-                u16::try_from(n6),
-                u32::try_from(v4_start),
-                u32::try_from(v6_start),
-                u32::try_from(t.hosts.len()),
-            ) else {
-                t.v4.truncate(v4_start);
-                t.v6.truncate(v6_start);
+            let Some(host) = t.push_host(hostname, ni) else {
+                tracing::warn!(host = %hostname, "NDS host too large for the DNS table; ignored");
                 continue;
             };
-            t.hosts.push(Host {
-                v4: (s4, n4),
-                v6: (s6, n6),
-            });
-            alt.clear();
-            alt.push(format!("{hostname}."));
-            if ni.registry == "Kubernetes" {
-                alt_hosts(hostname, ni, scope, &proxy_domain, &parts, &mut alt);
+            if host.n4 == 0 && host.n6 == 0 {
+                // Kept for /debug/ndsz; nothing to answer with.
+                t.hosts.push(host);
+                continue;
             }
-            for h in alt.iter_mut() {
-                h.make_ascii_lowercase();
+            t.hosts.push(host);
+            forms.clear();
+            forms.push((format!("{hostname}."), FORM_HOST));
+            if ni.registry == "Kubernetes"
+                && !proxy_domain.is_empty()
+                && hostname.ends_with(&proxy_domain)
+            {
+                // `generateAltHosts`; names in another domain (cluster) get no short names.
+                forms.push((format!("{}.{}.", ni.shortname, ni.namespace), FORM_SHORT_NS));
+                if scope.namespace == ni.namespace {
+                    forms.push((format!("{}.", ni.shortname), FORM_SHORT));
+                }
+                if !t.first.is_empty() {
+                    forms.push((
+                        format!("{}.{}.{}.", ni.shortname, ni.namespace, t.first),
+                        FORM_SHORT_NS_FIRST,
+                    ));
+                }
+                for (i, a) in ni.alt_hosts.iter().enumerate() {
+                    // Forms are 8 bits: alt hosts past the 252nd are not looked up.
+                    if let Ok(i) = u8::try_from(i)
+                        && let Some(form) = FORM_ALT.checked_add(i)
+                    {
+                        forms.push((format!("{a}."), form));
+                    }
+                }
             }
-            alt.sort();
-            alt.dedup();
-            for h in &alt {
-                if Name::from_ascii(h).is_err() {
+            for (f, _) in forms.iter_mut() {
+                f.make_ascii_lowercase();
+            }
+            forms.sort();
+            forms.dedup_by(|a, b| a.0 == b.0);
+            for (f, form) in forms.drain(..) {
+                if Name::from_ascii(&f).is_err() {
                     continue;
                 }
-                let (Ok(start), Ok(len), Ok(order)) = (
-                    u32::try_from(t.text.len()),
-                    u16::try_from(h.len()),
-                    u32::try_from(keys.len()),
-                ) else {
-                    continue;
+                let key = Key {
+                    hash: hash(f.as_bytes()),
+                    host_form: index | (u32::from(form) << HOST_BITS),
                 };
-                t.text.push_str(h);
-                keys.push((
-                    Key {
-                        hash: hash(h),
-                        start,
-                        host,
-                        len,
-                    },
-                    order,
-                ));
+                keys.push((f, key));
             }
         }
-        let text = &t.text;
-        let at = |k: &Key| &text[k.start as usize..k.start as usize + usize::from(k.len)];
-        keys.sort_unstable_by(|(a, ao), (b, bo)| (a.hash, at(a), bo).cmp(&(b.hash, at(b), ao)));
-        // Sorted with the latest first among equal names: keep that one.
-        keys.dedup_by(|(later, _), (first, _)| later.hash == first.hash && at(later) == at(first));
-        t.keys = keys.into_iter().map(|(k, _)| k).collect();
-        t.keys.shrink_to_fit();
+        // Stable: among equal names the later host (in hostname order) stays last, and wins.
+        keys.sort_by(|(a, ak), (b, bk)| (ak.hash, a).cmp(&(bk.hash, b)));
+        let mut out: Vec<Key> = Vec::with_capacity(keys.len());
+        for i in 0..keys.len() {
+            if keys.get(i + 1).is_some_and(|next| next.0 == keys[i].0) {
+                continue;
+            }
+            out.push(keys[i].1);
+        }
+        t.keys = out;
         t.text.shrink_to_fit();
         t.hosts.shrink_to_fit();
         t.v4.shrink_to_fit();
         t.v6.shrink_to_fit();
         t
+    }
+
+    /// Stores one host's strings and addresses; `None` when a count or offset does not fit.
+    fn push_host(&mut self, hostname: &str, ni: &super::NameInfo) -> Option<Host> {
+        let (text_start, v4_start, v6_start) = (self.text.len(), self.v4.len(), self.v6.len());
+        let host = self.try_push_host(hostname, ni);
+        if host.is_none() {
+            self.text.truncate(text_start);
+            self.v4.truncate(v4_start);
+            self.v6.truncate(v6_start);
+        }
+        host
+    }
+
+    fn try_push_host(&mut self, hostname: &str, ni: &super::NameInfo) -> Option<Host> {
+        let block = self.text.len();
+        let mut h = Host {
+            block: u32::try_from(block).ok()?,
+            v4: u32::try_from(self.v4.len()).ok()?,
+            v6: u32::try_from(self.v6.len()).ok()?,
+            name_len: u16::try_from(hostname.len()).ok()?,
+            ..Host::default()
+        };
+        self.text.extend_from_slice(hostname.as_bytes());
+        let rel = |text: &Vec<u8>| u16::try_from(text.len() - block).ok();
+        // Short name and namespace: found inside the hostname when they are there (as for
+        // every Kubernetes service), stored otherwise.
+        let place = |text: &mut Vec<u8>, s: &str| -> Option<(u16, u16)> {
+            let len = u16::try_from(s.len()).ok()?;
+            if s.is_empty() {
+                return Some((0, 0));
+            }
+            let labels = hostname.match_indices(s).find(|(i, _)| {
+                (*i == 0 || hostname.as_bytes()[i - 1] == b'.')
+                    && hostname
+                        .as_bytes()
+                        .get(i + s.len())
+                        .is_none_or(|b| *b == b'.')
+            });
+            if let Some((i, _)) = labels {
+                return Some((u16::try_from(i).ok()?, len));
+            }
+            let at = rel(text)?;
+            text.extend_from_slice(s.as_bytes());
+            Some((at, len))
+        };
+        h.short = place(&mut self.text, &ni.shortname)?;
+        h.namespace = place(&mut self.text, &ni.namespace)?;
+        h.alts = rel(&self.text)?;
+        h.n_alts = u16::try_from(ni.alt_hosts.len()).ok()?;
+        for a in &ni.alt_hosts {
+            push_counted(&mut self.text, a)?;
+        }
+        for ip in &ni.ips {
+            match ip.parse::<IpAddr>() {
+                Ok(IpAddr::V4(a)) => self.v4.push(a),
+                Ok(IpAddr::V6(a)) => self.v6.push(a),
+                Err(_) => {}
+            }
+        }
+        h.n4 = u16::try_from(self.v4.len() - h.v4 as usize).ok()?;
+        h.n6 = u16::try_from(self.v6.len() - h.v6 as usize).ok()?;
+        // `/debug/ndsz` shows the addresses as sent: kept as text unless they are exactly
+        // the canonical forms of the parsed ones, v4 first.
+        let canonical = self.v4[h.v4 as usize..]
+            .iter()
+            .map(|a| a.to_string())
+            .chain(self.v6[h.v6 as usize..].iter().map(|a| a.to_string()));
+        if !canonical.eq(ni.ips.iter().cloned()) {
+            h.n_ip_texts = u16::try_from(ni.ips.len()).ok()?;
+            for ip in &ni.ips {
+                push_counted(&mut self.text, ip)?;
+            }
+        }
+        // Offsets are 16 bits within a host's block.
+        rel(&self.text)?;
+        h.registry = match self.registries.iter().position(|r| *r == ni.registry) {
+            Some(i) => u16::try_from(i).ok()?,
+            None => {
+                let i = u16::try_from(self.registries.len()).ok()?;
+                self.registries.push(ni.registry.clone());
+                i
+            }
+        };
+        Some(h)
     }
 
     /// Names in the table (without the derived search-domain CNAMEs).
@@ -198,32 +357,67 @@ impl LookupTable {
         self.keys.is_empty()
     }
 
-    fn key_text(&self, k: &Key) -> &str {
-        &self.text[k.start as usize..k.start as usize + usize::from(k.len)]
+    /// NDS hosts in the table (those without a usable address included).
+    pub fn hosts(&self) -> usize {
+        self.hosts.len()
     }
 
-    /// The host an exact key names.
+    fn block(&self, h: &Host) -> &[u8] {
+        self.text.get(h.block as usize..).unwrap_or_default()
+    }
+
+    fn span(block: &[u8], (at, len): (u16, u16)) -> &[u8] {
+        block
+            .get(usize::from(at)..usize::from(at) + usize::from(len))
+            .unwrap_or_default()
+    }
+
+    fn hostname<'a>(&self, h: &'a Host, block: &'a [u8]) -> &'a [u8] {
+        Self::span(block, (0, h.name_len))
+    }
+
+    /// `name` (lower-case, absolute) is the name `k` stands for.
+    fn key_is(&self, k: Key, name: &[u8]) -> bool {
+        let Some(h) = self.hosts.get(k.host() as usize) else {
+            return false;
+        };
+        let b = self.block(h);
+        let (short, ns) = (Self::span(b, h.short), Self::span(b, h.namespace));
+        match k.form() {
+            FORM_HOST => spells(name, &[self.hostname(h, b), b"."]),
+            FORM_SHORT_NS => spells(name, &[short, b".", ns, b"."]),
+            FORM_SHORT => spells(name, &[short, b"."]),
+            FORM_SHORT_NS_FIRST => {
+                spells(name, &[short, b".", ns, b".", self.first.as_bytes(), b"."])
+            }
+            f => counted(b, usize::from(h.alts), h.n_alts)
+                .nth(usize::from(f - FORM_ALT))
+                .is_some_and(|a| spells(name, &[a.as_bytes(), b"."])),
+        }
+    }
+
+    /// The host an exact name belongs to.
     fn exact(&self, name: &str) -> Option<u32> {
-        let h = hash(name);
+        let h = hash(name.as_bytes());
         let i = self.keys.partition_point(|k| k.hash < h);
         self.keys[i..]
             .iter()
             .take_while(|k| k.hash == h)
-            .find(|k| self.key_text(k) == name)
-            .map(|k| k.host)
+            .find(|k| self.key_is(**k, name.as_bytes()))
+            .map(|k| k.host())
     }
 
     /// `name` as Istio's tables have it: first as a search-domain CNAME (`<alt><search[0]>`,
     /// for an `alt` not itself in the search domain and not when the expansion is one of the
-    /// same host's own names), then as an address entry.
-    fn find<'a>(&self, name: &'a str) -> Option<Found<'a>> {
-        let s0 = self.search0.as_str();
-        if !s0.is_empty()
-            && let Some(target) = name.strip_suffix(s0)
+    /// same host's own names), then as an address entry. `search0` is the first search
+    /// domain, lower-case and absolute, or empty.
+    fn find<'a>(&self, name: &'a str, search0: &str) -> Option<Found<'a>> {
+        if !search0.is_empty()
+            && let Some(target) = name.strip_suffix(search0)
             && target.len() > 1
             && target.ends_with('.')
-            && target != s0
-            && !in_domain(target, s0)
+            && target != search0
+            && !in_domain(target, search0)
             && let Some(host) = self.exact(target)
             && self.exact(name) != Some(host)
         {
@@ -233,10 +427,10 @@ impl LookupTable {
     }
 
     /// `lookupHost`: `qname` is the lower-cased absolute question; `question` the name as
-    /// asked (wildcard answers are renamed to it).
-    pub fn lookup(&self, qtype: RecordType, qname: &str, question: &Name) -> Lookup {
+    /// asked (wildcard answers are renamed to it); `search0` as for [`Self::find`].
+    pub fn lookup(&self, qtype: RecordType, qname: &str, question: &Name, search0: &str) -> Lookup {
         let wild: String;
-        let (owner, found, wildcard) = match self.find(qname) {
+        let (owner, found, wildcard) = match self.find(qname, search0) {
             Some(f) => (qname, f, false),
             None => {
                 // `*.<parent>` walking up: the nearest wildcard wins, at any depth below it.
@@ -247,7 +441,7 @@ impl LookupTable {
                         break;
                     }
                     let w = format!("*.{parent}");
-                    if self.find(&w).is_some() {
+                    if self.find(&w, search0).is_some() {
                         hit = Some(w);
                         break;
                     }
@@ -257,7 +451,7 @@ impl LookupTable {
                     return Lookup::NotFound;
                 };
                 wild = w;
-                match self.find(&wild) {
+                match self.find(&wild, search0) {
                     Some(f) => (wild.as_str(), f, true),
                     None => return Lookup::NotFound,
                 }
@@ -277,13 +471,15 @@ impl LookupTable {
                 (host, Some(c), t)
             }
         };
-        let h = self.hosts[host as usize];
+        let Some(h) = self.hosts.get(host as usize) else {
+            return Lookup::NotFound;
+        };
         let mut ips: Vec<Record> = match qtype {
-            RecordType::A => self.v4[h.v4.0 as usize..][..usize::from(h.v4.1)]
+            RecordType::A => self.v4[h.v4 as usize..][..usize::from(h.n4)]
                 .iter()
                 .map(|a| Record::from_rdata(addr_owner.clone(), TTL, RData::A(A(*a))))
                 .collect(),
-            _ => self.v6[h.v6.0 as usize..][..usize::from(h.v6.1)]
+            _ => self.v6[h.v6 as usize..][..usize::from(h.n6)]
                 .iter()
                 .map(|a| Record::from_rdata(addr_owner.clone(), TTL, RData::AAAA(AAAA(*a))))
                 .collect(),
@@ -303,6 +499,67 @@ impl LookupTable {
         }
         Lookup::Answer(out)
     }
+
+    /// The NDS host `hostname` (as sent) is in the table.
+    pub fn has_host(&self, hostname: &str) -> bool {
+        self.hosts
+            .iter()
+            .any(|h| self.hostname(h, self.block(h)) == hostname.as_bytes())
+    }
+
+    /// Istio's `/debug/ndsz` body: the NDS table as sent, in protojson field names, hosts
+    /// sorted, empty fields left out (`ips` always present).
+    pub fn ndsz(&self) -> String {
+        let text = |b: &[u8]| String::from_utf8_lossy(b).into_owned();
+        let mut entries = serde_json::Map::new();
+        for h in &self.hosts {
+            let b = self.block(h);
+            let ips: Vec<String> = if h.n_ip_texts == 0 {
+                self.v4[h.v4 as usize..][..usize::from(h.n4)]
+                    .iter()
+                    .map(|a| a.to_string())
+                    .chain(
+                        self.v6[h.v6 as usize..][..usize::from(h.n6)]
+                            .iter()
+                            .map(|a| a.to_string()),
+                    )
+                    .collect()
+            } else {
+                let mut at = usize::from(h.alts);
+                for a in counted(b, at, h.n_alts) {
+                    at += 2 + a.len();
+                }
+                counted(b, at, h.n_ip_texts).map(str::to_owned).collect()
+            };
+            let mut e = serde_json::Map::new();
+            e.insert("ips".into(), serde_json::json!(ips));
+            let registry = self
+                .registries
+                .get(usize::from(h.registry))
+                .map_or("", String::as_str);
+            if !registry.is_empty() {
+                e.insert("registry".into(), serde_json::json!(registry));
+            }
+            if h.short.1 > 0 {
+                e.insert(
+                    "shortname".into(),
+                    serde_json::json!(text(Self::span(b, h.short))),
+                );
+            }
+            if h.namespace.1 > 0 {
+                e.insert(
+                    "namespace".into(),
+                    serde_json::json!(text(Self::span(b, h.namespace))),
+                );
+            }
+            if h.n_alts > 0 {
+                let alts: Vec<&str> = counted(b, usize::from(h.alts), h.n_alts).collect();
+                e.insert("altHosts".into(), serde_json::json!(alts));
+            }
+            entries.insert(text(self.hostname(h, b)), serde_json::Value::Object(e));
+        }
+        serde_json::json!({ "table": entries }).to_string()
+    }
 }
 
 /// `name` ends with `.<domain>` (both absolute, lower-case).
@@ -312,46 +569,19 @@ fn in_domain(name: &str, domain: &str) -> bool {
         && name.as_bytes()[name.len() - domain.len() - 1] == b'.'
 }
 
-/// `generateAltHosts`: the short forms of a Kubernetes service name.
-fn alt_hosts(
-    hostname: &str,
-    ni: &super::NameInfo,
-    scope: &Scope,
-    proxy_domain: &str,
-    domain_parts: &[&str],
-    out: &mut Vec<String>,
-) {
-    // Names in another domain (cluster) than the proxy's get no short names.
-    if proxy_domain.is_empty() || !hostname.ends_with(proxy_domain) {
-        return;
-    }
-    out.push(format!("{}.{}.", ni.shortname, ni.namespace));
-    if scope.namespace == ni.namespace {
-        out.push(format!("{}.", ni.shortname));
-    }
-    if let Some(first) = domain_parts.first() {
-        out.push(format!("{}.{}.{first}.", ni.shortname, ni.namespace));
-    }
-    for a in &ni.alt_hosts {
-        out.push(format!("{a}."));
-    }
-}
-
 #[cfg(test)]
 mod tests {
     #![allow(clippy::unwrap_used)]
     use super::*;
     use crate::dns::NameInfo;
 
+    /// The first search domain of the proxy in `ns1`.
+    const SEARCH0: &str = "ns1.svc.cluster.local.";
+
     fn scope() -> Scope {
         Scope {
             namespace: "ns1".into(),
             domain: "ns1.svc.cluster.local".into(),
-            search: vec![
-                "ns1.svc.cluster.local".into(),
-                "svc.cluster.local".into(),
-                "cluster.local".into(),
-            ],
         }
     }
 
@@ -394,8 +624,12 @@ mod tests {
     }
 
     fn ask(t: &LookupTable, q: &str, ty: RecordType) -> Option<Vec<String>> {
+        ask_with(t, q, ty, SEARCH0)
+    }
+
+    fn ask_with(t: &LookupTable, q: &str, ty: RecordType, search0: &str) -> Option<Vec<String>> {
         let name = Name::from_ascii(q).unwrap();
-        match t.lookup(ty, &q.to_ascii_lowercase(), &name) {
+        match t.lookup(ty, &q.to_ascii_lowercase(), &name, search0) {
             Lookup::NotFound => None,
             Lookup::Answer(rs) => Some(
                 rs.iter()
@@ -503,15 +737,13 @@ mod tests {
             ])
         );
         // Without a search list there is no expansion: the address entry answers.
-        let t = LookupTable::build(
-            &nt,
-            &Scope {
-                search: vec![],
-                ..scope()
-            },
-        );
         assert_eq!(
-            ask(&t, "x.example.com.ns1.svc.cluster.local.", RecordType::A),
+            ask_with(
+                &t,
+                "x.example.com.ns1.svc.cluster.local.",
+                RecordType::A,
+                ""
+            ),
             Some(vec![
                 "x.example.com.ns1.svc.cluster.local. 240.240.0.2".to_owned()
             ])
@@ -545,5 +777,100 @@ mod tests {
         assert!(ask(&t, "api.", RecordType::A).is_none());
         assert!(ask(&t, "api.example.com.ns1.svc.cluster.local.", RecordType::A).is_some());
         assert!(ask(&t, "svc.ns1.svc.cluster.", RecordType::A).is_some());
+    }
+
+    #[test]
+    fn ndsz_renders_the_table_as_sent() {
+        let mut nt = NameTable::default();
+        nt.table.insert(
+            "productpage.ns1.svc.cluster.local".into(),
+            k8s("ns1", "productpage", &["10.0.0.1", "fd00::1"]),
+        );
+        let mut alt = k8s("ns2", "reviews", &["10.0.0.2"]);
+        alt.alt_hosts = vec![
+            "reviews.ns2.svc.clusterset.local".into(),
+            "Rev.Example".into(),
+        ];
+        nt.table.insert("reviews.ns2.svc.cluster.local".into(), alt);
+        // Short name and namespace not inside the hostname; addresses not in canonical
+        // form or order, one unusable; a host with no usable address; no registry.
+        nt.table.insert(
+            "Odd.Example.COM".into(),
+            NameInfo {
+                ips: vec!["fd00:0::3".into(), "10.0.0.3".into(), "not-an-ip".into()],
+                registry: "External".into(),
+                shortname: "odd-short".into(),
+                namespace: "elsewhere".into(),
+                alt_hosts: vec![],
+            },
+        );
+        nt.table.insert(
+            "none.example.com".into(),
+            NameInfo {
+                ips: vec!["bad".into()],
+                ..Default::default()
+            },
+        );
+        nt.table.insert(
+            "v6first.example.com".into(),
+            NameInfo {
+                ips: vec!["fd00::4".into(), "10.0.0.4".into()],
+                ..Default::default()
+            },
+        );
+        let t = LookupTable::build(&nt, &scope());
+        let mut want = serde_json::Map::new();
+        for (h, ni) in &nt.table {
+            let mut e = serde_json::json!({ "ips": ni.ips });
+            for (k, v) in [
+                ("registry", &ni.registry),
+                ("shortname", &ni.shortname),
+                ("namespace", &ni.namespace),
+            ] {
+                if !v.is_empty() {
+                    e[k] = serde_json::json!(v);
+                }
+            }
+            if !ni.alt_hosts.is_empty() {
+                e["altHosts"] = serde_json::json!(ni.alt_hosts);
+            }
+            want.insert(h.clone(), e);
+        }
+        let got: serde_json::Value = serde_json::from_str(&t.ndsz()).unwrap();
+        assert_eq!(got, serde_json::json!({ "table": want }));
+        assert_eq!(t.hosts(), 5);
+        assert!(t.has_host("Odd.Example.COM") && !t.has_host("odd.example.com"));
+        // And the lookups still see every form, case-insensitively.
+        assert!(ask(&t, "odd.example.com.", RecordType::A).is_some());
+        assert!(ask(&t, "rev.example.", RecordType::A).is_some());
+        assert!(ask(&t, "reviews.ns2.svc.clusterset.local.", RecordType::A).is_some());
+        assert!(ask(&t, "none.example.com.", RecordType::A).is_none());
+        assert_eq!(
+            ask(&t, "odd.example.com.", RecordType::AAAA),
+            Some(vec!["odd.example.com. fd00::3".to_owned()])
+        );
+    }
+
+    #[test]
+    fn a_name_claimed_by_two_hosts_goes_to_the_later_one() {
+        // `b.ns1.` is host 2's alt host and host 1's short form: one answer, always the
+        // same (hosts are taken in hostname order, the later one keeps a shared name).
+        let mut nt = NameTable::default();
+        nt.table.insert(
+            "b.ns1.svc.cluster.local".into(),
+            k8s("ns1", "b", &["10.0.0.1"]),
+        );
+        let mut c = k8s("ns1", "c", &["10.0.0.2"]);
+        c.alt_hosts = vec!["b.ns1".into()];
+        nt.table.insert("c.ns1.svc.cluster.local".into(), c);
+        let t = LookupTable::build(&nt, &scope());
+        assert_eq!(
+            ask(&t, "b.ns1.", RecordType::A),
+            Some(vec!["b.ns1. 10.0.0.2".to_owned()])
+        );
+        assert_eq!(
+            ask(&t, "b.", RecordType::A),
+            Some(vec!["b. 10.0.0.1".to_owned()])
+        );
     }
 }

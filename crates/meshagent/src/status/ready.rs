@@ -391,7 +391,7 @@ mod tests {
             r.check().await.unwrap_err(),
             "istio DNS capture is turned ON and DNS lookup table is not ready yet"
         );
-        tx.send_replace(Some(Arc::new(crate::status::NameTable::default())));
+        tx.send_replace(Some(Arc::new(crate::dns::LookupTable::default())));
         assert!(r.check().await.is_ok());
     }
 }

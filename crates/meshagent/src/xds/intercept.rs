@@ -14,6 +14,7 @@
 
 use std::sync::Arc;
 
+use crate::dns::{LookupTable, Scope};
 use bytes::Bytes;
 use futures::future::BoxFuture;
 use meshagent_proto::envoy::pb::envoy::service::discovery::v3::{
@@ -21,7 +22,6 @@ use meshagent_proto::envoy::pb::envoy::service::discovery::v3::{
 };
 use meshagent_proto::envoy::pb::google::protobuf::Any;
 use meshagent_proto::envoy::pb::google::rpc::Status;
-use meshagent_proto::nds::NameTable;
 use meshagent_proto::type_url;
 use prost::Message;
 use tokio::sync::watch;
@@ -197,9 +197,13 @@ fn subscribe(api: Api, type_url: &str) -> Bytes {
 // === NDS ===
 
 /// NDS (`istio.networking.nds.v1.NameTable`): subscribed after Envoy's first LDS request,
-/// published for the DNS proxy, never forwarded to Envoy.
+/// published for the DNS proxy, never forwarded to Envoy. The table is decoded and built into
+/// the DNS lookup table on the blocking pool, and only the lookup table is kept
+/// (`crate::dns::build_table`).
 pub struct Nds {
-    pub table: watch::Sender<Option<Arc<NameTable>>>,
+    pub table: watch::Sender<Option<Arc<LookupTable>>>,
+    /// The proxy's namespace and domain: they decide the short names.
+    pub scope: Scope,
 }
 
 impl Interceptor for Nds {
@@ -212,14 +216,25 @@ impl Interceptor for Nds {
     }
 
     fn on_response(&self, api: Api, msg: Bytes, meta: Meta) -> Outcome {
-        let v = consume(api, &msg, &meta, "NDS name table", |any| {
-            let table = NameTable::decode(any.value.as_slice())
-                .map_err(|e| format!("invalid NameTable: {e}"))?;
-            tracing::debug!(names = table.table.len(), "NDS name table updated");
-            self.table.send_replace(Some(Arc::new(table)));
-            Ok(())
-        });
-        Box::pin(std::future::ready(v))
+        let (table, scope) = (self.table.clone(), self.scope.clone());
+        let build = move || {
+            consume(api, &msg, &meta, "NDS name table", |any| {
+                let t = crate::dns::build_table(any.value.as_slice(), &scope)
+                    .map_err(|e| format!("invalid NameTable: {e}"))?;
+                tracing::debug!(hosts = t.hosts(), names = t.len(), "NDS name table updated");
+                table.send_replace(Some(Arc::new(t)));
+                Ok(())
+            })
+        };
+        Box::pin(async move {
+            tokio::task::spawn_blocking(build)
+                .await
+                .unwrap_or_else(|e| {
+                    Err(InterceptError::Rejected(format!(
+                        "building the NDS table: {e}"
+                    )))
+                })
+        })
     }
 }
 
@@ -347,6 +362,7 @@ mod tests {
     use super::*;
     use meshagent_proto::envoy::pb::envoy::service::discovery::v3::Resource;
     use meshagent_proto::envoy::util::pack_any;
+    use meshagent_proto::nds::NameTable;
     use meshagent_proto::nds::name_table::NameInfo;
 
     fn table() -> NameTable {
@@ -377,7 +393,11 @@ mod tests {
     fn run(i: &dyn Interceptor, api: Api, msg: Bytes) -> Verdict {
         let m = msg.clone();
         let meta = Meta::of(&wire::peek(api.response_kind(), &m).unwrap());
-        match futures::executor::block_on(i.on_response(api, msg, meta.clone())) {
+        // On a runtime: NDS builds its table on the blocking pool.
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .unwrap();
+        match rt.block_on(i.on_response(api, msg, meta.clone())) {
             Ok(v) => v,
             // What the stream does with a failure: NACK upstream.
             Err(e) => Verdict::Consume(Some(meta.nack(api, &e))),
@@ -404,20 +424,27 @@ mod tests {
     #[test]
     fn nds_sotw_publishes_and_acks() {
         let (tx, rx) = watch::channel(None);
-        let nds = Nds { table: tx };
+        let nds = Nds {
+            table: tx,
+            scope: Scope::default(),
+        };
         let v = run(
             &nds,
             Api::Sotw,
             sotw_response(type_url::NAME_TABLE, vec![pack_any(table())]),
         );
         assert_eq!(sent(v, Api::Sotw), ("v7".into(), "n7".into(), None));
-        assert_eq!(rx.borrow().as_deref(), Some(&table()));
+        let t = rx.borrow().clone().unwrap();
+        assert!(t.has_host("b.default.svc.cluster.local") && t.hosts() == 1);
     }
 
     #[test]
     fn nds_delta_publishes_and_acks_with_nonce() {
         let (tx, rx) = watch::channel(None);
-        let nds = Nds { table: tx };
+        let nds = Nds {
+            table: tx,
+            scope: Scope::default(),
+        };
         let msg: Bytes = DeltaDiscoveryResponse {
             system_version_info: "sv".into(),
             resources: vec![Resource {
@@ -439,7 +466,10 @@ mod tests {
     #[test]
     fn malformed_name_table_is_nacked_and_not_published() {
         let (tx, rx) = watch::channel(None);
-        let nds = Nds { table: tx };
+        let nds = Nds {
+            table: tx,
+            scope: Scope::default(),
+        };
         let bad = Any {
             type_url: type_url::NAME_TABLE.into(),
             value: vec![0x0a, 0x05, 0x01], // field 1 claims 5 bytes, has 1
@@ -461,7 +491,10 @@ mod tests {
     #[test]
     fn empty_response_is_ignored_without_ack() {
         let (tx, _rx) = watch::channel(None);
-        let nds = Nds { table: tx };
+        let nds = Nds {
+            table: tx,
+            scope: Scope::default(),
+        };
         assert_eq!(
             run(&nds, Api::Sotw, sotw_response(type_url::NAME_TABLE, vec![])),
             Verdict::Consume(None)

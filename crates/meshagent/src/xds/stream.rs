@@ -574,6 +574,10 @@ fn apply_verdict(
     }
 }
 
+/// A response this large (a 10,000-cluster CDS is ~5 MB) asks for a malloc trim after the
+/// burst (crate::malloc).
+const LARGE_RESPONSE: usize = 1 << 20;
+
 /// Handles one upstream response: `Ok(Some(bytes))` goes to Envoy, `Ok(None)` was queued for
 /// its interceptor or dropped, `Err(end)` ends the pair.
 fn on_response(
@@ -587,6 +591,10 @@ fn on_response(
     m.responses.inc();
     m.upstream_max.set_max(msg.len() as f64);
     m.response_bytes.add(msg.len() as u64);
+    if msg.len() >= LARGE_RESPONSE {
+        // Its buffers (and Envoy's copy on the way out) are freed once passed on.
+        crate::malloc::trim_soon();
+    }
     let peeked = msg.clone();
     let p = match wire::peek(api.response_kind(), &peeked) {
         Ok(p) => p,

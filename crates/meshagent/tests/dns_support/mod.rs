@@ -214,8 +214,6 @@ pub fn options(resolv: &Path) -> dns::Options {
     dns::Options {
         addr: "127.0.0.1:0".into(),
         resolv_conf: PathBuf::from(resolv),
-        namespace: "default".into(),
-        domain: "default.svc.cluster.local".into(),
         parallel: false,
         timeout: Duration::from_secs(5),
         cache_size: 1024,
@@ -275,6 +273,16 @@ pub fn mesh_table() -> NameTable {
 }
 
 /// A table feed that already holds `t`.
-pub fn fixed_table(t: NameTable) -> (watch::Sender<Option<Arc<NameTable>>>, dns::NameTableWatch) {
-    watch::channel(Some(Arc::new(t)))
+pub fn fixed_table(
+    t: NameTable,
+) -> (
+    watch::Sender<Option<Arc<dns::LookupTable>>>,
+    dns::NameTableWatch,
+) {
+    // The scope of `options`' proxy: namespace `default`.
+    let scope = dns::Scope {
+        namespace: "default".into(),
+        domain: "default.svc.cluster.local".into(),
+    };
+    watch::channel(Some(Arc::new(dns::LookupTable::build(&t, &scope))))
 }
