@@ -22,7 +22,7 @@ use tonic::codec::{Codec, Streaming};
 use crate::config::{self, MapEnv, ProxyFlags};
 use crate::identity::store::{Aliases, SecretData, SecretState, SecretStore, Subscription};
 use crate::status::lines::{Seen, SourceFilter};
-use crate::xds::codec::RawCodec;
+use crate::xds::codec::RawDecoder;
 use crate::xds::wire::{self, Kind, WireError};
 
 /// Files are read relative to this directory while loading; it does not exist, so the
@@ -126,13 +126,17 @@ fn runtime() -> tokio::runtime::Runtime {
 }
 
 /// Fuzz target `xds_framing`: the input is the HTTP/2 request body of a downstream ADS
-/// stream (gRPC length-prefixed frames), decoded by the very `Streaming` + [`RawCodec`] pair
+/// stream (gRPC length-prefixed frames), decoded by the very `Streaming` + [`RawDecoder`] pair
 /// the proxy uses, and every message is peeked.
 pub fn xds_framing(data: &[u8]) {
     let body = http_body_util::Full::new(Bytes::copy_from_slice(data));
     runtime().block_on(async {
-        let mut stream =
-            Streaming::new_request(RawCodec, body, None, Some(crate::xds::MAX_MESSAGE));
+        let mut stream = Streaming::new_request(
+            RawDecoder::default(),
+            body,
+            None,
+            Some(crate::xds::MAX_MESSAGE),
+        );
         while let Ok(Some(msg)) = stream.message().await {
             let _ = wire::peek(Kind::SotwRequest, &msg);
             let _ = wire::peek(Kind::DeltaRequest, &msg);

@@ -463,8 +463,12 @@ impl AdsServer {
     fn open(&self, api: Api, req: http::Request<Body>) -> http::Response<Body> {
         // Envoy does not compress ADS; a compressed request would fail decoding below with a
         // clear status rather than being silently misread.
-        let downstream =
-            Streaming::new_request(codec::RawCodec, req.into_body(), None, Some(MAX_MESSAGE));
+        let downstream = Streaming::new_request(
+            codec::RawDecoder::default(),
+            req.into_body(),
+            None,
+            Some(MAX_MESSAGE),
+        );
         let stop = self.shutdown.child_token();
         let id = self
             .ids

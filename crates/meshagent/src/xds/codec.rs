@@ -13,14 +13,14 @@ impl Codec for RawCodec {
     type Encode = Bytes;
     type Decode = Bytes;
     type Encoder = RawCodec;
-    type Decoder = RawCodec;
+    type Decoder = RawDecoder;
 
     fn encoder(&mut self) -> Self::Encoder {
         RawCodec
     }
 
     fn decoder(&mut self) -> Self::Decoder {
-        RawCodec
+        RawDecoder::default()
     }
 }
 
@@ -35,14 +35,31 @@ impl Encoder for RawCodec {
     }
 }
 
-impl Decoder for RawCodec {
+/// Decodes a message as the bytes tonic read, without a copy.
+///
+/// It also keeps a reference to the last message until the next one is decoded. tonic's
+/// decoder reads into one `BytesMut` per stream and reserves each message's length in it
+/// (tonic 0.14 `codec/decode.rs`, `decode_chunk`); a message split off that buffer shares its
+/// allocation, and once the message is dropped the buffer is unique again and `reserve` reuses
+/// it, so the largest message a stream ever carried (a 5 MiB CDS push) stayed allocated for the
+/// stream's life. While this reference is held the allocation is shared at the next `reserve`,
+/// so tonic moves to a buffer sized for the next message and the old one is freed when the
+/// reference is replaced: a stream keeps at most its last message, not its largest.
+#[derive(Default)]
+pub struct RawDecoder {
+    last: Option<Bytes>,
+}
+
+impl Decoder for RawDecoder {
     type Item = Bytes;
     type Error = Status;
 
     fn decode(&mut self, src: &mut DecodeBuf<'_>) -> Result<Option<Bytes>, Status> {
         // `copy_to_bytes` on tonic's BytesMut-backed buffer splits it: no copy.
         let n = src.remaining();
-        Ok(Some(src.copy_to_bytes(n)))
+        let msg = src.copy_to_bytes(n);
+        self.last = Some(msg.clone());
+        Ok(Some(msg))
     }
 }
 
