@@ -167,6 +167,13 @@ async fn status_port_p99_stays_low_while_files_reload() {
         }
     }
 
+    // The same samples with nothing reloading: what this machine gives the status port idle.
+    let mut idle = tokio::task::spawn_blocking(move || sample(status, "/debug/ndsz"))
+        .await
+        .unwrap();
+    idle.sort();
+    let idle_p99 = idle[SAMPLES * 99 / 100];
+
     // A writer rewrites (and fsyncs) the files in a loop: every write dirties every resource
     // in the directory, so the agent re-reads and re-verifies all of them continuously.
     let stop = Arc::new(AtomicBool::new(false));
@@ -206,9 +213,10 @@ async fn status_port_p99_stays_low_while_files_reload() {
     let p50 = took[SAMPLES / 2];
     let p99 = took[SAMPLES * 99 / 100];
     println!(
-        "status port under reload load: p50 {p50:?} p99 {p99:?} max {:?}; {} loads",
+        "status port under reload load: p50 {p50:?} p99 {p99:?} max {:?}; {} loads; idle p50 {:?} p99 {idle_p99:?}",
         took[SAMPLES - 1],
-        after - before
+        after - before,
+        idle[SAMPLES / 2]
     );
     // The load really happened (every rewrite re-reads the whole directory's resources).
     assert!(
@@ -217,9 +225,16 @@ async fn status_port_p99_stays_low_while_files_reload() {
         after - before,
         agent.log_text()
     );
+    // The goal is 5 ms. Some machines cannot give even the idle status port that (a VM whose
+    // idle vCPUs must be woken for every request: 1 ms p50 and 3–9 ms p99 idle were measured
+    // on this project's CI machine), so the bound is also relative to the same run's idle
+    // figure: reloading must not add stalls of its own. A reload that blocked the runtime
+    // thread (a read or an fsync on it: 6–40 ms each on that disk, ten times a second) puts
+    // p99 far above both.
+    let bound = Duration::from_millis(5).max(idle_p99 * 3);
     assert!(
-        p99 < Duration::from_millis(5),
-        "status port p99 {p99:?} (p50 {p50:?}) while files reload\n{}",
+        p99 < bound,
+        "status port p99 {p99:?} (p50 {p50:?}) while files reload, over {bound:?} (idle p99 {idle_p99:?})\n{}",
         agent.log_text()
     );
 }
