@@ -272,6 +272,17 @@ fn endpoints(
     }
 }
 
+/// A workload's `region/zone/subzone` as an Envoy locality (missing parts empty).
+pub(crate) fn locality(s: &str) -> core::Locality {
+    let mut parts = s.splitn(3, '/');
+    let mut part = || parts.next().unwrap_or_default().to_owned();
+    core::Locality {
+        region: part(),
+        zone: part(),
+        sub_zone: part(),
+    }
+}
+
 fn locality_endpoints(addrs: Vec<(String, u16)>) -> endpoint::LocalityLbEndpoints {
     endpoint::LocalityLbEndpoints {
         lb_endpoints: addrs

@@ -39,7 +39,7 @@ use meshagent_proto::envoy::util::pack_any;
 use meshagent_proto::type_url;
 
 use crate::generate::{
-    Resources, SERVED_TYPES, ads_config_source, outbound_cluster_name, router_filter,
+    Resources, SERVED_TYPES, ads_config_source, locality, outbound_cluster_name, router_filter,
     socket_address, transport_socket,
 };
 use crate::mesh::{Mesh, ProxyIdentity, Service, Workload};
@@ -231,14 +231,8 @@ fn endpoints(
         endpoints: by_locality
             .into_iter()
             .map(|(loc, eps)| {
-                let mut parts = loc.splitn(3, '/');
-                let mut part = || parts.next().unwrap_or_default().to_owned();
                 endpoint::LocalityLbEndpoints {
-                    locality: Some(core::Locality {
-                        region: part(),
-                        zone: part(),
-                        sub_zone: part(),
-                    }),
+                    locality: Some(locality(loc)),
                     // gRPC's weighted_target drops localities without a weight.
                     load_balancing_weight: Some(UInt32Value {
                         value: u32::try_from(eps.len()).unwrap_or(u32::MAX),

@@ -9,11 +9,10 @@
 
 use std::collections::BTreeMap;
 
-use meshagent_proto::envoy::pb::envoy::config::core::v3 as core;
 use meshagent_proto::envoy::pb::envoy::config::endpoint::v3 as endpoint;
 use meshagent_proto::envoy::pb::google::protobuf::UInt32Value;
 
-use crate::generate::socket_address;
+use crate::generate::{locality, socket_address};
 use crate::mesh::{Mesh, Workload};
 
 /// pilot's `util.SelfDiscoveryCluster`.
@@ -58,18 +57,10 @@ pub fn load_assignment(mesh: &Mesh, me: Option<&Workload>) -> endpoint::ClusterL
         cluster_name: NAME.into(),
         endpoints: by_locality
             .into_iter()
-            .map(|(loc, lb_endpoints)| {
-                let mut parts = loc.splitn(3, '/');
-                let mut part = || parts.next().unwrap_or_default().to_owned();
-                endpoint::LocalityLbEndpoints {
-                    locality: Some(core::Locality {
-                        region: part(),
-                        zone: part(),
-                        sub_zone: part(),
-                    }),
-                    lb_endpoints,
-                    ..Default::default()
-                }
+            .map(|(loc, lb_endpoints)| endpoint::LocalityLbEndpoints {
+                locality: Some(locality(loc)),
+                lb_endpoints,
+                ..Default::default()
             })
             .collect(),
         ..Default::default()
@@ -92,6 +83,7 @@ fn same_local_cluster(me: &Workload, w: &Workload) -> bool {
 mod tests {
     #![allow(clippy::unwrap_used)]
 
+    use meshagent_proto::envoy::pb::envoy::config::core::v3 as core;
     use std::path::Path;
 
     use super::*;
