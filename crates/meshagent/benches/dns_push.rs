@@ -357,7 +357,10 @@ fn main() {
         // DNS off: the same binary, same mesh, for the RSS delta.
         let mut off = Sidecar::start(&dp, "a", "default", "a", &[]).await;
         off.wait_ready(Duration::from_secs(60)).await;
-        tokio::time::sleep(Duration::from_millis(500)).await;
+        // Settled: a quiet second after it first turns ready the agent trims the heap and
+        // releases the start-up code's pages (src/malloc.rs, src/code_pages.rs); the DNS-on
+        // agent is measured after 8 s of queries, i.e. settled too.
+        tokio::time::sleep(Duration::from_secs(3)).await;
         let rss_off = format!("{}\n  anonymous > 64 KiB: {}", rss(off.proc.pid()), anon_maps(off.proc.pid()));
         drop(off);
         tokio::time::sleep(Duration::from_millis(500)).await;

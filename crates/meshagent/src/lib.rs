@@ -9,6 +9,7 @@
 pub mod app;
 pub mod bootstrap;
 pub mod cli;
+pub mod code_pages;
 pub mod config;
 pub mod control_plane;
 pub mod dns;

@@ -14,7 +14,9 @@
 //!   `MALLOC_MMAP_THRESHOLD_`, glibc's tunables): their value wins.
 //! * [`trim`] (`malloc_trim(0)`): returns free pages — also those inside the heap, which the
 //!   top-of-heap trim cannot reach — after transient work; [`trim_soon`] asks the
-//!   [`trimmer`] task to do so once a burst is over (a quiet second), on the blocking pool.
+//!   [`trimmer`] task to do so once a burst is over (a quiet second), on the blocking pool,
+//!   together with [`crate::code_pages::release`] (the code that ran during the burst, or
+//!   during start-up: the agent asks for a trim when it first becomes ready).
 //!
 //! Other allocators (musl) have none of this: every function is a no-op there.
 
@@ -99,7 +101,12 @@ pub async fn trimmer(stop: CancellationToken) {
                         break;
                     }
                 }
-                let _ = tokio::task::spawn_blocking(trim).await;
+                let _ = tokio::task::spawn_blocking(|| {
+                    trim();
+                    let released = crate::code_pages::release();
+                    tracing::debug!(released, "trimmed; code pages released");
+                })
+                .await;
             }
         })
         .await;

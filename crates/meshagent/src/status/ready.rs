@@ -195,8 +195,14 @@ impl Readiness {
         for p in probes {
             p().await?;
         }
-        self.ready_once
-            .store(true, std::sync::atomic::Ordering::Relaxed);
+        if !self
+            .ready_once
+            .swap(true, std::sync::atomic::Ordering::Relaxed)
+        {
+            // Start-up is over: its transient memory and the code that ran only for it can
+            // leave the resident set (src/malloc.rs, src/code_pages.rs).
+            crate::malloc::trim_soon();
+        }
         Ok(())
     }
 
