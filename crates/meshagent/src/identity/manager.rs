@@ -300,17 +300,21 @@ impl SecretManager {
                     let Some(k) = key.take() else { continue };
                     let root = chain.last().cloned().unwrap_or_default();
                     let chain_pem: String = chain.concat();
-                    if let Some(out) = &self.output {
-                        out.write_workload(k.pem(), &chain_pem, &root).await;
-                    }
+                    // Envoy first (SDS), the OUTPUT_CERTS files next: their write ends in
+                    // four fsyncs (7-45 ms here), which Envoy's start-up need not wait for.
+                    // Istio writes the files first (`secretcache.go` `generate`); readers of
+                    // the files see the same set either way.
                     self.store.set(
                         WORKLOAD,
                         SecretState::Ready(Arc::new(SecretData::Cert {
-                            chain: chain_pem,
+                            chain: chain_pem.clone(),
                             key: k.pem().to_owned(),
                         })),
                     );
                     self.publish_root(&root);
+                    if let Some(out) = &self.output {
+                        out.write_workload(k.pem(), &chain_pem, &root).await;
+                    }
                     *self
                         .metrics
                         .expiry

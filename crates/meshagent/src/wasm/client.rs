@@ -92,39 +92,59 @@ pub struct Fetched {
 #[derive(Clone)]
 pub struct Client {
     guard: Arc<Guard>,
-    verified: Arc<rustls::ClientConfig>,
+    /// Built at the first verified HTTPS connection, on the blocking pool: parsing the OS
+    /// bundle (~140 certificates) took 5–9 ms, which at start-up was on the path to Envoy's
+    /// start, for a client most agents never use.
+    verified: Arc<tokio::sync::OnceCell<Arc<rustls::ClientConfig>>>,
+    mesh_root: Option<Arc<Path>>,
     unverified: Arc<rustls::ClientConfig>,
     insecure_hosts: Arc<Vec<String>>,
     /// Per request (`WASM_HTTP_REQUEST_TIMEOUT`): connect and response head.
     pub request_timeout: Duration,
 }
 
+/// The provider supports the default versions; an error building a config is impossible in
+/// practice, and an empty config then only fails TLS connections.
+fn fallback_config() -> rustls::ClientConfig {
+    rustls::ClientConfig::builder()
+        .with_root_certificates(rustls::RootCertStore::empty())
+        .with_no_client_auth()
+}
+
+/// The OS trust bundle (the first of Istio's paths that exists) plus the mesh CA bundle.
+/// Blocking: file reads and certificate parsing.
+fn verified_config(mesh_root: Option<&Path>) -> rustls::ClientConfig {
+    let mut roots = rustls::RootCertStore::empty();
+    let files = crate::control_plane::SYSTEM_ROOT_PATHS
+        .iter()
+        .map(Path::new)
+        .filter(|p| p.is_file())
+        .take(1)
+        .chain(mesh_root.filter(|p| p.is_file()));
+    for f in files {
+        if let Ok(pem) = crate::fsio::read_bounded(f, 16 * 1024 * 1024) {
+            for der in CertificateDer::pem_slice_iter(&pem).flatten() {
+                let _ = roots.add(der);
+            }
+        }
+    }
+    let provider = Arc::new(rustls::crypto::aws_lc_rs::default_provider());
+    rustls::ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .map(|b| b.with_root_certificates(roots).with_no_client_auth())
+        .unwrap_or_else(|_| fallback_config())
+}
+
 impl Client {
-    /// `mesh_root`: the mesh CA bundle, added to the system roots when the file exists.
+    /// `mesh_root`: the mesh CA bundle, added to the system roots when the file exists (read
+    /// when the first verified connection is made).
     pub fn new(
         guard: Guard,
         insecure_hosts: Vec<String>,
         request_timeout: Duration,
         mesh_root: Option<&Path>,
     ) -> Client {
-        let mut roots = rustls::RootCertStore::empty();
-        let files = crate::control_plane::SYSTEM_ROOT_PATHS
-            .iter()
-            .map(Path::new)
-            .filter(|p| p.is_file())
-            .take(1)
-            .chain(mesh_root.filter(|p| p.is_file()));
-        for f in files {
-            if let Ok(pem) = crate::fsio::read_bounded(f, 16 * 1024 * 1024) {
-                for der in CertificateDer::pem_slice_iter(&pem).flatten() {
-                    let _ = roots.add(der);
-                }
-            }
-        }
         let provider = Arc::new(rustls::crypto::aws_lc_rs::default_provider());
-        let verified = rustls::ClientConfig::builder_with_provider(provider.clone())
-            .with_safe_default_protocol_versions()
-            .map(|b| b.with_root_certificates(roots).with_no_client_auth());
         let unverified = rustls::ClientConfig::builder_with_provider(provider.clone())
             .with_safe_default_protocol_versions()
             .map(|b| {
@@ -134,20 +154,27 @@ impl Client {
                     )))
                     .with_no_client_auth()
             });
-        // The provider supports the default versions; an error here is impossible in practice,
-        // and an empty config then only fails TLS connections.
-        let fallback = || {
-            rustls::ClientConfig::builder()
-                .with_root_certificates(rustls::RootCertStore::empty())
-                .with_no_client_auth()
-        };
         Client {
             guard: Arc::new(guard),
-            verified: Arc::new(verified.unwrap_or_else(|_| fallback())),
-            unverified: Arc::new(unverified.unwrap_or_else(|_| fallback())),
+            verified: Arc::default(),
+            mesh_root: mesh_root.map(Arc::from),
+            unverified: Arc::new(unverified.unwrap_or_else(|_| fallback_config())),
             insecure_hosts: Arc::new(insecure_hosts),
             request_timeout,
         }
+    }
+
+    async fn verified(&self) -> Arc<rustls::ClientConfig> {
+        self.verified
+            .get_or_init(|| async {
+                let root = self.mesh_root.clone();
+                let cfg = tokio::task::spawn_blocking(move || verified_config(root.as_deref()))
+                    .await
+                    .unwrap_or_else(|_| fallback_config());
+                Arc::new(cfg)
+            })
+            .await
+            .clone()
     }
 
     pub fn guard(&self) -> &Guard {
@@ -279,7 +306,7 @@ impl Client {
                     let cfg = if self.insecure(host.trim_start_matches('[').trim_end_matches(']')) {
                         self.unverified.clone()
                     } else {
-                        self.verified.clone()
+                        self.verified().await
                     };
                     let name = ServerName::try_from(
                         host.trim_start_matches('[')
