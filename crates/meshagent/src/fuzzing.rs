@@ -344,7 +344,11 @@ pub fn dns_paths_agree(core: &crate::dns::handler::Core, data: &[u8], proto: cra
     let Action::Reply(general) = core.handle_general(data, proto) else {
         panic!("the lean path answered a request the general path does not answer");
     };
-    assert_eq!(lean.len(), general.len(), "reply sizes\nlean    {lean:?}\ngeneral {general:?}");
+    assert_eq!(
+        lean.len(),
+        general.len(),
+        "reply sizes\nlean    {lean:?}\ngeneral {general:?}"
+    );
     assert_eq!(lean[..12], general[..12], "headers");
     let an = usize::from(u16::from_be_bytes([lean[6], lean[7]]));
     let opt = if lean[11] == 1 { 11 } else { 0 };

@@ -129,8 +129,7 @@ impl Core {
         }
         let q = Query::read(&mut d).ok()?;
         let qtype = q.query_type();
-        if q.query_class() != DNSClass::IN || !matches!(qtype, RecordType::A | RecordType::AAAA)
-        {
+        if q.query_class() != DNSClass::IN || !matches!(qtype, RecordType::A | RecordType::AAAA) {
             return None;
         }
         let question = raw.get(12..d.index())?;
@@ -534,7 +533,10 @@ mod tests {
         ];
         for (name, ty) in general {
             let q = query(name, ty, Some(1232));
-            assert!(!core.answer_table(&q, Proto::Udp, &mut Vec::new()), "{name} {ty}");
+            assert!(
+                !core.answer_table(&q, Proto::Udp, &mut Vec::new()),
+                "{name} {ty}"
+            );
         }
     }
 
@@ -555,7 +557,10 @@ mod tests {
         assert!(!m.metadata.truncation);
         assert_eq!(m.answers.len(), 40);
         assert_eq!(m.edns.as_ref().map(Edns::max_payload), Some(4096));
-        assert!(m.answers.iter().all(|r| r.ttl == TTL
-            && r.name.to_ascii() == "big.example.com."));
+        assert!(
+            m.answers
+                .iter()
+                .all(|r| r.ttl == TTL && r.name.to_ascii() == "big.example.com.")
+        );
     }
 }

@@ -570,7 +570,11 @@ impl LookupTable {
             + self.hosts.capacity() * std::mem::size_of::<Host>()
             + self.v4.capacity() * 4
             + self.v6.capacity() * 16
-            + self.registries.iter().map(|r| r.capacity() + 24).sum::<usize>()
+            + self
+                .registries
+                .iter()
+                .map(|r| r.capacity() + 24)
+                .sum::<usize>()
             + self.first.capacity()
     }
 
