@@ -6,10 +6,10 @@
 //! | module | does |
 //! |---|---|
 //! | [`table`] | NDS table → lookup table: Istio's short names, search-domain CNAMEs, wildcards; renders `/debug/ndsz` |
-//! | [`handler`] | one request → reply / forward / drop; truncation; RA and EDNS echo |
+//! | [`handler`] | one request → reply / forward / drop; truncation; RA and EDNS echo; the lean path for lower-case A/AAAA table names |
 //! | [`forward`] | upstream exchanges (UDP with a 64 KiB buffer, TCP), sequential or parallel |
 //! | [`cache`] | bounded TTL cache of forwarded answers (Istio has none) |
-//! | [`server`] | the UDP and TCP loops |
+//! | [`server`] | the UDP (recvmmsg batches) and TCP loops |
 //! | [`resolv`] | resolv.conf servers and search list |
 //!
 //! Each listen address gets a UDP and a TCP server; all of them run under one supervisor
