@@ -139,6 +139,11 @@ fn proxy(
                 cache_size: cache,
                 forward_before_table: false,
                 servers: meshagent::supervise::Servers::new(),
+                // `DNS_BENCH_BATCH=1`: one recv per datagram, for comparison.
+                udp_batch: std::env::var("DNS_BENCH_BATCH")
+                    .ok()
+                    .and_then(|v| v.parse().ok())
+                    .unwrap_or(dns::server::UDP_BATCH),
             };
             let (_ttx, trx) = tokio::sync::watch::channel(Some(Arc::new(dns::LookupTable::build(
                 &table(),
@@ -275,6 +280,19 @@ fn main() {
     std::thread::sleep(Duration::from_millis(500));
     let direct: SocketAddr = format!("{UPSTREAM}:53").parse().unwrap();
 
+    let built = dns::LookupTable::build(
+        &table(),
+        &dns::Scope {
+            namespace: "ns-0".into(),
+            domain: "ns-0.svc.cluster.local".into(),
+        },
+    );
+    println!(
+        "lookup table: {} names, {} KiB on the heap",
+        built.len(),
+        built.heap_bytes() / 1024
+    );
+    drop(built);
     let (table_addr, stop1) = proxy(&resolv, 0);
     println!(
         "DNS proxy benchmark: dnsperf -c 1 -q 100 -l 5 (qps, mean) and -c 1 -Q 5000 -l 3 -v (p50/p99), UDP, loopback; load {}",
@@ -286,6 +304,11 @@ fn main() {
     row("dnsmasq, hosts file (baseline)", &base_table, None);
     let t = dnsperf(table_addr, &q_mesh);
     row("proxy, NDS table (5,000 names)", &t, Some(&base_table));
+    if std::env::var("DNS_BENCH_ONLY").as_deref() == Ok("table") {
+        stop1.cancel();
+        println!("load at the end: {}", load());
+        return;
+    }
     let base_fwd = dnsperf(direct, &q_ext);
     row("dnsmasq direct, external names (baseline)", &base_fwd, None);
     let relay_addr = relay(direct);

@@ -6,10 +6,10 @@
 //! | module | does |
 //! |---|---|
 //! | [`table`] | NDS table → lookup table: Istio's short names, search-domain CNAMEs, wildcards; renders `/debug/ndsz` |
-//! | [`handler`] | one request → reply / forward / drop; truncation; RA and EDNS echo |
+//! | [`handler`] | one request → reply / forward / drop; truncation; RA and EDNS echo; the lean path for lower-case A/AAAA table names |
 //! | [`forward`] | upstream exchanges (UDP with a 64 KiB buffer, TCP), sequential or parallel |
 //! | [`cache`] | bounded TTL cache of forwarded answers (Istio has none) |
-//! | [`server`] | the UDP and TCP loops |
+//! | [`server`] | the UDP (recvmmsg batches) and TCP loops |
 //! | [`resolv`] | resolv.conf servers and search list |
 //!
 //! Each listen address gets a UDP and a TCP server; all of them run under one supervisor
@@ -117,6 +117,8 @@ pub struct Options {
     pub forward_before_table: bool,
     /// Where the supervisor reports the servers down.
     pub servers: supervise::Servers,
+    /// UDP datagrams read per `recvmmsg(2)` ([`server::UDP_BATCH`]; 1: one `recv` each).
+    pub udp_batch: usize,
 }
 
 impl Options {
@@ -144,6 +146,7 @@ impl Options {
             cache_size: cfg.dns.cache_size,
             forward_before_table,
             servers: supervise::Servers::new(),
+            udp_batch: server::UDP_BATCH,
         }
     }
 }
@@ -213,6 +216,7 @@ pub async fn start(
     let mut first = Some(bound);
     let serve_core = core.clone();
     let bind_addrs = addrs.clone();
+    let udp_batch = opts.udp_batch;
     let task = tokio::spawn(tracing::Instrument::instrument(
         supervise::run(
             "dns",
@@ -238,6 +242,7 @@ pub async fn start(
                         loops.push(futures::FutureExt::boxed(server::serve_udp(
                             Arc::new(udp),
                             core.clone(),
+                            udp_batch,
                         )));
                         loops.push(futures::FutureExt::boxed(server::serve_tcp(
                             tcp,

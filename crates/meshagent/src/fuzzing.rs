@@ -258,7 +258,7 @@ pub fn metrics_dedupe(data: &[u8]) {
 
 /// The DNS proxy's table for [`dns_request`]: every shape (short names, CNAME expansions, a
 /// wildcard, 40 addresses).
-fn dns_core() -> &'static crate::dns::handler::Core {
+pub(crate) fn dns_core() -> &'static crate::dns::handler::Core {
     use crate::dns::{LookupTable, NameInfo, NameTable, Scope};
     static CORE: std::sync::OnceLock<crate::dns::handler::Core> = std::sync::OnceLock::new();
     CORE.get_or_init(|| {
@@ -316,6 +316,7 @@ fn dns_core() -> &'static crate::dns::handler::Core {
 pub fn dns_request(data: &[u8]) {
     use crate::dns::handler::{Action, Proto};
     for proto in [Proto::Udp, Proto::Tcp] {
+        dns_paths_agree(dns_core(), data, proto);
         if let Action::Reply(b) = dns_core().handle(data, proto) {
             assert!(b.len() >= 12);
             assert_eq!(b[..2], data[..2], "reply ID");
@@ -327,6 +328,57 @@ pub fn dns_request(data: &[u8]) {
                 );
             }
         }
+    }
+}
+
+/// When the lean path (`Core::answer_table`) answers `data`, the general path
+/// (`Core::handle_general`, a whole hickory `Message`) answers it with the same bytes up to
+/// the order of the answer records, which both shuffle (and, when truncated, which of them
+/// are kept).
+pub fn dns_paths_agree(core: &crate::dns::handler::Core, data: &[u8], proto: crate::dns::Proto) {
+    use crate::dns::handler::Action;
+    let mut lean = Vec::new();
+    if !core.answer_table(data, proto, &mut lean) {
+        return;
+    }
+    let Action::Reply(general) = core.handle_general(data, proto) else {
+        panic!("the lean path answered a request the general path does not answer");
+    };
+    assert_eq!(
+        lean.len(),
+        general.len(),
+        "reply sizes\nlean    {lean:?}\ngeneral {general:?}"
+    );
+    assert_eq!(lean[..12], general[..12], "headers");
+    let an = usize::from(u16::from_be_bytes([lean[6], lean[7]]));
+    let opt = if lean[11] == 1 { 11 } else { 0 };
+    let end = lean.len() - opt;
+    assert_eq!(lean[end..], general[end..], "OPT");
+    if an == 0 {
+        assert_eq!(lean, general);
+        return;
+    }
+    // Every answer is the same size (a pointer owner, one address); the question is what
+    // precedes them.
+    let decoded = hickory_proto::op::Message::from_vec(&lean)
+        .unwrap_or_else(|e| panic!("the lean path's reply does not decode: {e}"));
+    let rr = match decoded.queries.first().map(|q| q.query_type()) {
+        Some(hickory_proto::rr::RecordType::A) => 16,
+        _ => 28,
+    };
+    let base = end - an * rr;
+    assert_eq!(lean[..base], general[..base], "header and question");
+    let chunks = |b: &[u8]| {
+        let mut v: Vec<Vec<u8>> = b[base..end].chunks(rr).map(<[u8]>::to_vec).collect();
+        v.sort();
+        v
+    };
+    let (l, g) = (chunks(&lean), chunks(&general));
+    if lean[2] & 0x02 == 0 {
+        assert_eq!(l, g, "answers");
+    } else {
+        // Truncated: a random subset each; the same record shape.
+        assert!(l.iter().chain(&g).all(|c| c[..12] == g[0][..12]), "answers");
     }
 }
 

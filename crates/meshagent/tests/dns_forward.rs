@@ -317,3 +317,100 @@ async fn no_table_is_servfail_and_resolv_conf_is_required() {
     .to_string();
     assert!(err.contains("missing-resolv.conf"), "{err}");
 }
+
+/// A burst: 8 clients each send 24 queries before reading any reply, so datagrams queue on
+/// the proxy's socket and are taken in `recvmmsg` batches (`dns::server::serve_udp`). Every
+/// client gets exactly its own replies, each answering its own question — lean-path names
+/// (lower case), general-path ones (mixed case, a search-domain CNAME, a missing family) and
+/// malformed packets mixed in the same batches.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_burst_from_many_clients_is_answered_to_each() {
+    let (_tx, tables) = fixed_table(mesh_table());
+    let proxy = Proxy::start(
+        &format!("nameserver 127.0.53.254\n{SEARCH}"),
+        tables,
+        |_| {},
+    )
+    .await;
+    let asks: [(&str, RecordType, &[&str]); 6] = [
+        ("productpage.", RecordType::A, &["productpage. A 10.0.0.1"]),
+        (
+            "ProductPage.Default.svc.cluster.local.",
+            RecordType::A,
+            &["productpage.default.svc.cluster.local. A 10.0.0.1"],
+        ),
+        (
+            "reviews.ns2.default.svc.cluster.local.",
+            RecordType::A,
+            &[
+                "reviews.ns2. A 10.0.0.2",
+                "reviews.ns2.default.svc.cluster.local. CNAME reviews.ns2.",
+            ],
+        ),
+        (
+            "dual.default.svc.cluster.local.",
+            RecordType::AAAA,
+            &["dual.default.svc.cluster.local. AAAA fd00::3"],
+        ),
+        ("api.example.com.", RecordType::AAAA, &[]),
+        (
+            "x.wild.example.com.",
+            RecordType::A,
+            &["x.wild.example.com. A 240.240.0.9"],
+        ),
+    ];
+    let mut clients = Vec::new();
+    for c in 0..8u16 {
+        let s = UdpSocket::bind("127.0.0.1:0").await.unwrap();
+        s.connect(proxy.addr).await.unwrap();
+        for i in 0..24u16 {
+            let (name, ty, _) = asks[usize::from(i) % asks.len()];
+            let mut q = query(name, ty, i.is_multiple_of(2).then_some(1232));
+            let id = c * 100 + i;
+            q[..2].copy_from_slice(&id.to_be_bytes());
+            s.send(&q).await.unwrap();
+            if i % 8 == 7 {
+                // Malformed (a label longer than 63): FORMERR, in the same burst.
+                let mut p = (60000 + c * 100 + i).to_be_bytes().to_vec();
+                p.extend([1, 0, 0, 1, 0, 0, 0, 0, 0, 0, 64]);
+                p.extend([b'a'; 64]);
+                p.extend([0, 0, 1, 0, 1]);
+                s.send(&p).await.unwrap();
+            }
+        }
+        clients.push((c, s));
+    }
+    for (c, s) in clients {
+        let mut want: std::collections::BTreeSet<u16> = (0..24)
+            .map(|i| c * 100 + i)
+            .chain((0..24).filter(|i| i % 8 == 7).map(|i| 60000 + c * 100 + i))
+            .collect();
+        let mut buf = vec![0u8; 65535];
+        while !want.is_empty() {
+            let n = tokio::time::timeout(Duration::from_secs(10), s.recv(&mut buf))
+                .await
+                .unwrap_or_else(|_| panic!("client {c}: no reply for {want:?}"))
+                .unwrap();
+            let id = u16::from_be_bytes([buf[0], buf[1]]);
+            assert!(
+                want.remove(&id),
+                "client {c}: reply {id} is not one of its queries"
+            );
+            if id >= 60000 {
+                assert_eq!(buf[3] & 0x0f, 1, "FORMERR");
+                continue;
+            }
+            let m = hickory_proto::op::Message::from_vec(&buf[..n]).unwrap();
+            let (name, ty, want_answers) = asks[usize::from(id % 100) % asks.len()];
+            assert_eq!(m.queries[0].name().to_ascii(), name, "question echoed");
+            assert_eq!(m.queries[0].query_type(), ty);
+            assert_eq!(answers(&m), want_answers, "{name} {ty}");
+            assert_eq!(
+                m.edns.is_some(),
+                id.is_multiple_of(2),
+                "OPT echoed when sent"
+            );
+            assert!(m.metadata.authoritative && m.metadata.recursion_available);
+        }
+    }
+}

@@ -15,14 +15,19 @@ use std::sync::Arc;
 use std::time::Duration;
 use tokio::time::Instant;
 
-use hickory_proto::op::{Edns, Message, MessageType, Metadata, OpCode, ResponseCode};
+use hickory_proto::op::{
+    Edns, Header, HeaderCounts, Message, MessageType, Metadata, OpCode, Query, ResponseCode,
+};
+use hickory_proto::rr::{DNSClass, RData, Record, RecordType};
+use hickory_proto::serialize::binary::{BinDecodable, BinDecoder, BinEncodable, BinEncoder};
+use rand::Rng;
 use rand::seq::SliceRandom;
 use tokio::sync::watch;
 
 use super::cache::{Cache, Key};
 use super::forward;
 use super::metrics::Metrics;
-use super::table::{Lookup, LookupTable};
+use super::table::{Addrs, Lookup, LookupTable, TTL};
 
 /// Largest message over TCP (two-byte length prefix).
 pub const TCP_MAX: usize = 65535;
@@ -76,6 +81,141 @@ pub struct Core {
 impl Core {
     /// Everything that can be answered without I/O is answered here, synchronously.
     pub fn handle(&self, raw: &[u8], proto: Proto) -> Action {
+        let mut out = Vec::new();
+        if self.answer_table(raw, proto, &mut out) {
+            return Action::Reply(out);
+        }
+        self.handle_general(raw, proto)
+    }
+
+    /// The lean path for what almost every request is: one A or AAAA question for a table
+    /// name, asked in lower case. The reply is written into `out` (cleared first) and `true`
+    /// returned; anything else — other shapes, types, mixed-case names, CNAME chains, names
+    /// not in the table, encoding errors — returns `false` without counting, and
+    /// [`Self::handle_general`] decides, so every reply this path writes is the one
+    /// `handle_general` would write (the same bytes up to the order of the addresses; the
+    /// `dns_request` fuzz target and the unit tests below compare the two).
+    ///
+    /// The request is decoded only as far as needed with hickory's decoder types (header,
+    /// the question, the OPT), and the reply is assembled from the request's question bytes
+    /// and the table's addresses with hickory's encoder: each answer's owner is a pointer
+    /// to the question (offset 12) — what hickory's name compression writes when the owner
+    /// equals the question, which it does here as the question is lower-case — then type,
+    /// class IN, TTL 30 and the address, shuffled per response; then the OPT echo. Istio
+    /// builds `dns.RR`s per query (`pkg/dns/client/dns.go` `ServeDNS`, `lookupHost`).
+    pub fn answer_table(&self, raw: &[u8], proto: Proto, out: &mut Vec<u8>) -> bool {
+        out.clear();
+        let ok = self.try_answer_table(raw, proto, out).is_some();
+        if ok {
+            self.metrics.requests.inc();
+        } else {
+            out.clear();
+        }
+        ok
+    }
+
+    fn try_answer_table(&self, raw: &[u8], proto: Proto, out: &mut Vec<u8>) -> Option<()> {
+        let mut d = BinDecoder::new(raw);
+        let header = Header::read(&mut d).ok()?;
+        let (m, c) = (header.metadata, header.counts);
+        if m.message_type != MessageType::Query
+            || m.op_code != OpCode::Query
+            || c.queries != 1
+            || c.answers != 0
+            || c.authorities != 0
+            || c.additionals > 1
+        {
+            return None;
+        }
+        let q = Query::read(&mut d).ok()?;
+        let qtype = q.query_type();
+        if q.query_class() != DNSClass::IN || !matches!(qtype, RecordType::A | RecordType::AAAA) {
+            return None;
+        }
+        let question = raw.get(12..d.index())?;
+        let mut key = [0u8; 256];
+        let key = lower_key(question.get(..question.len().checked_sub(4)?)?, &mut key)?;
+        // As `Message::read_records` takes the additional section: an OPT is the EDNS.
+        let edns = if c.additionals == 1 {
+            let r = Record::read(&mut d).ok()?;
+            match r.data {
+                RData::Update0(RecordType::OPT) | RData::OPT(_) => Some(Edns::from(&r)),
+                _ => return None,
+            }
+        } else {
+            None
+        };
+        let table = self.table.borrow();
+        let table = table.as_ref()?;
+        let addrs = table.lookup_addrs(qtype, key, &self.search0);
+        let (rr_type, rdlen, n) = match addrs {
+            Addrs::V4(a) => (RecordType::A, 4u16, a.len()),
+            Addrs::V6(a) => (RecordType::AAAA, 16, a.len()),
+            Addrs::NotFound | Addrs::Chain => return None,
+        };
+        let rdlen_usize = usize::from(rdlen);
+        let limit = match proto {
+            Proto::Tcp => TCP_MAX,
+            Proto::Udp => edns
+                .as_ref()
+                .map_or(UDP_MIN, |e| usize::from(e.max_payload()).max(UDP_MIN)),
+        };
+        // Owner pointer, type, class, TTL, RDLENGTH, RDATA.
+        let rr = 2 + 2 + 2 + 4 + 2 + rdlen_usize;
+        let opt = if edns.is_some() { 11 } else { 0 };
+        let base = 12 + question.len();
+        // `encode_limited`: the largest prefix of the (shuffled) answers that fits, TC=1
+        // when one was dropped; the question and OPT always fit a 512-byte limit.
+        let fit = limit.checked_sub(base + opt)? / rr;
+        let count = n.min(fit);
+        let mut md = Metadata::response_from_request(&m);
+        md.recursion_available = true;
+        md.authoritative = true;
+        md.truncation = count < n;
+        md.response_code = ResponseCode::NoError;
+        let header = Header {
+            metadata: md,
+            counts: HeaderCounts {
+                queries: 1,
+                answers: u16::try_from(count).ok()?,
+                authorities: 0,
+                additionals: u16::from(edns.is_some()),
+            },
+        };
+        {
+            let mut enc = BinEncoder::new(out);
+            header.emit(&mut enc).ok()?;
+            enc.emit_vec(question).ok()?;
+            let mut emit = |rdata: &[u8]| -> Option<()> {
+                // 0xC00C: a compression pointer to the question's name at offset 12.
+                enc.emit_u16(0xC000 | 12).ok()?;
+                rr_type.emit(&mut enc).ok()?;
+                DNSClass::IN.emit(&mut enc).ok()?;
+                enc.emit_u32(TTL).ok()?;
+                enc.emit_u16(rdlen).ok()?;
+                enc.emit_vec(rdata).ok()
+            };
+            match addrs {
+                Addrs::V4(a) => a.iter().try_for_each(|a| emit(&a.octets()))?,
+                Addrs::V6(a) => a.iter().try_for_each(|a| emit(&a.octets()))?,
+                Addrs::NotFound | Addrs::Chain => return None,
+            }
+        }
+        shuffle_chunks(out.get_mut(base..)?, rr);
+        out.truncate(base + count * rr);
+        if let Some(e) = &edns {
+            let mut o = Edns::new();
+            o.set_max_payload(e.max_payload().max(UDP_MIN as u16));
+            o.set_version(0);
+            let at = u32::try_from(out.len()).ok()?;
+            let mut enc = BinEncoder::with_offset(out, at);
+            o.emit(&mut enc).ok()?;
+        }
+        Some(())
+    }
+
+    /// Every request, decoded whole into a hickory `Message`.
+    pub fn handle_general(&self, raw: &[u8], proto: Proto) -> Action {
         self.metrics.requests.inc();
         if raw.len() < 12 {
             return Action::Drop;
@@ -184,6 +324,62 @@ impl Core {
     }
 }
 
+/// The question's name as the table's keys spell it (`a.b.`), when the wire name is plain
+/// labels (no compression pointer) of bytes hickory's `Name::to_ascii` writes unescaped and
+/// already lower-case — so that the key is exactly `to_lowercase().to_ascii()` of the name
+/// and the answers' owner (the lower-cased question) is the question's own bytes. `None`
+/// otherwise: the general path handles it.
+fn lower_key<'k>(wire: &[u8], key: &'k mut [u8; 256]) -> Option<&'k str> {
+    let (mut at, mut len) = (0usize, 0usize);
+    loop {
+        let n = usize::from(*wire.get(at)?);
+        if n == 0 {
+            break;
+        }
+        if n > 63 {
+            return None;
+        }
+        let label = wire.get(at + 1..at + 1 + n)?;
+        for (i, &b) in label.iter().enumerate() {
+            let plain = b.is_ascii_lowercase()
+                || b.is_ascii_digit()
+                || b == b'_'
+                || (b == b'-' && i > 0)
+                || (b == b'*' && i == 0);
+            if !plain {
+                return None;
+            }
+        }
+        let dst = key.get_mut(len..len + n + 1)?;
+        dst[..n].copy_from_slice(label);
+        dst[n] = b'.';
+        len += n + 1;
+        at += 1 + n;
+    }
+    // The root name: the general path.
+    if len == 0 || at + 1 != wire.len() {
+        return None;
+    }
+    std::str::from_utf8(key.get(..len)?).ok()
+}
+
+/// Fisher–Yates over the `size`-byte records of `b` (what `SliceRandom::shuffle` does to a
+/// `Vec<Record>`): every order equally likely.
+fn shuffle_chunks(b: &mut [u8], size: usize) {
+    let n = b.len() / size;
+    if n < 2 {
+        return;
+    }
+    let mut rng = rand::rng();
+    for i in (1..n).rev() {
+        let j = rng.random_range(0..=i);
+        if i != j {
+            let (lo, hi) = b.split_at_mut(i * size);
+            lo[j * size..(j + 1) * size].swap_with_slice(&mut hi[..size]);
+        }
+    }
+}
+
 /// The client's UDP limit: its EDNS size (at least 512), or 512; TCP: 65535.
 fn limit(req: &Message, proto: Proto) -> usize {
     match proto {
@@ -277,4 +473,130 @@ fn servfail_bytes(m: &Message) -> Vec<u8> {
     b[2] = 0x80 | (m.metadata.recursion_desired as u8);
     b[3] = 0x80 | 0x02;
     b
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+    use crate::fuzzing::{dns_core, dns_paths_agree};
+    use hickory_proto::rr::Name;
+
+    fn query(name: &str, ty: RecordType, edns: Option<u16>) -> Vec<u8> {
+        let mut m = Message::query();
+        m.metadata.id = 0x1234;
+        m.metadata.recursion_desired = true;
+        m.add_query(Query::query(Name::from_ascii(name).unwrap(), ty));
+        if let Some(size) = edns {
+            let mut e = Edns::new();
+            e.set_max_payload(size);
+            m.set_edns(e);
+        }
+        m.to_vec().unwrap()
+    }
+
+    /// The lean path answers these (and agrees with the general path); the others go to
+    /// the general path.
+    #[test]
+    fn lean_path_answers_table_names_as_the_general_path_does() {
+        let core = dns_core();
+        let lean = [
+            ("a.default.svc.cluster.local.", RecordType::A),
+            ("a.default.svc.cluster.local.", RecordType::AAAA),
+            ("a.default.", RecordType::A),
+            ("a.", RecordType::AAAA),
+            ("alt.example.", RecordType::A),
+            ("x.y.wild.example.com.", RecordType::A),
+            // Known name, no address of the family: NOERROR, no answers.
+            ("x.wild.example.com.", RecordType::AAAA),
+            ("big.example.com.", RecordType::A),
+        ];
+        for (name, ty) in lean {
+            for edns in [None, Some(512), Some(1232), Some(4096), Some(100)] {
+                let q = query(name, ty, edns);
+                for proto in [Proto::Udp, Proto::Tcp] {
+                    let mut out = Vec::new();
+                    assert!(core.answer_table(&q, proto, &mut out), "{name} {ty}");
+                    for _ in 0..20 {
+                        dns_paths_agree(core, &q, proto);
+                    }
+                }
+            }
+        }
+        let general = [
+            // Mixed case (0x20), CNAME chains, other types, unknown names.
+            ("A.default.svc.cluster.local.", RecordType::A),
+            ("a.default.default.svc.cluster.local.", RecordType::A),
+            ("a.default.svc.cluster.local.", RecordType::TXT),
+            ("nope.example.", RecordType::A),
+            (".", RecordType::A),
+        ];
+        for (name, ty) in general {
+            let q = query(name, ty, Some(1232));
+            assert!(
+                !core.answer_table(&q, Proto::Udp, &mut Vec::new()),
+                "{name} {ty}"
+            );
+        }
+    }
+
+    /// Mutated requests (a deterministic generator: 1–3 bytes changed of well-formed
+    /// queries, so flags, counts, type, class, case, label lengths and the OPT all vary):
+    /// wherever the lean path answers, the general path gives the same reply, and nothing
+    /// panics (the `dns_request` fuzz target's checks).
+    #[test]
+    fn lean_and_general_paths_agree_on_mutated_requests() {
+        let bases = [
+            query("a.default.svc.cluster.local.", RecordType::A, None),
+            query("a.", RecordType::AAAA, Some(1232)),
+            query("x.y.wild.example.com.", RecordType::A, Some(512)),
+            query("big.example.com.", RecordType::A, Some(600)),
+        ];
+        let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
+        let mut next = move || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x
+        };
+        for base in &bases {
+            for _ in 0..3000 {
+                let mut q = base.clone();
+                for _ in 0..=(next() % 3) {
+                    let at = (next() % q.len() as u64) as usize;
+                    q[at] = match next() % 4 {
+                        0 => q[at] ^ 0x20,
+                        1 => q[at].wrapping_add(1),
+                        2 => 0,
+                        _ => next() as u8,
+                    };
+                }
+                crate::fuzzing::dns_request(&q);
+            }
+        }
+    }
+
+    #[test]
+    fn lean_path_truncates_forty_addresses_like_the_general_path() {
+        let core = dns_core();
+        let q = query("big.example.com.", RecordType::A, None);
+        let mut out = Vec::new();
+        assert!(core.answer_table(&q, Proto::Udp, &mut out));
+        let m = Message::from_vec(&out).unwrap();
+        assert!(m.metadata.truncation && out.len() <= 512);
+        assert_eq!(m.answers.len(), (512 - 12 - 21) / 16);
+        assert!(m.edns.is_none() && m.metadata.authoritative && m.metadata.recursion_available);
+        assert_eq!(m.queries[0].name().to_ascii(), "big.example.com.");
+        let q = query("big.example.com.", RecordType::A, Some(4096));
+        assert!(core.answer_table(&q, Proto::Udp, &mut out));
+        let m = Message::from_vec(&out).unwrap();
+        assert!(!m.metadata.truncation);
+        assert_eq!(m.answers.len(), 40);
+        assert_eq!(m.edns.as_ref().map(Edns::max_payload), Some(4096));
+        assert!(
+            m.answers
+                .iter()
+                .all(|r| r.ttl == TTL && r.name.to_ascii() == "big.example.com.")
+        );
+    }
 }

@@ -115,6 +115,17 @@ pub enum Lookup {
     Answer(Vec<Record>),
 }
 
+/// What [`LookupTable::lookup_addrs`] found: the addresses of the asked family (possibly
+/// none: NOERROR with no answers), or a name answered with a CNAME chain (built by
+/// [`LookupTable::lookup`]), or nothing (forward).
+#[derive(Debug, PartialEq, Eq)]
+pub enum Addrs<'a> {
+    NotFound,
+    Chain,
+    V4(&'a [Ipv4Addr]),
+    V6(&'a [Ipv6Addr]),
+}
+
 /// What a name resolves to in the table.
 enum Found<'a> {
     Host(u32),
@@ -498,6 +509,73 @@ impl LookupTable {
             }
         }
         Lookup::Answer(out)
+    }
+
+    /// The lean path's lookup (`handler`'s pre-encoded answers): the same resolution as
+    /// [`Self::lookup`] (exact name, derived search-domain CNAME, nearest wildcard), without
+    /// building records or allocating. `qname` is the lower-cased absolute question.
+    pub fn lookup_addrs(&self, qtype: RecordType, qname: &str, search0: &str) -> Addrs<'_> {
+        let host = match self.find(qname, search0) {
+            Some(Found::Host(h)) => h,
+            Some(Found::Cname { .. }) => return Addrs::Chain,
+            None => {
+                // `*.<parent>` walking up, as in `lookup`, spelled in a stack buffer.
+                let mut buf = [0u8; 2 + 255];
+                buf[..2].copy_from_slice(b"*.");
+                let mut rest = qname;
+                loop {
+                    let Some((_, parent)) = rest.split_once('.') else {
+                        return Addrs::NotFound;
+                    };
+                    let Some(slot) = buf.get_mut(2..2 + parent.len()) else {
+                        return Addrs::NotFound;
+                    };
+                    if parent.is_empty() {
+                        return Addrs::NotFound;
+                    }
+                    slot.copy_from_slice(parent.as_bytes());
+                    let Ok(w) = std::str::from_utf8(&buf[..2 + parent.len()]) else {
+                        return Addrs::NotFound;
+                    };
+                    match self.find(w, search0) {
+                        Some(Found::Host(h)) => break h,
+                        Some(Found::Cname { .. }) => return Addrs::Chain,
+                        None => rest = parent,
+                    }
+                }
+            }
+        };
+        let Some(h) = self.hosts.get(host as usize) else {
+            return Addrs::NotFound;
+        };
+        let (v4, v6) = (h.v4 as usize, h.v6 as usize);
+        match qtype {
+            RecordType::A => self
+                .v4
+                .get(v4..v4 + usize::from(h.n4))
+                .map_or(Addrs::NotFound, Addrs::V4),
+            RecordType::AAAA => self
+                .v6
+                .get(v6..v6 + usize::from(h.n6))
+                .map_or(Addrs::NotFound, Addrs::V6),
+            _ => Addrs::NotFound,
+        }
+    }
+
+    /// Bytes this table holds on the heap (its vectors' capacities; the registry strings
+    /// are a handful).
+    pub fn heap_bytes(&self) -> usize {
+        self.text.capacity()
+            + self.keys.capacity() * std::mem::size_of::<Key>()
+            + self.hosts.capacity() * std::mem::size_of::<Host>()
+            + self.v4.capacity() * 4
+            + self.v6.capacity() * 16
+            + self
+                .registries
+                .iter()
+                .map(|r| r.capacity() + 24)
+                .sum::<usize>()
+            + self.first.capacity()
     }
 
     /// The NDS host `hostname` (as sent) is in the table.

@@ -219,6 +219,7 @@ pub fn options(resolv: &Path) -> dns::Options {
         cache_size: 1024,
         forward_before_table: false,
         servers: meshagent::supervise::Servers::new(),
+        udp_batch: dns::server::UDP_BATCH,
     }
 }
 
