@@ -94,7 +94,7 @@ pub async fn run<F, Fut>(
             Ok(Serving { serve, socket }) => {
                 servers.set_up(name);
                 let inode = match &socket {
-                    Some(p) => inode_of(p).await,
+                    Some(p) => inode_of(p),
                     None => None,
                 };
                 let started = tokio::time::Instant::now();
@@ -131,9 +131,18 @@ fn jittered(d: Duration) -> Duration {
     d.mul_f64(crate::identity::jitter_factor(0.2))
 }
 
-async fn inode_of(p: &std::path::Path) -> Option<u64> {
+/// The inode at `p` (not following a symlink), by a synchronous `lstat` on the runtime thread.
+///
+/// The exception to "blocking I/O goes to the blocking pool" is deliberate: the path is the
+/// agent's own socket, which it just bound in its own local directory (an emptyDir), so the
+/// lookup is answered from the dentry cache in about a microsecond and never waits on a
+/// device. Through the blocking pool (`tokio::fs`) each check was a thread hand-off — two
+/// futex wake-ups, an eventfd write and an extra runtime wake-up, ~10 syscalls and three
+/// context switches — per second per agent; idle proxyless agents spent most of their CPU
+/// on it (BENCHMARKS.md, "Proxyless gRPC at scale").
+fn inode_of(p: &std::path::Path) -> Option<u64> {
     use std::os::unix::fs::MetadataExt as _;
-    tokio::fs::symlink_metadata(p).await.ok().map(|m| m.ino())
+    std::fs::symlink_metadata(p).ok().map(|m| m.ino())
 }
 
 /// Resolves when the socket file is gone or is another file than the one bound; never for
@@ -148,7 +157,7 @@ async fn socket_lost(socket: Option<PathBuf>, inode: Option<u64>) -> String {
     };
     loop {
         tokio::time::sleep(SOCKET_CHECK).await;
-        match inode_of(&path).await {
+        match inode_of(&path) {
             Some(i) if i == inode => {}
             Some(_) => return format!("socket {} was replaced", path.display()),
             None => return format!("socket {} was removed", path.display()),

@@ -66,9 +66,12 @@ impl Decoder for RawDecoder {
 /// The response body of a downstream ADS stream, framed by hand so a forwarded message is
 /// handed to HTTP/2 as the very `Bytes` read from upstream: tonic's server encoder would copy
 /// each message into its encode buffer, doubling the memory a large push needs (a 20 MiB CDS
-/// response would briefly cost 40 MiB). Each message becomes a 5-byte gRPC prefix frame plus
-/// the message frame; the stream ends with `grpc-status` trailers (OK when the sender is
-/// dropped, else the given status).
+/// response would briefly cost 40 MiB). A large message becomes a 5-byte gRPC prefix frame
+/// plus the message frame; one of at most [`COALESCE`] bytes (most pushes: an EDS update is a
+/// few hundred) is copied behind its prefix into a single frame, as tonic would frame it, so
+/// h2 schedules, flow-controls and encodes one DATA frame per message instead of two. The
+/// stream ends with `grpc-status` trailers (OK when the sender is dropped, else the given
+/// status).
 pub struct ResponseBody {
     rx: tokio::sync::mpsc::Receiver<Result<Bytes, Status>>,
     pending: Option<Bytes>,
@@ -112,13 +115,31 @@ pub fn grpc_message(msg: &str) -> String {
     out
 }
 
+/// Messages up to this size are copied behind their prefix into one DATA frame; larger ones
+/// are passed on as they are (the copy would cost more than the extra frame).
+pub const COALESCE: usize = 16 * 1024;
+
 /// The gRPC length prefix: uncompressed flag + big-endian u32 length.
-pub fn grpc_prefix(len: usize) -> Result<Bytes, Status> {
+fn prefix_bytes(len: usize) -> Result<[u8; 5], Status> {
     let len = u32::try_from(len)
         .map_err(|_| Status::resource_exhausted("message larger than gRPC framing allows"))?;
     let mut p = [0u8; 5];
     p[1..].copy_from_slice(&len.to_be_bytes());
-    Ok(Bytes::copy_from_slice(&p))
+    Ok(p)
+}
+
+/// The gRPC length prefix as its own buffer.
+pub fn grpc_prefix(len: usize) -> Result<Bytes, Status> {
+    prefix_bytes(len).map(|p| Bytes::copy_from_slice(&p))
+}
+
+/// A small message with its gRPC prefix in one buffer.
+fn framed(msg: &[u8]) -> Result<Bytes, Status> {
+    let p = prefix_bytes(msg.len())?;
+    let mut out = bytes::BytesMut::with_capacity(p.len() + msg.len());
+    out.extend_from_slice(&p);
+    out.extend_from_slice(msg);
+    Ok(out.freeze())
 }
 
 impl http_body::Body for ResponseBody {
@@ -138,6 +159,10 @@ impl http_body::Body for ResponseBody {
         }
         match self.rx.poll_recv(cx) {
             Poll::Pending => Poll::Pending,
+            Poll::Ready(Some(Ok(msg))) if msg.len() <= COALESCE => match framed(&msg) {
+                Ok(frame) => Poll::Ready(Some(Ok(http_body::Frame::data(frame)))),
+                Err(s) => Poll::Ready(Some(Ok(self.trailers(&s)))),
+            },
             Poll::Ready(Some(Ok(msg))) => match grpc_prefix(msg.len()) {
                 Ok(prefix) => {
                     self.pending = Some(msg);
@@ -175,18 +200,25 @@ mod tests {
     #[tokio::test]
     async fn response_body_frames_messages_without_copying_and_ends_with_status() {
         let (tx, rx) = tokio::sync::mpsc::channel(4);
-        let msg = Bytes::from_static(b"hello");
-        tx.send(Ok(msg.clone())).await.unwrap();
+        let small = Bytes::from_static(b"hello");
+        let large = Bytes::from(vec![7u8; COALESCE + 1]);
+        tx.send(Ok(small.clone())).await.unwrap();
+        tx.send(Ok(large.clone())).await.unwrap();
         tx.send(Err(Status::unavailable("upstream gone")))
             .await
             .unwrap();
         let f = frames(ResponseBody::new(rx)).await;
-        assert_eq!(f.len(), 3);
-        assert_eq!(f[0].data_ref().unwrap().as_ref(), &[0, 0, 0, 0, 5]);
-        let data = f[1].data_ref().unwrap();
-        // The very same buffer: no copy.
-        assert_eq!(data.as_ptr(), msg.as_ptr());
-        let t = f[2].trailers_ref().unwrap();
+        assert_eq!(f.len(), 4);
+        // A small message: prefix and message in one frame.
+        assert_eq!(f[0].data_ref().unwrap().as_ref(), b"\0\0\0\0\x05hello");
+        // A large one: its own prefix, then the very same buffer (no copy).
+        let len = u32::try_from(COALESCE + 1).unwrap().to_be_bytes();
+        assert_eq!(
+            f[1].data_ref().unwrap().as_ref(),
+            &[0, len[0], len[1], len[2], len[3]]
+        );
+        assert_eq!(f[2].data_ref().unwrap().as_ptr(), large.as_ptr());
+        let t = f[3].trailers_ref().unwrap();
         assert_eq!(t["grpc-status"], "14");
         assert_eq!(t["grpc-message"], "upstream gone");
         assert_eq!(grpc_message("50% é\n"), "50%25 %C3%A9%0A");
