@@ -258,6 +258,29 @@ pub fn metrics_dedupe(data: &[u8]) {
 
 /// The DNS proxy's table for [`dns_request`]: every shape (short names, CNAME expansions, a
 /// wildcard, 40 addresses).
+/// A DNS query for `name`/`ty` (ID 0x1234, RD set as stub resolvers do), with an OPT of
+/// `edns` bytes if given: the requests of the DNS unit and end-to-end tests.
+///
+/// # Panics
+/// On a name hickory cannot parse (test input).
+#[allow(clippy::unwrap_used)]
+pub fn dns_query(name: &str, ty: hickory_proto::rr::RecordType, edns: Option<u16>) -> Vec<u8> {
+    use hickory_proto::op::{Edns, Message, Query};
+    let mut m = Message::query();
+    m.metadata.id = 0x1234;
+    m.metadata.recursion_desired = true;
+    m.add_query(Query::query(
+        hickory_proto::rr::Name::from_ascii(name).unwrap(),
+        ty,
+    ));
+    if let Some(size) = edns {
+        let mut e = Edns::new();
+        e.set_max_payload(size);
+        m.set_edns(e);
+    }
+    m.to_vec().unwrap()
+}
+
 pub(crate) fn dns_core() -> &'static crate::dns::handler::Core {
     use crate::dns::{LookupTable, NameInfo, NameTable, Scope};
     static CORE: std::sync::OnceLock<crate::dns::handler::Core> = std::sync::OnceLock::new();

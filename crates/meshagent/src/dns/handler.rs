@@ -479,21 +479,7 @@ fn servfail_bytes(m: &Message) -> Vec<u8> {
 mod tests {
     #![allow(clippy::unwrap_used)]
     use super::*;
-    use crate::fuzzing::{dns_core, dns_paths_agree};
-    use hickory_proto::rr::Name;
-
-    fn query(name: &str, ty: RecordType, edns: Option<u16>) -> Vec<u8> {
-        let mut m = Message::query();
-        m.metadata.id = 0x1234;
-        m.metadata.recursion_desired = true;
-        m.add_query(Query::query(Name::from_ascii(name).unwrap(), ty));
-        if let Some(size) = edns {
-            let mut e = Edns::new();
-            e.set_max_payload(size);
-            m.set_edns(e);
-        }
-        m.to_vec().unwrap()
-    }
+    use crate::fuzzing::{dns_core, dns_paths_agree, dns_query as query};
 
     /// The lean path answers these (and agrees with the general path); the others go to
     /// the general path.

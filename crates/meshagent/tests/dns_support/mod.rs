@@ -10,8 +10,8 @@ use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::Duration;
 
-use hickory_proto::op::{Edns, Message, Query};
-use hickory_proto::rr::{Name, RecordType};
+use hickory_proto::op::Message;
+use hickory_proto::rr::RecordType;
 use meshagent::dns::{self, DnsHandle, NameInfo, NameTable};
 use meshagent::metrics::Registry;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -91,19 +91,8 @@ impl Drop for Dnsmasq {
     }
 }
 
-/// A DNS query for `name`/`ty`, with an OPT of `edns` bytes if given; RD set like stub
-/// resolvers do.
-pub fn query(name: &str, ty: RecordType, edns: Option<u16>) -> Vec<u8> {
-    let mut m = Message::query();
-    m.metadata.recursion_desired = true;
-    m.add_query(Query::query(Name::from_ascii(name).unwrap(), ty));
-    if let Some(size) = edns {
-        let mut e = Edns::new();
-        e.set_max_payload(size);
-        m.set_edns(e);
-    }
-    m.to_vec().unwrap()
-}
+/// A DNS query for `name`/`ty`, with an OPT of `edns` bytes if given.
+pub use meshagent::fuzzing::dns_query as query;
 
 async fn udp_within(addr: SocketAddr, q: &[u8], t: Duration) -> Option<(Message, usize)> {
     let s = UdpSocket::bind("127.0.0.1:0").await.ok()?;
