@@ -126,6 +126,18 @@ pub enum Addrs<'a> {
     V6(&'a [Ipv6Addr]),
 }
 
+/// Room for `*.` and the longest name `Name::to_ascii` spells from a wire name (255 octets,
+/// every label byte escaped as `\DDD`: under 1,024 characters).
+const WILD_BUF: usize = 2 + 1024;
+
+/// `*.<parent>` in `buf`; `None` if it does not fit (no decoded name is that long).
+fn spell_wildcard<'b>(buf: &'b mut [u8; WILD_BUF], parent: &str) -> Option<&'b str> {
+    let w = buf.get_mut(..2 + parent.len())?;
+    w[..2].copy_from_slice(b"*.");
+    w[2..].copy_from_slice(parent.as_bytes());
+    std::str::from_utf8(w).ok()
+}
+
 /// What a name resolves to in the table.
 enum Found<'a> {
     Host(u32),
@@ -437,37 +449,49 @@ impl LookupTable {
         self.exact(name).map(Found::Host)
     }
 
+    /// The entry `qname` resolves to: the name itself, else the nearest `*.<parent>` walking
+    /// up (a wildcard matches at any depth below it), spelled in `buf`. Returns the owner
+    /// found (`qname` or the wildcard) and what it resolves to; `search0` as for
+    /// [`Self::find`]. No allocation: the lean answer path calls it per query.
+    fn resolve<'a>(
+        &self,
+        qname: &'a str,
+        search0: &str,
+        buf: &'a mut [u8; WILD_BUF],
+    ) -> Option<(&'a str, Found<'a>)> {
+        if let Some(f) = self.find(qname, search0) {
+            return Some((qname, f));
+        }
+        let mut rest = qname;
+        // A host hit is carried out of the loop as its index (it borrows nothing); a CNAME
+        // hit borrows the spelled name, so it is found once more in `buf` below.
+        let (parent, host) = loop {
+            let (_, parent) = rest.split_once('.')?;
+            if parent.is_empty() {
+                return None;
+            }
+            match self.find(spell_wildcard(buf, parent)?, search0) {
+                Some(Found::Host(h)) => break (parent, Some(h)),
+                Some(Found::Cname { .. }) => break (parent, None),
+                None => rest = parent,
+            }
+        };
+        let w = spell_wildcard(buf, parent)?;
+        let found = match host {
+            Some(h) => Found::Host(h),
+            None => self.find(w, search0)?,
+        };
+        Some((w, found))
+    }
+
     /// `lookupHost`: `qname` is the lower-cased absolute question; `question` the name as
     /// asked (wildcard answers are renamed to it); `search0` as for [`Self::find`].
     pub fn lookup(&self, qtype: RecordType, qname: &str, question: &Name, search0: &str) -> Lookup {
-        let wild: String;
-        let (owner, found, wildcard) = match self.find(qname, search0) {
-            Some(f) => (qname, f, false),
-            None => {
-                // `*.<parent>` walking up: the nearest wildcard wins, at any depth below it.
-                let mut rest = qname;
-                let mut hit = None;
-                while let Some((_, parent)) = rest.split_once('.') {
-                    if parent.is_empty() {
-                        break;
-                    }
-                    let w = format!("*.{parent}");
-                    if self.find(&w, search0).is_some() {
-                        hit = Some(w);
-                        break;
-                    }
-                    rest = parent;
-                }
-                let Some(w) = hit else {
-                    return Lookup::NotFound;
-                };
-                wild = w;
-                match self.find(&wild, search0) {
-                    Some(f) => (wild.as_str(), f, true),
-                    None => return Lookup::NotFound,
-                }
-            }
+        let mut buf = [0u8; WILD_BUF];
+        let Some((owner, found)) = self.resolve(qname, search0, &mut buf) else {
+            return Lookup::NotFound;
         };
+        let wildcard = owner != qname;
         if !matches!(qtype, RecordType::A | RecordType::AAAA) {
             // Istio forwards every other type, even for mesh names.
             return Lookup::NotFound;
@@ -511,39 +535,15 @@ impl LookupTable {
         Lookup::Answer(out)
     }
 
-    /// The lean path's lookup (`handler`'s pre-encoded answers): the same resolution as
+    /// The lean answer path's lookup (`handler::Core::answer_table`): the same resolution as
     /// [`Self::lookup`] (exact name, derived search-domain CNAME, nearest wildcard), without
     /// building records or allocating. `qname` is the lower-cased absolute question.
     pub fn lookup_addrs(&self, qtype: RecordType, qname: &str, search0: &str) -> Addrs<'_> {
-        let host = match self.find(qname, search0) {
-            Some(Found::Host(h)) => h,
-            Some(Found::Cname { .. }) => return Addrs::Chain,
-            None => {
-                // `*.<parent>` walking up, as in `lookup`, spelled in a stack buffer.
-                let mut buf = [0u8; 2 + 255];
-                buf[..2].copy_from_slice(b"*.");
-                let mut rest = qname;
-                loop {
-                    let Some((_, parent)) = rest.split_once('.') else {
-                        return Addrs::NotFound;
-                    };
-                    let Some(slot) = buf.get_mut(2..2 + parent.len()) else {
-                        return Addrs::NotFound;
-                    };
-                    if parent.is_empty() {
-                        return Addrs::NotFound;
-                    }
-                    slot.copy_from_slice(parent.as_bytes());
-                    let Ok(w) = std::str::from_utf8(&buf[..2 + parent.len()]) else {
-                        return Addrs::NotFound;
-                    };
-                    match self.find(w, search0) {
-                        Some(Found::Host(h)) => break h,
-                        Some(Found::Cname { .. }) => return Addrs::Chain,
-                        None => rest = parent,
-                    }
-                }
-            }
+        let mut buf = [0u8; WILD_BUF];
+        let host = match self.resolve(qname, search0, &mut buf) {
+            Some((_, Found::Host(h))) => h,
+            Some((_, Found::Cname { .. })) => return Addrs::Chain,
+            None => return Addrs::NotFound,
         };
         let Some(h) = self.hosts.get(host as usize) else {
             return Addrs::NotFound;
