@@ -7,7 +7,11 @@
 //!
 //! Each case: saturated `dnsperf -c 1 -q 100 -l 5` (QPS, mean latency), then a throttled
 //! `-c 1 -Q 5000 -l 3 -v` run for p50/p99 (dnsperf prints no percentiles; `-v` gives one line
-//! per reply). The proxy runs on its own current-thread runtime, as in the agent.
+//! per reply). The proxy runs on its own current-thread runtime, as in the agent. Each row
+//! also gives, for the saturated run, the serving thread's CPU per answered query and its
+//! share of a core, and dnsperf's cores: with both near one core, QPS is the inverse of the
+//! server's CPU per query. dnsperf runs on CPU 0 and the server under test on the last CPU
+//! (`DNS_BENCH_PIN=0`: unpinned).
 //!
 //! `cargo bench -p meshagent --bench dns` (or `make bench`); needs dnsmasq and dnsperf
 //! (`make dnspeers`) and root (dnsmasq listens on 127.0.53.100:53, as resolv.conf implies).
@@ -68,11 +72,70 @@ struct Run {
     p50_ms: f64,
     p99_ms: f64,
     lost: u64,
+    /// The server's CPU (one thread: the proxy's or dnsmasq's) per answered query in the
+    /// saturated run, µs; and its share of one core there.
+    server_us: f64,
+    server_busy: f64,
+    /// dnsperf's CPU in the saturated run, in cores (it runs several threads).
+    client_cores: f64,
 }
 
-fn dnsperf(addr: SocketAddr, queries: &std::path::Path) -> Run {
+/// CPU placement, unless `DNS_BENCH_PIN=0`: the server under test (dnsmasq, the proxy's
+/// thread, the relay's) on the last CPU, dnsperf on CPU 0. Unpinned, the scheduler sometimes
+/// puts the server next to one of dnsperf's threads, and every server's cost per query moves
+/// by ±15 % from run to run with where it lands; pinned, both servers of a comparison get
+/// the same placement.
+fn pinned() -> Option<(usize, usize)> {
+    let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+    (cpus >= 2 && std::env::var("DNS_BENCH_PIN").as_deref() != Ok("0")).then_some((0, cpus - 1))
+}
+
+/// A command run under `taskset -c <cpu>` when pinning is on.
+fn placed(program: &str, cpu: impl Fn((usize, usize)) -> usize) -> Command {
+    match pinned() {
+        Some(p) => {
+            let mut c = Command::new("taskset");
+            c.args(["-c", &cpu(p).to_string(), program]);
+            c
+        }
+        None => Command::new(program),
+    }
+}
+
+/// Pins the calling thread (a server) to the server CPU when pinning is on.
+fn pin_server_thread() {
+    if let Some((_, cpu)) = pinned() {
+        let mut set = nix::sched::CpuSet::new();
+        set.set(cpu).unwrap();
+        nix::sched::sched_setaffinity(nix::unistd::Pid::from_raw(0), &set).unwrap();
+    }
+}
+
+/// Cumulative CPU time of one thread, ns (`/proc/<pid>/task/<tid>/schedstat`'s first field).
+fn thread_cpu_ns(task: &std::path::Path) -> u64 {
+    std::fs::read_to_string(task.join("schedstat"))
+        .ok()
+        .and_then(|s| s.split_whitespace().next()?.parse().ok())
+        .unwrap_or(0)
+}
+
+/// CPU used by this process's waited-for children (dnsperf), ns: `cutime + cstime` of
+/// `/proc/self/stat`, in USER_HZ (100 on Linux) ticks.
+fn children_cpu_ns() -> u64 {
+    let stat = std::fs::read_to_string("/proc/self/stat").unwrap_or_default();
+    let after = stat.rsplit_once(") ").map_or("", |(_, r)| r);
+    let f: Vec<u64> = after
+        .split_whitespace()
+        .map(|v| v.parse().unwrap_or(0))
+        .collect();
+    // Fields 16 and 17 of proc(5), counted from `state` (field 3) here.
+    (f.get(13).unwrap_or(&0) + f.get(14).unwrap_or(&0)) * 10_000_000
+}
+
+/// `server`: the `/proc` task directory of the server's one serving thread.
+fn dnsperf(addr: SocketAddr, queries: &std::path::Path, server: &std::path::Path) -> Run {
     let base = |extra: &[&str]| {
-        let out = Command::new("dnsperf")
+        let out = placed("dnsperf", |(client, _)| client)
             .args(["-s", &addr.ip().to_string(), "-p", &addr.port().to_string()])
             .arg("-d")
             .arg(queries)
@@ -82,7 +145,13 @@ fn dnsperf(addr: SocketAddr, queries: &std::path::Path) -> Run {
             .expect("dnsperf (make dnspeers)");
         String::from_utf8_lossy(&out.stdout).into_owned()
     };
+    let (cpu0, kids0, t0) = (
+        thread_cpu_ns(server),
+        children_cpu_ns(),
+        tokio::time::Instant::now(),
+    );
     let sat = base(&["-q", "100", "-l", "5"]);
+    let (cpu1, kids1, wall) = (thread_cpu_ns(server), children_cpu_ns(), t0.elapsed());
     let field = |text: &str, key: &str| -> f64 {
         text.lines()
             .find_map(|l| l.trim().strip_prefix(key))
@@ -91,6 +160,8 @@ fn dnsperf(addr: SocketAddr, queries: &std::path::Path) -> Run {
             .unwrap_or(f64::NAN)
     };
     let qps = field(&sat, "Queries per second:");
+    let answered = field(&sat, "Queries completed:");
+    let server_ns = cpu1.saturating_sub(cpu0) as f64;
     let mean_ms = field(&sat, "Average Latency (s):") * 1000.0;
     let lost = field(&sat, "Queries lost:") as u64;
     let verbose = base(&["-Q", "5000", "-l", "3", "-v"]);
@@ -113,6 +184,9 @@ fn dnsperf(addr: SocketAddr, queries: &std::path::Path) -> Run {
         p50_ms: pct(0.50),
         p99_ms: pct(0.99),
         lost,
+        server_us: server_ns / 1000.0 / answered,
+        server_busy: server_ns / wall.as_nanos() as f64,
+        client_cores: kids1.saturating_sub(kids0) as f64 / wall.as_nanos() as f64,
     }
 }
 
@@ -120,12 +194,17 @@ fn dnsperf(addr: SocketAddr, queries: &std::path::Path) -> Run {
 fn proxy(
     resolv: &std::path::Path,
     cache: usize,
-) -> (SocketAddr, tokio_util::sync::CancellationToken) {
+) -> (
+    SocketAddr,
+    std::path::PathBuf,
+    tokio_util::sync::CancellationToken,
+) {
     let (tx, rx) = std::sync::mpsc::channel();
     let resolv = resolv.to_path_buf();
     let stop = tokio_util::sync::CancellationToken::new();
     let stop2 = stop.clone();
     std::thread::spawn(move || {
+        pin_server_thread();
         let rt = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()
@@ -155,20 +234,27 @@ fn proxy(
             let h = dns::start(opts, &Registry::new(), trx, stop2.clone())
                 .await
                 .unwrap();
-            tx.send(h.addrs[0]).unwrap();
+            tx.send((
+                h.addrs[0],
+                std::path::Path::new("/proc")
+                    .join(std::fs::read_link("/proc/thread-self").unwrap()),
+            ))
+            .unwrap();
             stop2.cancelled().await;
         });
     });
-    (rx.recv().unwrap(), stop)
+    let (addr, task) = rx.recv().unwrap();
+    (addr, task, stop)
 }
 
 /// The floor of an extra loopback hop: a trivial UDP relay on its own current-thread
 /// runtime, one task, no parsing and no ID rewriting (a client's ID is its key; fine for one
 /// dnsperf client), one connected upstream socket. Whatever the proxy adds to a forwarded query
 /// beyond this is its own work.
-fn relay(upstream: SocketAddr) -> SocketAddr {
+fn relay(upstream: SocketAddr) -> (SocketAddr, std::path::PathBuf) {
     let (tx, rx) = std::sync::mpsc::channel();
     std::thread::spawn(move || {
+        pin_server_thread();
         let rt = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()
@@ -177,7 +263,12 @@ fn relay(upstream: SocketAddr) -> SocketAddr {
             let down = tokio::net::UdpSocket::bind("127.0.0.1:0").await.unwrap();
             let up = tokio::net::UdpSocket::bind("0.0.0.0:0").await.unwrap();
             up.connect(upstream).await.unwrap();
-            tx.send(down.local_addr().unwrap()).unwrap();
+            tx.send((
+                down.local_addr().unwrap(),
+                std::path::Path::new("/proc")
+                    .join(std::fs::read_link("/proc/thread-self").unwrap()),
+            ))
+            .unwrap();
             let mut peers: Vec<Option<SocketAddr>> = vec![None; 65536];
             let (mut a, mut b) = (vec![0u8; 65535], vec![0u8; 65535]);
             loop {
@@ -214,15 +305,25 @@ fn load() -> String {
 fn row(name: &str, r: &Run, base: Option<&Run>) {
     let ratio = base.map_or(String::new(), |b| {
         format!(
-            " | {:.2}x qps, {:.2}x p50, {:.2}x p99",
+            "{:.2}x qps, {:.2}x p50, {:.2}x p99",
             r.qps / b.qps,
             r.p50_ms / b.p50_ms,
             r.p99_ms / b.p99_ms
         )
     });
+    let cpu = base.map_or(String::new(), |b| {
+        format!(", {:.2}x server CPU/query", r.server_us / b.server_us)
+    });
     println!(
-        "| {name} | {:.0} | {:.3} | {:.3} | {:.3} | {}{ratio} |",
-        r.qps, r.mean_ms, r.p50_ms, r.p99_ms, r.lost
+        "| {name} | {:.0} | {:.3} | {:.3} | {:.3} | {} | {:.2} ({:.0} %) | {:.2} | {ratio}{cpu} |",
+        r.qps,
+        r.mean_ms,
+        r.p50_ms,
+        r.p99_ms,
+        r.lost,
+        r.server_us,
+        r.server_busy * 100.0,
+        r.client_cores
     );
 }
 
@@ -258,8 +359,8 @@ fn main() {
 
     // dnsmasq's answers from /etc/hosts-style files carry TTL 0 unless --local-ttl: 60 s so
     // the proxy's cache has something to keep in the cache-on case.
-    let _dnsmasq = Dnsmasq(
-        Command::new("dnsmasq")
+    let dnsmasq = Dnsmasq(
+        placed("dnsmasq", |(_, server)| server)
             .args([
                 "-k",
                 "--port=53",
@@ -279,6 +380,7 @@ fn main() {
     );
     std::thread::sleep(Duration::from_millis(500));
     let direct: SocketAddr = format!("{UPSTREAM}:53").parse().unwrap();
+    let dnsmasq_task = std::path::PathBuf::from(format!("/proc/{0}/task/{0}", dnsmasq.0.id()));
 
     let built = dns::LookupTable::build(
         &table(),
@@ -293,40 +395,48 @@ fn main() {
         built.heap_bytes() / 1024
     );
     drop(built);
-    let (table_addr, stop1) = proxy(&resolv, 0);
+    let (table_addr, table_task, stop1) = proxy(&resolv, 0);
     println!(
         "DNS proxy benchmark: dnsperf -c 1 -q 100 -l 5 (qps, mean) and -c 1 -Q 5000 -l 3 -v (p50/p99), UDP, loopback; load {}",
         load()
     );
-    println!("| case | qps | mean ms | p50 ms | p99 ms | lost | vs baseline |");
-    println!("|---|---|---|---|---|---|---|");
-    let base_table = dnsperf(direct, &q_mesh);
+    println!(
+        "placement: {}; server CPU: the serving thread's (dnsmasq's, the proxy's, the relay's; not the upstream's) per query and its share of a core, saturated run; client: dnsperf's cores",
+        pinned().map_or("unpinned".to_string(), |(c, s)| format!(
+            "dnsperf on CPU {c}, servers on CPU {s}"
+        ))
+    );
+    println!(
+        "| case | qps | mean ms | p50 ms | p99 ms | lost | server µs/query (busy) | client cores | vs baseline |"
+    );
+    println!("|---|---|---|---|---|---|---|---|---|");
+    let base_table = dnsperf(direct, &q_mesh, &dnsmasq_task);
     row("dnsmasq, hosts file (baseline)", &base_table, None);
-    let t = dnsperf(table_addr, &q_mesh);
+    let t = dnsperf(table_addr, &q_mesh, &table_task);
     row("proxy, NDS table (5,000 names)", &t, Some(&base_table));
     if std::env::var("DNS_BENCH_ONLY").as_deref() == Ok("table") {
         stop1.cancel();
         println!("load at the end: {}", load());
         return;
     }
-    let base_fwd = dnsperf(direct, &q_ext);
+    let base_fwd = dnsperf(direct, &q_ext, &dnsmasq_task);
     row("dnsmasq direct, external names (baseline)", &base_fwd, None);
-    let relay_addr = relay(direct);
-    let r = dnsperf(relay_addr, &q_ext);
+    let (relay_addr, relay_task) = relay(direct);
+    let r = dnsperf(relay_addr, &q_ext, &relay_task);
     row(
         "trivial UDP relay to dnsmasq (the floor of one more hop)",
         &r,
         Some(&base_fwd),
     );
-    let f = dnsperf(table_addr, &q_ext);
+    let f = dnsperf(table_addr, &q_ext, &table_task);
     row(
         "proxy forwarding to dnsmasq, cache off",
         &f,
         Some(&base_fwd),
     );
     stop1.cancel();
-    let (cached_addr, stop2) = proxy(&resolv, 4096);
-    let c = dnsperf(cached_addr, &q_ext);
+    let (cached_addr, cached_task, stop2) = proxy(&resolv, 4096);
+    let c = dnsperf(cached_addr, &q_ext, &cached_task);
     row("proxy forwarding, cache on", &c, Some(&base_fwd));
     stop2.cancel();
     println!("load at the end: {}", load());

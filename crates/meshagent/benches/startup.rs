@@ -42,6 +42,30 @@ fn status_kib(pid: u32, key: &str) -> u64 {
         .unwrap_or(0)
 }
 
+/// CPU ms per thread of `pid` and of its children (Envoy), from `/proc/<pid>/task/*/schedstat`,
+/// for `STARTUP_TRACE=rsa`: where the cores went until the agent turned ready.
+fn thread_cpu(pid: u32) -> Vec<(u32, String, f64)> {
+    let mut out = vec![];
+    let mut pids = vec![pid];
+    if let Ok(c) = std::fs::read_to_string(format!("/proc/{pid}/task/{pid}/children")) {
+        pids.extend(c.split_whitespace().filter_map(|v| v.parse::<u32>().ok()));
+    }
+    for p in pids {
+        let Ok(tasks) = std::fs::read_dir(format!("/proc/{p}/task")) else {
+            continue;
+        };
+        for t in tasks.flatten() {
+            let comm = std::fs::read_to_string(t.path().join("comm")).unwrap_or_default();
+            let ns: f64 = std::fs::read_to_string(t.path().join("schedstat"))
+                .ok()
+                .and_then(|s| s.split_whitespace().next()?.parse().ok())
+                .unwrap_or(0.0);
+            out.push((p, comm.trim().to_owned(), ns / 1e6));
+        }
+    }
+    out
+}
+
 async fn poll_until(addr: std::net::SocketAddr, path: &str, want: impl Fn(u16, &str) -> bool) {
     let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
     loop {
@@ -324,7 +348,7 @@ async fn main() {
         settle().await;
         let (s, ms) = ready_sidecar(&dp, &ecdsa_env).await;
         agent_ecdsa.push(ms);
-        if std::env::var_os("STARTUP_TRACE").is_some() {
+        if std::env::var("STARTUP_TRACE").is_ok_and(|v| v != "rsa") {
             println!("--- ECDSA agent log ({ms:.0} ms to ready)");
             s.proc.print_log();
         }
@@ -332,6 +356,16 @@ async fn main() {
         settle().await;
         let (s, ms) = ready_sidecar(&dp, &rsa_env).await;
         agent.push(ms);
+        if std::env::var("STARTUP_TRACE").as_deref() == Ok("rsa") {
+            let cpu = thread_cpu(s.proc.pid());
+            let total: f64 = cpu.iter().map(|c| c.2).sum();
+            println!("--- RSA agent: CPU ms per thread once ready ({total:.0} in all):");
+            for (p, comm, ms) in cpu.iter().filter(|c| c.2 >= 1.0) {
+                println!("    {p} {comm:<20} {ms:>6.1}");
+            }
+            println!("--- RSA agent log ({ms:.0} ms to ready)");
+            s.proc.print_log();
+        }
         let pid = s.proc.pid();
         rss.push(status_kib(pid, "VmRSS:") as f64);
         hwm.push(status_kib(pid, "VmHWM:") as f64);

@@ -150,8 +150,42 @@ fn spawn_key(spec: KeySpec) -> KeyJob {
     tokio::task::spawn_blocking(move || WorkloadKey::generate(spec))
 }
 
+/// Linux's lowest priority: such a thread gets a CPU only when nothing else wants it.
+const IDLE_NICE: i32 = 19;
+
+/// The key for the next rotation, generated right after a certificate is issued but hours
+/// before it is needed: on a dedicated thread at nice 19. At start-up the first certificate
+/// goes out while Envoy is still warming its clusters and listeners; an RSA generation at
+/// normal priority then took a core from Envoy for 60–250 ms and delayed the agent's
+/// readiness by as much (the startup bench's per-thread CPU, BENCHMARKS.md). A dedicated
+/// thread, so no blocking-pool thread keeps the lowered priority; the blocking pool when no
+/// thread can be started.
+fn spawn_idle_key(spec: KeySpec) -> KeyJob {
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    let started = std::thread::Builder::new()
+        .name("next-key".into())
+        .spawn(move || {
+            // `None`: the calling thread (Linux keeps a nice value per thread).
+            let _ = rustix::process::setpriority_process(None, IDLE_NICE);
+            let _ = tx.send(WorkloadKey::generate(spec));
+        });
+    match started {
+        Ok(_) => tokio::spawn(async move {
+            rx.await.unwrap_or_else(|_| {
+                Err(super::keys::KeyError::Generate(
+                    "key generation thread ended".into(),
+                ))
+            })
+        }),
+        Err(e) => {
+            tracing::debug!(error = %e, "cannot start the next-key thread");
+            spawn_key(spec)
+        }
+    }
+}
+
 /// The first key is on the sidecar's start-up path, and RSA generation time is a random
-/// prime search (p50 ~60 ms, long tail): with more than one CPU, two generations race and the
+/// prime search (p50 ~110 ms on an idle core here, p90 ~200): with more than one CPU, two generations race and the
 /// first one wins. The race must not take CPU from Envoy, which is initialising at the same
 /// time and whose cluster warming waits for this key anyway: the second racer runs at nice 19
 /// (it gets the CPU only when nothing else wants it), and the loser is dropped to nice 19 the
@@ -165,7 +199,6 @@ fn spawn_first_key(spec: KeySpec) -> KeyJob {
         return spawn_key(spec);
     }
     const RACERS: usize = 2;
-    const IDLE_NICE: i32 = 19;
     let (tx, mut rx) = tokio::sync::mpsc::channel(RACERS);
     let tids: Arc<std::sync::Mutex<[Option<rustix::process::Pid>; RACERS]>> = Arc::default();
     let mut started = 0;
@@ -180,7 +213,14 @@ fn spawn_first_key(spec: KeySpec) -> KeyJob {
                     // `None`: the calling thread (Linux keeps a nice value per thread).
                     let _ = rustix::process::setpriority_process(None, IDLE_NICE);
                 }
-                let _ = tx.blocking_send((i, WorkloadKey::generate(spec)));
+                let t = tokio::time::Instant::now();
+                let key = WorkloadKey::generate(spec);
+                tracing::info!(
+                    racer = i,
+                    ms = t.elapsed().as_millis() as u64,
+                    "first key generated"
+                );
+                let _ = tx.blocking_send((i, key));
             });
         match racer {
             Ok(_) => started += 1,
@@ -346,10 +386,10 @@ impl SecretManager {
                     });
                     current = Some(Issued { expire, root });
                     // The following key is generated now, long before the rotation that needs
-                    // it — but only after this certificate is out, so at startup RSA key
-                    // generation does not compete with the CSR and Envoy's start for the CPU.
+                    // it — after this certificate is out, and at idle priority, so at startup
+                    // RSA key generation competes neither with the CSR nor with Envoy's start.
                     if next.is_none() {
-                        next = Some(spawn_key(self.key_spec));
+                        next = Some(spawn_idle_key(self.key_spec));
                     }
                     Instant::now() + delay
                 }

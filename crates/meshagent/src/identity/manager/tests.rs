@@ -319,3 +319,43 @@ fn roots_merge_dedup_sorted() {
     assert_eq!(merged.matches("BEGIN CERTIFICATE").count(), 2);
     assert_eq!(merged, merge_roots([b.as_str(), a.as_str()]));
 }
+
+/// The nice value of this process's thread named `name`, if one is running.
+fn nice_of_thread(name: &str) -> Option<i64> {
+    std::fs::read_dir("/proc/self/task")
+        .ok()?
+        .flatten()
+        .find_map(|t| {
+            let comm = std::fs::read_to_string(t.path().join("comm")).ok()?;
+            if comm.trim() != name {
+                return None;
+            }
+            let stat = std::fs::read_to_string(t.path().join("stat")).ok()?;
+            // proc(5): `nice` is field 19; fields are counted here from `state` (field 3).
+            stat.rsplit_once(") ")?
+                .1
+                .split_whitespace()
+                .nth(16)?
+                .parse()
+                .ok()
+        })
+}
+
+/// The key for the next rotation is generated at idle priority on its own thread, so that at
+/// start-up it does not take Envoy's CPU while Envoy warms with the first certificate.
+#[tokio::test]
+async fn the_next_key_is_generated_on_an_idle_priority_thread() {
+    let job = spawn_idle_key(KeySpec {
+        kind: KeyKind::Rsa(2048),
+        pkcs8: false,
+    });
+    let mut seen = None;
+    // RSA generation takes tens of milliseconds at least: the thread is there to be seen.
+    while seen.is_none() && !job.is_finished() {
+        seen = nice_of_thread("next-key");
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    let key = job.await.unwrap().unwrap();
+    assert_eq!(seen, Some(19), "the next-key thread runs at nice 19");
+    assert!(key.pem().starts_with("-----BEGIN RSA PRIVATE KEY-----"));
+}
