@@ -414,3 +414,53 @@ async fn a_burst_from_many_clients_is_answered_to_each() {
         }
     }
 }
+
+/// Pooled upstream sockets are not easier to spoof than Istio's fresh socket per query: each
+/// exchange sends an ID drawn for it, not the client's (a client with a fixed or predictable ID
+/// gains nothing), the client gets its own ID back, and a socket serves at most 64 exchanges
+/// before its port changes. A recording upstream answers every query itself.
+#[tokio::test(flavor = "multi_thread")]
+async fn upstream_sees_random_ids_and_changing_ports_the_client_its_own_id() {
+    let up = UdpSocket::bind("127.0.53.29:53").await.unwrap();
+    let seen = std::sync::Arc::new(std::sync::Mutex::new(Vec::<(u16, u16)>::new()));
+    let log = seen.clone();
+    let _up = tokio::spawn(async move {
+        let mut b = [0u8; 512];
+        while let Ok((n, peer)) = up.recv_from(&mut b).await {
+            log.lock()
+                .unwrap()
+                .push((u16::from_be_bytes([b[0], b[1]]), peer.port()));
+            // The query back as its own empty NOERROR answer: QR and RA set.
+            let mut r = b[..n].to_vec();
+            r[2] |= 0x80;
+            r[3] |= 0x80;
+            let _ = up.send_to(&r, peer).await;
+        }
+    });
+    let (_tx, tables) = fixed_table(mesh_table());
+    let proxy = Proxy::start("nameserver 127.0.53.29\n", tables, |o| o.cache_size = 0).await;
+    const N: u16 = 70;
+    for i in 0..N {
+        let mut q = query(&format!("n{i}.test.local."), RecordType::A, None);
+        q[..2].copy_from_slice(&0x1234u16.to_be_bytes());
+        let (m, _) = udp(proxy.addr, &q).await;
+        assert_eq!(m.metadata.id, 0x1234, "the client's own ID comes back");
+        assert_eq!(m.metadata.response_code, ResponseCode::NoError);
+    }
+    let seen = seen.lock().unwrap().clone();
+    assert_eq!(seen.len(), usize::from(N), "every query went upstream once");
+    let ids: std::collections::BTreeSet<u16> = seen.iter().map(|s| s.0).collect();
+    // 70 draws from 65,536: a repeat or two at most, barring a broken generator.
+    assert!(
+        ids.len() >= 65,
+        "upstream IDs are drawn per exchange: {seen:?}"
+    );
+    let mut per_port = std::collections::BTreeMap::<u16, usize>::new();
+    for (_, port) in &seen {
+        *per_port.entry(*port).or_default() += 1;
+    }
+    assert!(
+        per_port.len() >= 2 && per_port.values().all(|&n| n <= 64),
+        "a pooled socket serves at most 64 exchanges: {per_port:?}"
+    );
+}

@@ -79,7 +79,7 @@ fn id_of(raw: &[u8]) -> u16 {
 }
 
 /// The reply must answer our query: our ID (checked by the caller)
-/// and the same question (compared on the wire, names case-insensitively: the query is
+/// and the same question (compared on the wire, names case-insensitively: the question is
 /// forwarded unchanged, but some servers normalise case). It is decoded in full, as miekg's
 /// `Exchange` does: a malformed reply is this server's failure (the next one is tried), not
 /// something to relay.
@@ -123,8 +123,17 @@ fn question(msg: &[u8]) -> Option<&[u8]> {
 /// goes back only after a clean exchange, so a late reply to a timed-out query is never waiting
 /// in it (and would be discarded by the ID and question checks anyway). One pool per proxy: a
 /// socket belongs to the runtime that registered it.
+///
+/// Reuse must not make replies easier to spoof than Istio's fresh socket per query (an
+/// unpredictable ephemeral port, RFC 5452 §9.2): every exchange sends an ID drawn at random
+/// for it, not the client's (see [`udp`]), and a socket is closed after [`POOL_REUSE`]
+/// exchanges, so its source port does not stay the same for long.
 #[derive(Default)]
-pub struct Pool(std::sync::Mutex<Vec<(SocketAddr, UdpSocket)>>);
+pub struct Pool(std::sync::Mutex<Vec<(SocketAddr, UdpSocket, u32)>>);
+
+/// Exchanges one pooled socket serves before it is closed and replaced: its port changes
+/// that often, for 1/64 of a socket's set-up cost per query.
+const POOL_REUSE: u32 = 64;
 
 /// Sockets kept per proxy: as many as the queries a burst keeps in flight (glibc sends A and
 /// AAAA together; a client with a thread pool sends dozens). With 64, dnsperf's 100 in flight
@@ -135,16 +144,22 @@ pub struct Pool(std::sync::Mutex<Vec<(SocketAddr, UdpSocket)>>);
 const POOL_MAX: usize = 256;
 
 impl Pool {
-    fn take(&self, server: SocketAddr) -> Option<UdpSocket> {
+    /// A pooled socket to `server` and the exchanges it has served.
+    fn take(&self, server: SocketAddr) -> Option<(UdpSocket, u32)> {
         let mut p = self.0.lock().unwrap_or_else(|e| e.into_inner());
-        let i = p.iter().rposition(|(a, _)| *a == server)?;
-        Some(p.swap_remove(i).1)
+        let i = p.iter().rposition(|(a, _, _)| *a == server)?;
+        let (_, sock, uses) = p.swap_remove(i);
+        Some((sock, uses))
     }
 
-    fn give_back(&self, server: SocketAddr, sock: UdpSocket) {
+    /// `sock` has served `uses` exchanges, the last one clean.
+    fn give_back(&self, server: SocketAddr, sock: UdpSocket, uses: u32) {
+        if uses >= POOL_REUSE {
+            return;
+        }
         let mut p = self.0.lock().unwrap_or_else(|e| e.into_inner());
         if p.len() < POOL_MAX {
-            p.push((server, sock));
+            p.push((server, sock, uses));
         }
     }
 }
@@ -156,8 +171,15 @@ thread_local! {
         std::cell::RefCell::new(vec![0u8; 65535].into_boxed_slice());
 }
 
+/// One UDP exchange. The upstream gets the query with an ID drawn for this exchange (the
+/// client's own may be predictable, and the socket's port is reused); the reply must carry
+/// that ID, and the client's is put back in it (bytes and decoded message) before it goes on.
 async fn udp(pool: &Pool, server: SocketAddr, raw: &[u8]) -> Result<Reply, String> {
-    let sock = match pool.take(server) {
+    let client_id = id_of(raw);
+    let ours: u16 = rand::random();
+    let mut query = raw.to_vec();
+    query[..2].copy_from_slice(&ours.to_be_bytes());
+    let (sock, uses) = match pool.take(server) {
         Some(s) => s,
         None => {
             let local: SocketAddr = if server.is_ipv4() {
@@ -167,10 +189,10 @@ async fn udp(pool: &Pool, server: SocketAddr, raw: &[u8]) -> Result<Reply, Strin
             };
             let sock = UdpSocket::bind(local).await.map_err(|e| e.to_string())?;
             sock.connect(server).await.map_err(|e| e.to_string())?;
-            sock
+            (sock, 0)
         }
     };
-    sock.send(raw).await.map_err(|e| e.to_string())?;
+    sock.send(&query).await.map_err(|e| e.to_string())?;
     loop {
         sock.readable().await.map_err(|e| e.to_string())?;
         let got = RECV_BUF.with_borrow_mut(|buf| match sock.try_recv(buf) {
@@ -178,16 +200,21 @@ async fn udp(pool: &Pool, server: SocketAddr, raw: &[u8]) -> Result<Reply, Strin
                 let reply = &buf[..n];
                 // Stray datagrams (wrong ID) are ignored, as miekg does; the timeout bounds
                 // the wait.
-                if n < 12 || id_of(reply) != id_of(raw) {
+                if n < 12 || id_of(reply) != ours {
                     return Ok(None);
                 }
-                check(reply, raw).map(|m| Some((reply.to_vec(), m)))
+                check(reply, raw).map(|mut m| {
+                    let mut bytes = reply.to_vec();
+                    bytes[..2].copy_from_slice(&client_id.to_be_bytes());
+                    m.metadata.id = client_id;
+                    Some((bytes, m))
+                })
             }
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => Ok(None),
             Err(e) => Err(e.to_string()),
         })?;
         if let Some(r) = got {
-            pool.give_back(server, sock);
+            pool.give_back(server, sock, uses + 1);
             return Ok(r);
         }
     }

@@ -285,7 +285,8 @@ impl Core {
         })
     }
 
-    /// Istio's `queryUpstream`: the query unchanged (ID, OPT) over the client's protocol;
+    /// Istio's `queryUpstream`: the query unchanged (OPT included; over UDP with an ID of our
+    /// own, restored in the reply: `forward::udp`) over the client's protocol;
     /// sequential over the shuffled servers, or all at once with `DNS_FORWARD_PARALLEL`; the
     /// first reply wins (an upstream NXDOMAIN or SERVFAIL is a reply); none → SERVFAIL.
     pub async fn forward(&self, f: Forward, proto: Proto) -> Vec<u8> {
