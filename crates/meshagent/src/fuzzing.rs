@@ -256,8 +256,6 @@ pub fn metrics_dedupe(data: &[u8]) {
     let _ = run(usize::from(seed % 7) + 1, true);
 }
 
-/// The DNS proxy's table for [`dns_request`]: every shape (short names, CNAME expansions, a
-/// wildcard, 40 addresses).
 /// A DNS query for `name`/`ty` (ID 0x1234, RD set as stub resolvers do), with an OPT of
 /// `edns` bytes if given: the requests of the DNS unit and end-to-end tests.
 ///
@@ -281,6 +279,8 @@ pub fn dns_query(name: &str, ty: hickory_proto::rr::RecordType, edns: Option<u16
     m.to_vec().unwrap()
 }
 
+/// The DNS proxy's table for [`dns_request`]: every shape (short names, CNAME expansions, a
+/// wildcard, 40 addresses).
 pub(crate) fn dns_core() -> &'static crate::dns::handler::Core {
     use crate::dns::{LookupTable, NameInfo, NameTable, Scope};
     static CORE: std::sync::OnceLock<crate::dns::handler::Core> = std::sync::OnceLock::new();

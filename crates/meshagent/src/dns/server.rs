@@ -39,10 +39,10 @@ const SLOT: usize = 65535;
 /// together with one `sendmmsg(2)` once the batch is done: building one takes ~1 µs, so the
 /// first reply of a full batch waits ~15 µs, and the client is woken once per batch instead
 /// of once per reply. Forwarded replies go out from their tasks. `batch == 1`: one
-/// `recv_from` and one `sendto` per datagram.
+/// `recv_from` per datagram, its reply sent on its own.
 pub async fn serve_udp(sock: Arc<UdpSocket>, core: Arc<Core>, batch: usize) -> Result<(), String> {
     let forwards = Arc::new(Semaphore::new(MAX_FORWARDS));
-    let mut out = Vec::with_capacity(512);
+    let mut replies = Replies::default();
     if batch <= 1 {
         let mut buf = vec![0u8; SLOT];
         loop {
@@ -52,11 +52,11 @@ pub async fn serve_udp(sock: Arc<UdpSocket>, core: Arc<Core>, batch: usize) -> R
                 Err(e) if e.kind() == std::io::ErrorKind::ConnectionRefused => continue,
                 Err(e) => return Err(format!("UDP receive: {e}")),
             };
-            one(&sock, &core, &forwards, &buf[..n], peer, &mut out).await;
+            one(&sock, &core, &forwards, &buf[..n], peer, &mut replies);
+            replies.flush(&sock).await;
         }
     }
     let mut b = Batch::new(batch);
-    let mut replies = Replies::default();
     loop {
         sock.readable()
             .await
@@ -72,15 +72,15 @@ pub async fn serve_udp(sock: Arc<UdpSocket>, core: Arc<Core>, batch: usize) -> R
             let (Some(peer), Some(pkt)) = (peer, b.bufs.get(i * SLOT..i * SLOT + len)) else {
                 continue;
             };
-            batched(&sock, &core, &forwards, pkt, peer, &mut replies);
+            one(&sock, &core, &forwards, pkt, peer, &mut replies);
         }
         replies.flush(&sock).await;
     }
 }
 
-/// One datagram of a batch: a reply built inline joins `replies`; a forwarded query gets
-/// its task.
-fn batched(
+/// One datagram, answered from the table on the lean path, else the general one: a reply
+/// built inline joins `replies` (the caller flushes them); a forwarded query gets its task.
+fn one(
     sock: &Arc<UdpSocket>,
     core: &Arc<Core>,
     forwards: &Arc<Semaphore>,
@@ -213,26 +213,6 @@ fn sendmmsg(
         return Err(std::io::Error::last_os_error());
     }
     Ok(r as usize)
-}
-
-/// One datagram: answered from the table on the lean path, else the general one.
-async fn one(
-    sock: &Arc<UdpSocket>,
-    core: &Arc<Core>,
-    forwards: &Arc<Semaphore>,
-    pkt: &[u8],
-    peer: SocketAddr,
-    out: &mut Vec<u8>,
-) {
-    if core.answer_table(pkt, Proto::Udp, out) {
-        send(sock, out, peer).await;
-        return;
-    }
-    match core.handle_general(pkt, Proto::Udp) {
-        Action::Reply(b) => send(sock, &b, peer).await,
-        Action::Drop => {}
-        Action::Forward(f) => forward(sock, core, forwards, f, peer),
-    }
 }
 
 /// Receive slots for `recvmmsg(2)`, allocated once per loop: one mmapped allocation whose

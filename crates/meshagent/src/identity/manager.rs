@@ -153,6 +153,11 @@ fn spawn_key(spec: KeySpec) -> KeyJob {
 /// Linux's lowest priority: such a thread gets a CPU only when nothing else wants it.
 const IDLE_NICE: i32 = 19;
 
+/// Drops the calling thread to [`IDLE_NICE`] (Linux keeps a nice value per thread).
+fn lower_to_idle_priority() {
+    let _ = rustix::process::setpriority_process(None, IDLE_NICE);
+}
+
 /// The key for the next rotation, generated right after a certificate is issued but hours
 /// before it is needed: on a dedicated thread at nice 19. At start-up the first certificate
 /// goes out while Envoy is still warming its clusters and listeners; an RSA generation at
@@ -165,8 +170,7 @@ fn spawn_idle_key(spec: KeySpec) -> KeyJob {
     let started = std::thread::Builder::new()
         .name("next-key".into())
         .spawn(move || {
-            // `None`: the calling thread (Linux keeps a nice value per thread).
-            let _ = rustix::process::setpriority_process(None, IDLE_NICE);
+            lower_to_idle_priority();
             let _ = tx.send(WorkloadKey::generate(spec));
         });
     match started {
@@ -185,11 +189,11 @@ fn spawn_idle_key(spec: KeySpec) -> KeyJob {
 }
 
 /// The first key is on the sidecar's start-up path, and RSA generation time is a random
-/// prime search (p50 ~110 ms on an idle core here, p90 ~200): with more than one CPU, two generations race and the
-/// first one wins. The race must not take CPU from Envoy, which is initialising at the same
-/// time and whose cluster warming waits for this key anyway: the second racer runs at nice 19
-/// (it gets the CPU only when nothing else wants it), and the loser is dropped to nice 19 the
-/// moment the race is decided (it cannot be cancelled inside aws-lc; its thread ends when it
+/// prime search (p50 ~110 ms on an idle core here, p90 ~200): with more than one CPU, two
+/// generations race and the first one wins. The race must not take CPU from Envoy, which is
+/// initialising at the same time and whose cluster warming waits for this key anyway: the
+/// second racer runs at nice 19 (it gets the CPU only when nothing else wants it), and the
+/// loser is dropped to nice 19 the moment the race is decided (it cannot be cancelled inside aws-lc; its thread ends when it
 /// finishes). Both racers are dedicated threads, so no blocking-pool thread keeps the lowered
 /// priority. ECDSA takes well under a millisecond and is never raced. BENCHMARKS.md, sidecar
 /// startup, has the numbers.
@@ -210,8 +214,7 @@ fn spawn_first_key(spec: KeySpec) -> KeyJob {
                 let tid = rustix::thread::gettid();
                 tids.lock().unwrap_or_else(|e| e.into_inner())[i] = Some(tid);
                 if i > 0 {
-                    // `None`: the calling thread (Linux keeps a nice value per thread).
-                    let _ = rustix::process::setpriority_process(None, IDLE_NICE);
+                    lower_to_idle_priority();
                 }
                 let t = tokio::time::Instant::now();
                 let key = WorkloadKey::generate(spec);
