@@ -113,6 +113,11 @@ impl Agent {
         raise_fd_limit();
         let cfg = &self.config;
         crate::metrics::register_process_metrics(&self.registry)?;
+        self.registry.counter_fn(
+            "task_panics_total",
+            "Long-lived agent tasks that died by panicking (readiness names the first).",
+            || crate::tasks::Deaths::process().all().len() as f64,
+        )?;
         let template = bootstrap::check_template(cfg, &self.cwd)?;
         let node = Node::from_config(cfg)?;
         // Cloud platform discovery (bounded, see `platform`) runs while the status server and
@@ -127,6 +132,11 @@ impl Agent {
         let envoy_enabled = !cfg.lifecycle.disable_envoy;
 
         // A dead internal server is the root cause of whatever else fails: reported first.
+        // A dead long-lived task first: it is the root cause of whatever else goes stale.
+        self.readiness.add(Arc::new(|| {
+            let reason = crate::tasks::Deaths::process().not_ready();
+            Box::pin(async move { reason.map_or(Ok(()), Err) })
+        }));
         let servers = self.servers.clone();
         self.readiness.add(Arc::new(move || {
             let reason = servers.not_ready();

@@ -487,8 +487,12 @@ pub fn write(cfg: &Config, cwd: &Path, rendered: &Rendered) -> Result<PathBuf, B
             std::fs::create_dir_all(dir)?;
         }
         let tmp = abs.with_extension("tmp");
-        std::fs::write(&tmp, &rendered.contents)?;
-        std::fs::rename(&tmp, &abs)
+        // A failed write (disk full, read-only filesystem) leaves no half-written file.
+        std::fs::write(&tmp, &rendered.contents)
+            .and_then(|()| std::fs::rename(&tmp, &abs))
+            .inspect_err(|_| {
+                let _ = std::fs::remove_file(&tmp);
+            })
     };
     write().map_err(|source| BootstrapError::Write {
         path: abs.clone(),

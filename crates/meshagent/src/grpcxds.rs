@@ -202,10 +202,16 @@ pub fn write(cwd: &Path, path: &Path, contents: &str) -> Result<PathBuf, GrpcXds
     // No fsync: the file is rendered again at every agent start, so a crash can lose
     // nothing; the rename below already keeps readers from seeing a partial file. An fsync
     // here sat on Envoy's start-up path (6.6 ms p50, 41 ms max on this machine's disk).
-    f.write_all(contents.as_bytes()).map_err(err)?;
-    drop(f);
-    std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(0o644)).map_err(err)?;
-    std::fs::rename(&tmp, &abs).map_err(err)?;
+    let written = f.write_all(contents.as_bytes()).and_then(|()| {
+        drop(f);
+        std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(0o644))?;
+        std::fs::rename(&tmp, &abs)
+    });
+    // A failed write (disk full, read-only filesystem) leaves no half-written file.
+    if let Err(e) = written {
+        let _ = std::fs::remove_file(&tmp);
+        return Err(err(e));
+    }
     Ok(abs)
 }
 

@@ -382,7 +382,7 @@ pub async fn start_with(
         metrics: metrics.clone(),
     };
     tasks.push(tokio::spawn(tracing::Instrument::instrument(
-        file_task.run(shutdown.clone()),
+        crate::tasks::guarded("file-secrets", file_task.run(shutdown.clone())),
         tracing::info_span!("task", name = "file-secrets"),
     )));
 
@@ -413,9 +413,11 @@ pub async fn start_with(
             crl: id
                 .pilot_enable_ca_crl
                 .then(|| PathBuf::from(files::CRL_PATH)),
+            keys: manager::KeySource::Background,
+            output_gates_readiness: !opts.sds_server,
         };
         tasks.push(tokio::spawn(tracing::Instrument::instrument(
-            mgr.run(shutdown.clone()),
+            crate::tasks::guarded("secret-manager", mgr.run(shutdown.clone())),
             tracing::info_span!("task", name = "secret-manager"),
         )));
     }
@@ -439,30 +441,33 @@ pub async fn start_with(
     // restarts bind again.
     let mut first = Some(listener);
     tasks.push(tokio::spawn(tracing::Instrument::instrument(
-        crate::supervise::run(
-            "sds",
-            opts.servers.clone(),
-            crate::supervise::Backoff::default(),
-            shutdown.clone(),
-            move || {
-                let (store, stop, path) =
-                    (sds_store.clone(), sds_shutdown.clone(), sds_socket.clone());
-                let listener = first.take();
-                async move {
-                    let listener = match listener {
-                        Some(l) => l,
-                        None => crate::sds::bind(&path).await.map_err(|e| e.to_string())?,
-                    };
-                    Ok(crate::supervise::Serving {
-                        serve: Box::pin(async move {
-                            crate::sds::serve(listener, store, stop)
-                                .await
-                                .map_err(|e| e.to_string())
-                        }),
-                        socket: Some(path),
-                    })
-                }
-            },
+        crate::tasks::guarded(
+            "sds-server",
+            crate::supervise::run(
+                "sds",
+                opts.servers.clone(),
+                crate::supervise::Backoff::default(),
+                shutdown.clone(),
+                move || {
+                    let (store, stop, path) =
+                        (sds_store.clone(), sds_shutdown.clone(), sds_socket.clone());
+                    let listener = first.take();
+                    async move {
+                        let listener = match listener {
+                            Some(l) => l,
+                            None => crate::sds::bind(&path).await.map_err(|e| e.to_string())?,
+                        };
+                        Ok(crate::supervise::Serving {
+                            serve: Box::pin(async move {
+                                crate::sds::serve(listener, store, stop)
+                                    .await
+                                    .map_err(|e| e.to_string())
+                            }),
+                            socket: Some(path),
+                        })
+                    }
+                },
+            ),
         ),
         tracing::info_span!("task", name = "sds"),
     )));

@@ -142,6 +142,58 @@ pub struct SecretManager {
     pub backoff: Backoff,
     /// CRL file attached to `ROOTCA` when it exists (`PILOT_ENABLE_CA_CRL`).
     pub crl: Option<std::path::PathBuf>,
+    /// Where keys come from: generated off the runtime in a pod, inline in paused-time tests.
+    pub keys: KeySource,
+    /// Whether a certificate not (yet) written to OUTPUT_CERTS makes the agent not ready: when
+    /// the files are the certificate's only consumer (no SDS server: `DISABLE_ENVOY`).
+    pub output_gates_readiness: bool,
+}
+
+/// How the manager obtains workload keys.
+///
+/// In a pod keys are generated off the runtime thread ([`KeySource::Background`]): RSA takes
+/// ~100 ms of CPU. Paused-time tests cannot use that: while the runtime waits for another OS
+/// thread it has nothing to run, so Tokio auto-advances the paused clock, and a rotation
+/// measured on that clock lands seconds late by however long the thread took to be
+/// scheduled (a loaded CI machine showed 56 s for a 50 s schedule). [`KeySource::Inline`]
+/// generates on the manager's own task, so the clock cannot move during generation.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum KeySource {
+    /// The first key raced on dedicated threads, later ones on an idle-priority thread.
+    #[default]
+    Background,
+    /// Generated synchronously on the calling task. Only for ECDSA-sized work (well under a
+    /// millisecond): it blocks the runtime while it runs.
+    Inline,
+}
+
+impl KeySource {
+    fn first(self, spec: KeySpec) -> KeyJob {
+        match self {
+            KeySource::Background => spawn_first_key(spec),
+            KeySource::Inline => inline_key(spec),
+        }
+    }
+
+    fn next(self, spec: KeySpec) -> KeyJob {
+        match self {
+            KeySource::Background => spawn_idle_key(spec),
+            KeySource::Inline => inline_key(spec),
+        }
+    }
+
+    fn retry(self, spec: KeySpec) -> KeyJob {
+        match self {
+            KeySource::Background => spawn_key(spec),
+            KeySource::Inline => inline_key(spec),
+        }
+    }
+}
+
+/// A job already finished: the key is generated before this returns.
+fn inline_key(spec: KeySpec) -> KeyJob {
+    let key = WorkloadKey::generate(spec);
+    tokio::spawn(std::future::ready(key))
 }
 
 type KeyJob = tokio::task::JoinHandle<Result<WorkloadKey, super::keys::KeyError>>;
@@ -270,7 +322,52 @@ pub fn merge_roots<'a>(bundles: impl IntoIterator<Item = &'a str>) -> String {
     set.into_iter().collect()
 }
 
+/// OUTPUT_CERTS retries: a full or read-only disk is usually fixed by someone else within
+/// minutes, and the files are what proxyless gRPC reads its certificate from — waiting for
+/// the next rotation (hours) would leave it without one.
+const EXPORT_RETRY_MIN: Duration = Duration::from_millis(500);
+const EXPORT_RETRY_MAX: Duration = Duration::from_secs(30);
+
+/// A certificate set waiting to be written to OUTPUT_CERTS.
+struct Export {
+    /// key, chain, root (`output::FILES` order).
+    contents: [String; 3],
+    backoff: Backoff,
+    retry_at: Instant,
+    /// The last failure, while the files do not hold this set.
+    failing: Option<String>,
+}
+
 impl SecretManager {
+    /// Writes `export`'s set; clears it once written, else schedules the next attempt.
+    async fn export(&self, export: &mut Option<Export>) {
+        let (Some(out), Some(e)) = (&self.output, export.as_mut()) else {
+            *export = None;
+            return;
+        };
+        let [key, chain, root] = &e.contents;
+        match out.write_workload(key, chain, root).await {
+            Ok(_) => {
+                if e.failing.is_some() {
+                    tracing::info!(dir = %out.dir().display(), "OUTPUT_CERTS written after earlier failures");
+                }
+                self.metrics.output_certs_writes.inc();
+                *export = None;
+            }
+            Err(msg) => {
+                let delay = e.backoff.next_delay();
+                if e.failing.as_deref() != Some(msg.as_str()) {
+                    tracing::warn!(error = %msg, retry_in = ?delay, "cannot export the certificate to OUTPUT_CERTS; retrying with backoff");
+                } else {
+                    tracing::debug!(error = %msg, retry_in = ?delay, "OUTPUT_CERTS write failed again");
+                }
+                self.metrics.output_certs_write_failures.inc();
+                e.failing = Some(msg);
+                e.retry_at = Instant::now() + delay;
+            }
+        }
+    }
+
     fn set_status(&self, f: impl FnOnce(&mut IdentityStatus)) {
         self.status.send_modify(f);
     }
@@ -291,13 +388,17 @@ impl SecretManager {
     /// Runs until `cancel`.
     pub async fn run(mut self, cancel: CancellationToken) {
         let mut key: Option<WorkloadKey> = None;
-        let mut next = Some(spawn_first_key(self.key_spec));
+        let mut next = Some(self.keys.first(self.key_spec));
         let mut current: Option<Issued> = None;
         let mut logged_error: Option<String> = None;
         let mut anchors_open = true;
+        // The current certificate set while it is not yet in OUTPUT_CERTS.
+        let mut export: Option<Export> = None;
         loop {
             if key.is_none() {
-                let handle = next.take().unwrap_or_else(|| spawn_key(self.key_spec));
+                let handle = next
+                    .take()
+                    .unwrap_or_else(|| self.keys.retry(self.key_spec));
                 let generated = tokio::select! {
                     _ = cancel.cancelled() => return,
                     r = handle => r,
@@ -355,8 +456,14 @@ impl SecretManager {
                         })),
                     );
                     self.publish_root(&root);
-                    if let Some(out) = &self.output {
-                        out.write_workload(k.pem(), &chain_pem, &root).await;
+                    if self.output.is_some() {
+                        export = Some(Export {
+                            contents: [k.pem().to_owned(), chain_pem.clone(), root.clone()],
+                            backoff: Backoff::new(EXPORT_RETRY_MIN, EXPORT_RETRY_MAX),
+                            retry_at: Instant::now(),
+                            failing: None,
+                        });
+                        self.export(&mut export).await;
                     }
                     *self
                         .metrics
@@ -382,9 +489,13 @@ impl SecretManager {
                         rotate_in = ?delay,
                         "workload certificate issued"
                     );
+                    let export_failing = export.as_ref().and_then(|e| e.failing.clone());
                     self.set_status(|s| {
-                        s.not_ready = None;
-                        s.last_error = None;
+                        s.not_ready = export_failing
+                            .as_ref()
+                            .filter(|_| self.output_gates_readiness)
+                            .map(|e| format!("{e} (retrying)"));
+                        s.last_error = export_failing.clone();
                         s.cert_expiry = Some(expire);
                     });
                     current = Some(Issued { expire, root });
@@ -392,7 +503,7 @@ impl SecretManager {
                     // it — after this certificate is out, and at idle priority, so at startup
                     // RSA key generation competes neither with the CSR nor with Envoy's start.
                     if next.is_none() {
-                        next = Some(spawn_idle_key(self.key_spec));
+                        next = Some(self.keys.next(self.key_spec));
                     }
                     Instant::now() + delay
                 }
@@ -441,6 +552,25 @@ impl SecretManager {
                         let last = logged_error.clone().unwrap_or_default();
                         tracing::warn!(error = %last, "workload certificate expired; the CA is still failing");
                         self.set_status(|s| s.not_ready = Some(format!("workload certificate expired: {last}")));
+                    }
+                    _ = sleep_until(export.as_ref().map_or(deadline, |e| e.retry_at)), if export.is_some() => {
+                        self.export(&mut export).await;
+                        let failing = export.as_ref().and_then(|e| e.failing.clone());
+                        let gate = self.output_gates_readiness;
+                        let cert_ok = logged_error.is_none();
+                        self.set_status(|s| match failing {
+                            Some(e) => {
+                                if gate && s.not_ready.is_none() {
+                                    s.not_ready = Some(format!("{e} (retrying)"));
+                                }
+                                s.last_error = Some(e);
+                            }
+                            None if cert_ok => {
+                                s.not_ready = None;
+                                s.last_error = None;
+                            }
+                            None => {}
+                        });
                     }
                     r = self.anchors.changed(), if anchors_open => {
                         if r.is_err() {

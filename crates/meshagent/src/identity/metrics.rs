@@ -25,6 +25,12 @@ pub struct Metrics {
     /// `file_secret_resources` (no Istio equivalent): `file-*` resources currently loaded and
     /// watched; falls when their last subscriber goes.
     pub file_secret_resources: Gauge,
+    /// `output_certs_writes_total` (no Istio equivalent): certificate sets written to
+    /// OUTPUT_CERTS.
+    pub output_certs_writes: Counter,
+    /// `output_certs_write_failures_total` (no Istio equivalent): failed OUTPUT_CERTS writes
+    /// (each is retried with backoff).
+    pub output_certs_write_failures: Counter,
     /// Feeds `cert_expiry_seconds{resource_name="default"}` at scrape time.
     pub expiry: Arc<Mutex<Option<SystemTime>>>,
 }
@@ -68,6 +74,14 @@ impl Metrics {
             csr_retries: csr(
                 "num_outgoing_retries",
                 "Number of outgoing retry requests (e.g. to a token exchange server, CA, etc.)",
+            )?,
+            output_certs_writes: r.counter(
+                "output_certs_writes_total",
+                "Certificate sets written to the OUTPUT_CERTS directory.",
+            )?,
+            output_certs_write_failures: r.counter(
+                "output_certs_write_failures_total",
+                "Failed writes of the OUTPUT_CERTS directory; each is retried with backoff.",
             )?,
             file_watcher_failures: r.counter(
                 "num_file_watcher_failures_total",

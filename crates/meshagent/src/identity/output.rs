@@ -46,26 +46,31 @@ impl OutputCerts {
     }
 
     /// Writes the set on the blocking pool (each write ends in an fsync, which can take long
-    /// on a slow disk); failures are logged (exporting must never stop serving).
-    pub async fn write_workload(&self, key: &str, chain: &str, root: &str) {
+    /// on a slow disk). `Ok(true)` when a new generation was published, `Ok(false)` when the
+    /// files already held this set; `Err` says why not (disk full, read-only filesystem, a
+    /// hung disk): the caller retries — exporting never stops serving, and a failure never
+    /// leaves a partial generation behind.
+    pub async fn write_workload(&self, key: &str, chain: &str, root: &str) -> Result<bool, String> {
         let this = self.clone();
         let contents = [key.to_owned(), chain.to_owned(), root.to_owned()];
         let job = tokio::task::spawn_blocking(move || this.write_set(&contents));
         // A hung disk must not stop rotation: the write may finish later on its own.
         match tokio::time::timeout(WRITE_TIMEOUT, job).await {
-            Ok(Ok(Ok(true))) => {
-                tracing::debug!(dir = %self.dir.display(), "OUTPUT_CERTS updated")
+            Ok(Ok(Ok(written))) => {
+                if written {
+                    tracing::debug!(dir = %self.dir.display(), "OUTPUT_CERTS updated");
+                }
+                Ok(written)
             }
-            Ok(Ok(Ok(false))) => {}
-            Ok(Ok(Err(e))) => {
-                tracing::warn!(dir = %self.dir.display(), error = %e, "cannot write OUTPUT_CERTS")
-            }
-            Ok(Err(e)) => {
-                tracing::warn!(dir = %self.dir.display(), error = %e, "OUTPUT_CERTS write task failed")
-            }
-            Err(_) => {
-                tracing::warn!(dir = %self.dir.display(), timeout = ?WRITE_TIMEOUT, "OUTPUT_CERTS write did not finish in time; continuing")
-            }
+            Ok(Ok(Err(e))) => Err(format!(
+                "cannot write OUTPUT_CERTS {}: {e}",
+                self.dir.display()
+            )),
+            Ok(Err(e)) => Err(format!("OUTPUT_CERTS write task failed: {e}")),
+            Err(_) => Err(format!(
+                "writing OUTPUT_CERTS {} did not finish within {WRITE_TIMEOUT:?}",
+                self.dir.display()
+            )),
         }
     }
 
@@ -73,7 +78,7 @@ impl OutputCerts {
     /// current set already has exactly this content.
     pub fn write_set(&self, contents: &[String; 3]) -> std::io::Result<bool> {
         let dir = &self.dir;
-        std::fs::create_dir_all(dir)?;
+        self.create_dir()?;
         let unchanged = FILES.iter().zip(contents).all(|(name, c)| {
             crate::fsio::read_bounded(&dir.join(name), c.len() as u64)
                 .is_ok_and(|old| old == c.as_bytes())
@@ -93,8 +98,62 @@ impl OutputCerts {
         let generation = dir.join(&gen_name);
         // Traversable by the application's uid only when the files are meant to be readable.
         std::fs::DirBuilder::new()
-            .mode(if self.mode & 0o004 != 0 { 0o755 } else { 0o700 })
+            .mode(self.dir_mode())
             .create(&generation)?;
+        // Until `..data` names it, a failed generation is removed at once: a disk that filled
+        // up half-way must not leave a complete `key.pem` beside an empty `cert-chain.pem`
+        // for anyone listing the directory (or for the next attempt to trip over).
+        let written = self.fill_generation(&generation, contents).and_then(|()| {
+            let previous = std::fs::read_link(dir.join(DATA)).ok();
+            // The one switch readers can observe.
+            replace_symlink(Path::new(&gen_name), &dir.join(DATA))?;
+            Ok(previous)
+        });
+        let previous = match written {
+            Ok(p) => p,
+            Err(e) => {
+                if let Err(rm) = std::fs::remove_dir_all(&generation) {
+                    tracing::debug!(path = %generation.display(), error = %rm, "cannot remove a failed OUTPUT_CERTS generation");
+                }
+                return Err(e);
+            }
+        };
+        // Fixed links (first write, or a directory an Istio agent wrote regular files into).
+        for name in FILES {
+            let want = Path::new(DATA).join(name);
+            if std::fs::read_link(dir.join(name)).ok().as_deref() != Some(want.as_path()) {
+                replace_symlink(&want, &dir.join(name))?;
+            }
+        }
+        if let Ok(d) = std::fs::File::open(dir) {
+            let _ = d.sync_all();
+        }
+        self.remove_old(&gen_name, previous.as_deref());
+        Ok(true)
+    }
+
+    fn dir_mode(&self) -> u32 {
+        if self.mode & 0o004 != 0 { 0o755 } else { 0o700 }
+    }
+
+    /// The export directory, created with an explicit mode rather than the umask's: 0700 when
+    /// only the agent's uid reads the files, 0755 when they are world-readable anyway
+    /// (`KUBERNETES_SERVICE_HOST` set: other containers of the pod read them, as in Istio). An
+    /// existing directory is left as its owner made it (a volume mount).
+    fn create_dir(&self) -> std::io::Result<()> {
+        if self.dir.is_dir() {
+            return Ok(());
+        }
+        let mode = self.dir_mode();
+        std::fs::DirBuilder::new()
+            .recursive(true)
+            .mode(mode)
+            .create(&self.dir)?;
+        // The umask may have taken bits away from `mode` (never added any).
+        std::fs::set_permissions(&self.dir, std::fs::Permissions::from_mode(mode))
+    }
+
+    fn fill_generation(&self, generation: &Path, contents: &[String; 3]) -> std::io::Result<()> {
         for (name, content) in FILES.iter().zip(contents) {
             // Created with the final mode so the key is never briefly readable by others.
             let mut f = std::fs::OpenOptions::new()
@@ -109,21 +168,7 @@ impl OutputCerts {
                 std::fs::Permissions::from_mode(self.mode),
             )?;
         }
-        let previous = std::fs::read_link(dir.join(DATA)).ok();
-        // The one switch readers can observe.
-        replace_symlink(Path::new(&gen_name), &dir.join(DATA))?;
-        // Fixed links (first write, or a directory an Istio agent wrote regular files into).
-        for name in FILES {
-            let want = Path::new(DATA).join(name);
-            if std::fs::read_link(dir.join(name)).ok().as_deref() != Some(want.as_path()) {
-                replace_symlink(&want, &dir.join(name))?;
-            }
-        }
-        if let Ok(d) = std::fs::File::open(dir) {
-            let _ = d.sync_all();
-        }
-        self.remove_old(&gen_name, previous.as_deref());
-        Ok(true)
+        Ok(())
     }
 
     fn links_in_place(&self) -> bool {
@@ -184,7 +229,7 @@ mod tests {
     async fn set_written_once_with_modes_and_links() {
         let dir = tempfile::tempdir().unwrap();
         let out = OutputCerts::new(dir.path().join("out"), false);
-        out.write_workload("K", "C", "R").await;
+        assert!(out.write_workload("K", "C", "R").await.unwrap());
         let key = dir.path().join("out/key.pem");
         assert_eq!(std::fs::read_to_string(&key).unwrap(), "K");
         assert_eq!(
@@ -203,7 +248,7 @@ mod tests {
             first
         );
         let k8s = OutputCerts::new(dir.path().join("k8s"), true);
-        k8s.write_workload("K", "C", "R").await;
+        assert!(k8s.write_workload("K", "C", "R").await.unwrap());
         let meta = std::fs::metadata(dir.path().join("k8s/root-cert.pem")).unwrap();
         assert_eq!(meta.permissions().mode() & 0o777, 0o644);
     }

@@ -90,6 +90,10 @@ struct Running {
 }
 
 fn start(ttl: Duration, jitter: f64) -> Running {
+    start_with(ttl, jitter, KeyKind::EcdsaP256, KeySource::Inline)
+}
+
+fn start_with(ttl: Duration, jitter: f64, kind: KeyKind, keys: KeySource) -> Running {
     let clock = Clock::tokio();
     let ca = FakeCa::new(clock);
     let (store, _files) = SecretStore::new(Aliases::default());
@@ -98,10 +102,7 @@ fn start(ttl: Duration, jitter: f64) -> Running {
     let cancel = CancellationToken::new();
     let mgr = SecretManager {
         ca: ca.clone(),
-        key_spec: KeySpec {
-            kind: KeyKind::EcdsaP256,
-            pkcs8: false,
-        },
+        key_spec: KeySpec { kind, pkcs8: false },
         spiffe_id: "spiffe://cluster.local/ns/ns/sa/sa".into(),
         ttl,
         grace_ratio: 0.5,
@@ -114,6 +115,8 @@ fn start(ttl: Duration, jitter: f64) -> Running {
         clock,
         backoff: Backoff::default(),
         crl: None,
+        keys,
+        output_gates_readiness: false,
     };
     tokio::spawn(mgr.run(cancel.clone()));
     Running {
@@ -151,6 +154,30 @@ async fn rotates_at_half_life_without_jitter() {
     }
     assert!(r.store.ready(WORKLOAD).is_some() && r.store.ready(ROOT).is_some());
     assert!(r.status.borrow().not_ready.is_none());
+    r.cancel.cancel();
+}
+
+/// C1: key generation off the runtime let the paused clock run on while the runtime waited
+/// for the key thread (Tokio auto-advances an idle paused runtime to its next timer), so a
+/// rotation measured on that clock came seconds late on a loaded machine. RSA-2048 takes
+/// ~100 ms of real CPU per key: with keys made off the runtime this test saw the first CSR
+/// seconds after the start and rotation gaps well past 50 s; generated inline, the paused
+/// clock stands still while each key is made, whatever the machine's load.
+#[tokio::test(start_paused = true)]
+async fn c1_key_generation_does_not_move_the_paused_clock() {
+    let t0 = Instant::now();
+    let r = start_with(
+        Duration::from_secs(100),
+        0.0,
+        KeyKind::Rsa(2048),
+        KeySource::Inline,
+    );
+    let calls = until_calls(&r.ca, 3).await;
+    assert_eq!(calls[0].0, t0, "first CSR at +{:?}", calls[0].0 - t0);
+    for w in calls.windows(2) {
+        let gap = secs(w[1].0 - w[0].0);
+        assert!((49.0..=50.5).contains(&gap), "rotation gap {gap}s");
+    }
     r.cancel.cancel();
 }
 
