@@ -61,6 +61,12 @@ pub struct DrainOptions {
     pub ignored_ports: Vec<u16>,
 }
 
+/// The longest one drain admin call may take (an Envoy that hangs answers nothing).
+const DRAIN_CALL_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long Envoy has to exit after SIGTERM before it gets SIGKILL: after the drain, the
+/// agent's shutdown takes at most `terminationDrainDuration` + this.
+pub const STOP_GRACE: Duration = Duration::from_secs(5);
+
 /// Why supervision ended.
 #[derive(Debug)]
 pub enum Outcome {
@@ -117,7 +123,13 @@ impl Envoy {
         let outcome = tokio::select! {
             status = self.child.wait() => {
                 let status = status.map_err(EnvoyError::Wait)?;
-                tracing::error!("Envoy {}", process::describe(status));
+                // Istio `pkg/envoy/agent.go`: "Envoy exited normally" at INFO for a clean exit
+                // (e.g. its own /quitquitquit), an error otherwise.
+                if status.success() {
+                    tracing::info!("Envoy exited normally");
+                } else {
+                    tracing::error!("Envoy {}", process::describe(status));
+                }
                 Outcome::EnvoyExited(status)
             }
             _ = shutdown.cancelled() => {
@@ -146,11 +158,17 @@ impl Envoy {
         } else {
             "/drain_listeners?graceful"
         };
-        match admin::request("POST", d.admin, path, Duration::from_secs(5)).await {
-            Ok((200, _)) => tracing::info!("draining Envoy listeners ({path})"),
-            Ok((code, body)) => tracing::warn!(code, body = %body.trim(), "Envoy refused drain"),
-            Err(e) => tracing::warn!(error = %e, "cannot drain Envoy"),
-        }
+        // One deadline for the whole drain: the admin call's own time (up to its timeout
+        // when Envoy hangs) comes out of terminationDrainDuration instead of being added to
+        // it, so shutdown takes at most terminationDrainDuration + STOP_GRACE.
+        let deadline = tokio::time::Instant::now() + d.termination_drain_duration;
+        // EXIT_ON_ZERO_ACTIVE_CONNECTIONS waits at least MINIMUM_DRAIN_DURATION instead.
+        let call_deadline = if d.exit_on_zero_active_connections {
+            deadline.max(tokio::time::Instant::now() + d.minimum_drain_duration)
+        } else {
+            deadline
+        };
+        self.request_drain(d.admin, path, call_deadline).await;
         if d.exit_on_zero_active_connections {
             tokio::select! {
                 r = self.wait_for_zero_connections(d) => r?,
@@ -159,12 +177,44 @@ impl Envoy {
         } else {
             tracing::info!(wait = ?d.termination_drain_duration, "waiting for terminationDrainDuration");
             tokio::select! {
-                _ = tokio::time::sleep(d.termination_drain_duration) => {}
+                _ = tokio::time::sleep_until(deadline) => {}
                 s = self.child.wait() => return s.map_err(EnvoyError::Wait),
                 () = state.abort.cancelled() => tracing::warn!("drain aborted by a second signal"),
             }
         }
         self.stop().await
+    }
+
+    /// `POST <path>` to Envoy's admin, retried every second until it succeeds or `deadline`
+    /// passes: one failed call (Envoy busy, a reset connection) must not leave the listeners
+    /// undrained (Istio gives up after one attempt). Each attempt is bounded by the time left.
+    async fn request_drain(&mut self, admin: SocketAddr, path: &str, deadline: tokio::time::Instant) {
+        let mut attempts = 0u32;
+        loop {
+            attempts += 1;
+            let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+            if left.is_zero() {
+                tracing::warn!(attempts, "Envoy's listeners were not drained before terminationDrainDuration ended");
+                return;
+            }
+            let timeout = left.min(DRAIN_CALL_TIMEOUT);
+            match admin::request("POST", admin, path, timeout).await {
+                Ok((200, _)) => {
+                    tracing::info!("draining Envoy listeners ({path})");
+                    return;
+                }
+                Ok((code, body)) => {
+                    tracing::warn!(code, body = %body.trim(), attempts, "Envoy refused drain; retrying")
+                }
+                Err(e) => tracing::warn!(error = %e, attempts, "cannot drain Envoy; retrying"),
+            }
+            let pause = tokio::time::Instant::now() + Duration::from_secs(1);
+            tokio::select! {
+                _ = tokio::time::sleep_until(pause.min(deadline)) => {}
+                // Envoy gone: nothing left to drain.
+                _ = self.child.wait() => return,
+            }
+        }
     }
 
     /// Istio's EXIT_ON_ZERO_ACTIVE_CONNECTIONS: wait the minimum drain, then poll every
@@ -217,7 +267,7 @@ impl Envoy {
                 nix::sys::signal::Signal::SIGTERM,
             );
         }
-        match tokio::time::timeout(Duration::from_secs(5), self.child.wait()).await {
+        match tokio::time::timeout(STOP_GRACE, self.child.wait()).await {
             Ok(s) => s.map_err(EnvoyError::Wait),
             Err(_) => {
                 tracing::warn!("Envoy did not exit after SIGTERM; killing it");

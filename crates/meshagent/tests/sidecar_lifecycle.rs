@@ -722,3 +722,72 @@ async fn external_sds_server_gets_sds_files_grpc_and_file_credential() {
         s.proc.log_text()
     );
 }
+
+/// A sidecar whose Envoy admin address the test knows.
+fn start_with_admin() -> (AgentUnderTest, SocketAddr) {
+    let admin = free_port();
+    let pc = serde_json::json!({
+        "binaryPath": envoy_bin(),
+        "proxyAdminPort": admin,
+        "statusPort": free_port(),
+        "discoveryAddress": format!("127.0.0.1:{}", free_port()),
+        "terminationDrainDuration": "2s",
+        "drainDuration": "2s",
+    });
+    let a = start_agent("sidecar", &[("PROXY_CONFIG", pc.to_string())]);
+    (a, SocketAddr::from(([127, 0, 0, 1], admin)))
+}
+
+/// Q5: with Envoy hung (SIGSTOP), the drain call's own 5 s timeout came on top of
+/// `terminationDrainDuration`, and the agent exited after TDD + 10 s. Now the drain has one
+/// deadline: the agent is gone within TDD + the SIGTERM→SIGKILL grace (5 s), and says that
+/// the listeners could not be drained.
+#[tokio::test(flavor = "multi_thread")]
+async fn q5_hung_envoy_shutdown_stays_within_drain_plus_kill_grace() {
+    let (mut a, admin) = start_with_admin();
+    let pid = a.proc.pid();
+    let envoy = wait_for("Envoy child", DEADLINE, || async move {
+        children_of(pid).first().copied()
+    })
+    .await;
+    // Hung while serving its admin port: connections are accepted, nothing is answered.
+    wait_for("Envoy's admin", DEADLINE, || async move {
+        http_get(admin, "/server_info").await.ok()
+    })
+    .await;
+    signal(envoy, "-STOP");
+    let t = tokio::time::Instant::now();
+    signal(pid, "-TERM");
+    wait_exit(&mut a.proc, Duration::from_secs(30)).await;
+    let took = t.elapsed();
+    // terminationDrainDuration is 2 s here, the kill grace 5 s; the old code took 12 s.
+    let bound = Duration::from_secs(2 + 5) + Duration::from_millis(2500);
+    assert!(took <= bound, "shutdown took {took:?}\n{}", a.proc.log_text());
+    let log = a.proc.log_text();
+    assert!(
+        log.contains("were not drained before terminationDrainDuration ended")
+            && log.contains("killing it"),
+        "{log}"
+    );
+}
+
+/// Q8: Envoy exiting 0 by itself (its own /quitquitquit) was logged at ERROR. As Istio
+/// (`pkg/envoy/agent.go`): "Envoy exited normally" at INFO, and the agent exits 0.
+#[tokio::test(flavor = "multi_thread")]
+async fn q8_envoy_exiting_zero_is_not_an_error() {
+    let (mut a, admin) = start_with_admin();
+    wait_for("Envoy's admin", DEADLINE, || async move {
+        http_get(admin, "/server_info").await.ok()
+    })
+    .await;
+    assert_eq!(http("POST", admin, "/quitquitquit").await.unwrap().0, 200);
+    let st = wait_exit(&mut a.proc, Duration::from_secs(10)).await;
+    let log = a.proc.log_text();
+    assert_eq!(st.code(), Some(0), "{log}");
+    assert!(log.contains("Envoy exited normally"), "{log}");
+    assert!(
+        !log.lines()
+            .any(|l| l.contains("ERROR") && l.contains("Envoy")),
+        "{log}"
+    );
+}
