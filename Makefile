@@ -9,7 +9,7 @@ export ENVOY_BIN
 
 NEXTEST := $(shell cargo nextest --version >/dev/null 2>&1 && echo yes)
 
-.PHONY: all build agent test test-loaded lint unit envoy peers netpeers dnspeers wasmpeers bench demo fuzz fuzz-tools clean-tools \
+.PHONY: all build agent pilot-agent test test-loaded lint unit envoy peers netpeers dnspeers wasmpeers bench demo fuzz fuzz-tools clean-tools \
 	deploytools deploy-validate imagetools image image-test orderfile
 
 all: build
@@ -101,11 +101,28 @@ wasmpeers:
 	else echo "installing wabt docker-registry skopeo apache2-utils"; \
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq wabt docker-registry skopeo apache2-utils >/dev/null; fi
 
+# The real Istio agent, for the differential tests (tests/compat_*.rs): built from the Go module
+# istio.io/istio pinned by compat/go.mod and compat/go.sum (a `tool` dependency: nothing of
+# Istio's source is in this repository), with Istio's release build tags, into .tools/istio.
+# Go's module and build caches live in .tools/go, so a second build takes seconds. Rebuilt when
+# compat/go.sum changes. Cold (module download + build) on this 2-core machine: about 5 min.
+ISTIO_BUILD_VERSION := 1.31-dev
+PILOT_AGENT := $(TOOLS)/istio/pilot-agent
+export PILOT_AGENT
+GOENV := GOMODCACHE=$(TOOLS)/go/mod GOCACHE=$(TOOLS)/go/cache GOFLAGS=-mod=readonly GOTOOLCHAIN=local CGO_ENABLED=0
+pilot-agent: $(PILOT_AGENT)
+$(PILOT_AGENT): compat/go.mod compat/go.sum
+	@command -v go >/dev/null || { echo "go is needed to build the real pilot-agent (compat/)" >&2; exit 1; }
+	cd compat && $(GOENV) go build -trimpath -tags agent,disable_pgv,grpcnotrace,retrynotrace \
+	  -ldflags "-s -w -X istio.io/istio/pkg/version.buildVersion=$(ISTIO_BUILD_VERSION)" \
+	  -o $(PILOT_AGENT) istio.io/istio/pilot/cmd/pilot-agent
+	@$(PILOT_AGENT) version --short 2>/dev/null || true
+
 lint:
 	cargo fmt --all -- --check
 	cargo clippy --workspace --all-targets -- -D warnings
 
-test: envoy peers netpeers dnspeers wasmpeers deploy-validate lint build
+test: envoy peers netpeers dnspeers wasmpeers pilot-agent deploy-validate lint build
 ifeq ($(NEXTEST),yes)
 	cargo nextest run --workspace --no-fail-fast
 	# nextest does not run doctests (metrics: a label-count mismatch must not compile).

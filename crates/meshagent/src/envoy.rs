@@ -188,13 +188,21 @@ impl Envoy {
     /// `POST <path>` to Envoy's admin, retried every second until it succeeds or `deadline`
     /// passes: one failed call (Envoy busy, a reset connection) must not leave the listeners
     /// undrained (Istio gives up after one attempt). Each attempt is bounded by the time left.
-    async fn request_drain(&mut self, admin: SocketAddr, path: &str, deadline: tokio::time::Instant) {
+    async fn request_drain(
+        &mut self,
+        admin: SocketAddr,
+        path: &str,
+        deadline: tokio::time::Instant,
+    ) {
         let mut attempts = 0u32;
         loop {
             attempts += 1;
             let left = deadline.saturating_duration_since(tokio::time::Instant::now());
             if left.is_zero() {
-                tracing::warn!(attempts, "Envoy's listeners were not drained before terminationDrainDuration ended");
+                tracing::warn!(
+                    attempts,
+                    "Envoy's listeners were not drained before terminationDrainDuration ended"
+                );
                 return;
             }
             let timeout = left.min(DRAIN_CALL_TIMEOUT);

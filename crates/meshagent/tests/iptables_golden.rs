@@ -172,11 +172,6 @@ const RAW_ZONES: &str = "-A OUTPUT -j ISTIO_OUTPUT_DNS
 -A ISTIO_OUTPUT_DNS -p udp --dport 53 -m owner --gid-owner 1337 -j CT --zone 1
 -A ISTIO_OUTPUT_DNS -p udp --sport 15053 -m owner --gid-owner 1337 -j CT --zone 2
 ";
-/// The proxy's own UDP DNS is never redirected to itself.
-const DNS_PROXY_RETURN: &str =
-    "-A ISTIO_OUTPUT_DNS -p udp --dport 53 -m owner --uid-owner 1337 -j RETURN
--A ISTIO_OUTPUT_DNS -p udp --dport 53 -m owner --gid-owner 1337 -j RETURN
-";
 
 fn cat(parts: &[&str]) -> String {
     parts.concat()
@@ -384,7 +379,6 @@ COMMIT
                 "-A ISTIO_OUTPUT -j ISTIO_OUTPUT_DNS
 -A ISTIO_OUTPUT_DNS -p tcp --dport 53 -d 127.0.0.53/32 -j REDIRECT --to-ports 15053
 ",
-                DNS_PROXY_RETURN,
                 "-A ISTIO_OUTPUT_DNS -p udp --dport 53 -d 127.0.0.53/32 -j REDIRECT --to-port 15053
 ",
                 LOOP4,
@@ -426,14 +420,12 @@ COMMIT
 -N ISTIO_REDIRECT
 -N ISTIO_IN_REDIRECT
 -N ISTIO_OUTPUT
--N ISTIO_OUTPUT_DNS
 -A PREROUTING -i not-istio-nic -j RETURN
 -A OUTPUT -o not-istio-nic -j RETURN
 ",
                 FIXED,
                 OUT6,
                 OWNER6_DNS,
-                DNS_PROXY_RETURN,
                 LOOP6,
                 "COMMIT
 * raw
@@ -487,10 +479,6 @@ COMMIT
 -A ISTIO_OUTPUT -m owner --gid-owner 2 -j RETURN
 -A ISTIO_OUTPUT -j ISTIO_OUTPUT_DNS
 -A ISTIO_OUTPUT_DNS -p tcp --dport 53 -d 127.0.0.53/32 -j REDIRECT --to-ports 15053
--A ISTIO_OUTPUT_DNS -p udp --dport 53 -m owner --uid-owner 3 -j RETURN
--A ISTIO_OUTPUT_DNS -p udp --dport 53 -m owner --uid-owner 4 -j RETURN
--A ISTIO_OUTPUT_DNS -p udp --dport 53 -m owner --gid-owner 1 -j RETURN
--A ISTIO_OUTPUT_DNS -p udp --dport 53 -m owner --gid-owner 2 -j RETURN
 -A ISTIO_OUTPUT_DNS -p udp --dport 53 -d 127.0.0.53/32 -j REDIRECT --to-port 15053
 -A ISTIO_OUTPUT -d 127.0.0.1/32 -j RETURN
 COMMIT
@@ -535,10 +523,6 @@ COMMIT
 -A ISTIO_OUTPUT -m owner --gid-owner 2 -j RETURN
 -A ISTIO_OUTPUT -j ISTIO_OUTPUT_DNS
 -A ISTIO_OUTPUT_DNS -p tcp --dport 53 -d ::127.0.0.53/128 -j REDIRECT --to-ports 15053
--A ISTIO_OUTPUT_DNS -p udp --dport 53 -m owner --uid-owner 3 -j RETURN
--A ISTIO_OUTPUT_DNS -p udp --dport 53 -m owner --uid-owner 4 -j RETURN
--A ISTIO_OUTPUT_DNS -p udp --dport 53 -m owner --gid-owner 1 -j RETURN
--A ISTIO_OUTPUT_DNS -p udp --dport 53 -m owner --gid-owner 2 -j RETURN
 -A ISTIO_OUTPUT_DNS -p udp --dport 53 -d ::127.0.0.53/128 -j REDIRECT --to-port 15053
 -A ISTIO_OUTPUT -d ::1/128 -j RETURN
 COMMIT
@@ -580,7 +564,6 @@ COMMIT
                 "-A ISTIO_OUTPUT -j ISTIO_OUTPUT_DNS
 -A ISTIO_OUTPUT_DNS -p tcp --dport 53 -j REDIRECT --to-ports 15053
 ",
-                DNS_PROXY_RETURN,
                 "-A ISTIO_OUTPUT_DNS -p udp --dport 53 -j REDIRECT --to-port 15053
 ",
                 LOOP4,
@@ -966,9 +949,7 @@ COMMIT
 -A ISTIO_OUTPUT -j ISTIO_OUTPUT_DNS
 -A ISTIO_OUTPUT_DNS -p tcp --dport 53 -d 10.96.0.10/32 -j REDIRECT --to-ports 15053
 ",
-                DNS_PROXY_RETURN,
-                "-A ISTIO_OUTPUT_DNS -p udp --dport 53 -m owner ! --gid-owner java -m owner ! --gid-owner 202 -j RETURN
--A ISTIO_OUTPUT_DNS -p udp --dport 53 -d 10.96.0.10/32 -j REDIRECT --to-port 15053
+                "-A ISTIO_OUTPUT_DNS -p udp --dport 53 -d 10.96.0.10/32 -j REDIRECT --to-port 15053
 ",
                 LOOP4,
                 "COMMIT
@@ -995,9 +976,7 @@ COMMIT
 -A ISTIO_OUTPUT -j ISTIO_OUTPUT_DNS
 -A ISTIO_OUTPUT_DNS -p tcp --dport 53 -d fd00::10/128 -j REDIRECT --to-ports 15053
 ",
-                DNS_PROXY_RETURN,
-                "-A ISTIO_OUTPUT_DNS -p udp --dport 53 -m owner ! --gid-owner java -m owner ! --gid-owner 202 -j RETURN
--A ISTIO_OUTPUT_DNS -p udp --dport 53 -d fd00::10/128 -j REDIRECT --to-port 15053
+                "-A ISTIO_OUTPUT_DNS -p udp --dport 53 -d fd00::10/128 -j REDIRECT --to-port 15053
 ",
                 LOOP6,
                 "COMMIT
@@ -1034,9 +1013,7 @@ COMMIT
 -A ISTIO_OUTPUT -j ISTIO_OUTPUT_DNS
 -A ISTIO_OUTPUT_DNS -p tcp --dport 53 -d 10.96.0.10/32 -j REDIRECT --to-ports 15053
 ",
-                DNS_PROXY_RETURN,
-                "-A ISTIO_OUTPUT_DNS -p udp --dport 53 -m owner --gid-owner 888 -j RETURN
--A ISTIO_OUTPUT_DNS -p udp --dport 53 -d 10.96.0.10/32 -j REDIRECT --to-port 15053
+                "-A ISTIO_OUTPUT_DNS -p udp --dport 53 -d 10.96.0.10/32 -j REDIRECT --to-port 15053
 ",
                 LOOP4,
                 "COMMIT
@@ -1518,7 +1495,7 @@ fn nft_cases() -> Vec<(&'static str, Case, String)> {
                 + &m("prerouting", "meta l4proto tcp counter jump istio-inbound")
                 + &m(
                     "istio-inbound",
-                    "meta l4proto tcp tcp dport 32000 ct state related,established counter jump istio-divert",
+                    "meta l4proto tcp ct state related,established tcp dport 32000 counter jump istio-divert",
                 )
                 + &m(
                     "istio-inbound",
@@ -1526,7 +1503,7 @@ fn nft_cases() -> Vec<(&'static str, Case, String)> {
                 )
                 + &m(
                     "istio-inbound",
-                    "meta l4proto tcp tcp dport 31000 ct state related,established counter jump istio-divert",
+                    "meta l4proto tcp ct state related,established tcp dport 31000 counter jump istio-divert",
                 )
                 + &m(
                     "istio-inbound",
@@ -1655,7 +1632,7 @@ fn nft_cases() -> Vec<(&'static str, Case, String)> {
                 + &n("istio-output", "counter jump istio-output-dns")
                 + &n(
                     "istio-output-dns",
-                    "tcp dport 53 counter redirect to :15053",
+                    "meta l4proto tcp tcp dport 53 counter redirect to :15053",
                 )
                 + &n(
                     "istio-output-dns",
@@ -1862,11 +1839,11 @@ fn nft_cases() -> Vec<(&'static str, Case, String)> {
                 + &nft_loop(false)
                 + &n(
                     "istio-output",
-                    "meta l4proto tcp tcp dport 32000 counter jump istio-redirect",
+                    "tcp dport 32000 counter jump istio-redirect",
                 )
                 + &n(
                     "istio-output",
-                    "meta l4proto tcp tcp dport 31000 counter jump istio-redirect",
+                    "tcp dport 31000 counter jump istio-redirect",
                 ),
         ),
         (
@@ -1875,14 +1852,8 @@ fn nft_cases() -> Vec<(&'static str, Case, String)> {
             nat_head(false, false)
                 + &nft_fixed()
                 + &n("output", "counter jump istio-output")
-                + &n(
-                    "istio-output",
-                    "meta l4proto tcp tcp dport 25 counter return",
-                )
-                + &n(
-                    "istio-output",
-                    "meta l4proto udp udp dport 25 counter return",
-                )
+                + &n("istio-output", "tcp dport 25 counter return")
+                + &n("istio-output", "udp dport 25 counter return")
                 + &n(
                     "istio-output",
                     "oifname lo ip saddr 127.0.0.6/32 counter return",

@@ -762,7 +762,11 @@ async fn q5_hung_envoy_shutdown_stays_within_drain_plus_kill_grace() {
     let took = t.elapsed();
     // terminationDrainDuration is 2 s here, the kill grace 5 s; the old code took 12 s.
     let bound = Duration::from_secs(2 + 5) + Duration::from_millis(2500);
-    assert!(took <= bound, "shutdown took {took:?}\n{}", a.proc.log_text());
+    assert!(
+        took <= bound,
+        "shutdown took {took:?}\n{}",
+        a.proc.log_text()
+    );
     let log = a.proc.log_text();
     assert!(
         log.contains("were not drained before terminationDrainDuration ended")

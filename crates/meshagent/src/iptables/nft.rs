@@ -251,7 +251,7 @@ pub fn build(cfg: &Config) -> String {
                         b.add(
                             Mangle,
                             "istio-inbound",
-                            format!("meta l4proto tcp tcp dport {p} ct state related,established counter jump istio-divert"),
+                            format!("meta l4proto tcp ct state related,established tcp dport {p} counter jump istio-divert"),
                         );
                         b.add(
                             Mangle,
@@ -275,16 +275,8 @@ pub fn build(cfg: &Config) -> String {
 
     b.add(Nat, "output", "counter jump istio-output".into());
     for p in &cfg.outbound_ports_exclude {
-        b.add(
-            Nat,
-            "istio-output",
-            format!("meta l4proto tcp tcp dport {p} counter return"),
-        );
-        b.add(
-            Nat,
-            "istio-output",
-            format!("meta l4proto udp udp dport {p} counter return"),
-        );
+        b.add(Nat, "istio-output", format!("tcp dport {p} counter return"));
+        b.add(Nat, "istio-output", format!("udp dport {p} counter return"));
     }
     b.add(
         Nat,
@@ -371,7 +363,7 @@ pub fn build(cfg: &Config) -> String {
         b.add(
             Nat,
             "istio-output",
-            format!("meta l4proto tcp tcp dport {p} counter jump istio-redirect"),
+            format!("tcp dport {p} counter jump istio-redirect"),
         );
     }
     match &cfg.outbound_cidrs_include {
@@ -483,10 +475,16 @@ fn setup_dns(b: &mut Builder, cfg: &Config) {
     }
     for proto in ["tcp", "udp"] {
         if all {
+            // Istio names the protocol for TCP only (`istio-nftables` `SetupDNSRedir`).
+            let l4 = if proto == "tcp" {
+                "meta l4proto tcp "
+            } else {
+                ""
+            };
             b.add(
                 Nat,
                 "istio-output-dns",
-                format!("{proto} dport 53 counter redirect to :{DNS_PORT}"),
+                format!("{l4}{proto} dport 53 counter redirect to :{DNS_PORT}"),
             );
         } else {
             for (fam, s) in &servers {

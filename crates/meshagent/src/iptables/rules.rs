@@ -403,7 +403,7 @@ pub fn build(cfg: &Config) -> RuleSet {
         }
     }
     if dns {
-        setup_dns(&mut b, cfg, group_filter.as_deref());
+        setup_dns(&mut b, cfg);
     }
     // Envoy-aware apps and container-to-container traffic use localhost.
     b.versioned(lo4, lo6, Nat, ISTIO_OUTPUT, &["-d", V, "-j", "RETURN"]);
@@ -648,7 +648,7 @@ fn outbound_include(b: &mut Builder, cfg: &Config, v4: bool, cidrs: &[super::con
 }
 
 /// capture/run.go `SetupDNSRedir` + `addDNSConntrackZones`.
-fn setup_dns(b: &mut Builder, cfg: &Config, group_filter: Option<&[String]>) {
+fn setup_dns(b: &mut Builder, cfg: &Config) {
     use Table::{Nat, Raw};
     let all = cfg.capture_all_dns;
     let v4s: Vec<String> = cfg
@@ -699,72 +699,9 @@ fn setup_dns(b: &mut Builder, cfg: &Config, group_filter: Option<&[String]>) {
             );
         }
     }
-    // The proxy's own UDP queries (and groups outside the capture filter) are not redirected.
-    for uid in &cfg.proxy_uid {
-        b.append(
-            Nat,
-            ISTIO_OUTPUT_DNS,
-            &[
-                "-p",
-                "udp",
-                "--dport",
-                "53",
-                "-m",
-                "owner",
-                "--uid-owner",
-                uid,
-                "-j",
-                "RETURN",
-            ],
-        );
-    }
-    for gid in &cfg.proxy_gid {
-        b.append(
-            Nat,
-            ISTIO_OUTPUT_DNS,
-            &[
-                "-p",
-                "udp",
-                "--dport",
-                "53",
-                "-m",
-                "owner",
-                "--gid-owner",
-                gid,
-                "-j",
-                "RETURN",
-            ],
-        );
-    }
-    match (&cfg.owner_groups, group_filter) {
-        (OwnerGroups::Include(_), Some(m)) => {
-            let mut args = strs(&["-p", "udp", "--dport", "53"]);
-            args.extend(m.iter().cloned());
-            args.extend(strs(&["-j", "RETURN"]));
-            b.push(true, true, Nat, ISTIO_OUTPUT_DNS, Op::Append, args);
-        }
-        (OwnerGroups::Exclude(groups), _) => {
-            for g in groups {
-                b.append(
-                    Nat,
-                    ISTIO_OUTPUT_DNS,
-                    &[
-                        "-p",
-                        "udp",
-                        "--dport",
-                        "53",
-                        "-m",
-                        "owner",
-                        "--gid-owner",
-                        g,
-                        "-j",
-                        "RETURN",
-                    ],
-                );
-            }
-        }
-        _ => {}
-    }
+    // No owner rules here (Istio `tools/istio-iptables/pkg/capture/run.go` `SetupDNSRedir`):
+    // ISTIO_OUTPUT returns the proxy's own traffic, and that of groups outside the capture
+    // filter, before it jumps to ISTIO_OUTPUT_DNS.
     let udp_redirect = ["-j", "REDIRECT", "--to-port", DNS_PORT];
     if all {
         b.append(
