@@ -621,9 +621,10 @@ fn nft_tokens(line: &str) -> Result<Vec<NftToken<'_>>, String> {
         } else {
             let end = rest.find(' ').unwrap_or(rest.len());
             let text = &rest[..end];
-            if let Some(c) = text.chars().find(|c| {
-                !(c.is_ascii_alphanumeric() || "_.:/,!=-{}".contains(*c))
-            }) {
+            if let Some(c) = text
+                .chars()
+                .find(|c| !(c.is_ascii_alphanumeric() || "_.:/,!=-{}".contains(*c)))
+            {
                 return Err(format!("{c:?} outside quotes in {line:?}"));
             }
             rest = &rest[end..];
@@ -681,8 +682,22 @@ pub fn check_nft_text(cfg: &crate::iptables::config::Config, text: &str) -> Resu
             [] | [""] => {}
             ["add" | "flush", "table", "inet", t] if tables.contains(t) => {}
             ["add", "chain", "inet", t, _chain] if tables.contains(t) => {}
-            ["add", "chain", "inet", t, _, "{", "type", _, "hook", _, "priority", _, ";", "}"]
-                if tables.contains(t) => {}
+            [
+                "add",
+                "chain",
+                "inet",
+                t,
+                _,
+                "{",
+                "type",
+                _,
+                "hook",
+                _,
+                "priority",
+                _,
+                ";",
+                "}",
+            ] if tables.contains(t) => {}
             ["add", "rule", "inet", t, chain, ..] if tables.contains(t) => {
                 let body = line
                     .split_once(&format!("{t} {chain} "))
@@ -719,14 +734,20 @@ pub fn check_nft_text(cfg: &crate::iptables::config::Config, text: &str) -> Resu
         }
         let opens = toks.iter().filter(|t| !t.quoted && t.text == "{").count();
         let closes = toks.iter().filter(|t| !t.quoted && t.text == "}").count();
-        if opens != closes || toks.iter().any(|t| !t.quoted && t.text.len() > 1 && t.text.contains(['{', '}'])) {
+        if opens != closes
+            || toks
+                .iter()
+                .any(|t| !t.quoted && t.text.len() > 1 && t.text.contains(['{', '}']))
+        {
             return Err(format!("unbalanced set braces in {line:?}"));
         }
         for (i, t) in toks.iter().enumerate() {
             if t.quoted {
                 let shown = format!("\"{}\"", t.text);
                 if !expected.contains(&shown) {
-                    return Err(format!("quoted value {shown} in {line:?} is no configured value"));
+                    return Err(format!(
+                        "quoted value {shown} in {line:?} is no configured value"
+                    ));
                 }
                 continue;
             }
@@ -738,18 +759,16 @@ pub fn check_nft_text(cfg: &crate::iptables::config::Config, text: &str) -> Resu
                     }
                     let ok = v.is_some_and(|v| {
                         v.quoted
-                            || crate::iptables::config::OwnerId::parse(v.text).is_some_and(
-                                |o| !matches!(o, crate::iptables::config::OwnerId::Name(_)),
-                            )
+                            || crate::iptables::config::OwnerId::parse(v.text).is_some_and(|o| {
+                                !matches!(o, crate::iptables::config::OwnerId::Name(_))
+                            })
                     });
                     if !ok {
                         return Err(format!("{} without one id token in {line:?}", t.text));
                     }
                 }
                 "iifname" | "oifname" => {
-                    let ok = toks
-                        .get(i + 1)
-                        .is_some_and(|v| v.quoted || v.text == "lo");
+                    let ok = toks.get(i + 1).is_some_and(|v| v.quoted || v.text == "lo");
                     if !ok {
                         return Err(format!("{} without one name token in {line:?}", t.text));
                     }
@@ -772,10 +791,9 @@ pub fn check_nft_text(cfg: &crate::iptables::config::Config, text: &str) -> Resu
         }
     }
     for n in cfg.kube_virt_interfaces.iter().map(|n| ifname(n)) {
-        if !rule_lines
-            .iter()
-            .any(|(l, b)| l.contains(&format!("{nat} prerouting ")) && *b == format!("iifname {n} counter return"))
-        {
+        if !rule_lines.iter().any(|(l, b)| {
+            l.contains(&format!("{nat} prerouting ")) && *b == format!("iifname {n} counter return")
+        }) {
             return Err(format!("missing kube-virt return for {n}"));
         }
     }

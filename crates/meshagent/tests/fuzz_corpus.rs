@@ -189,12 +189,51 @@ impl Gen {
 fn r1_generated_hostile_configs_keep_every_verdict() {
     use meshagent::fuzzing::NftRender;
     let hostile = [
-        "#", ";", "{", "}", "\\n", "\"", "'", " ", "\\t", "*", "/", ":", "..", ".", "+", "$",
-        "-", "\\\\", "é", "0123456789abcdef", "counter", "return", "accept", "jump", "@s",
-        ",", "!=", "\\0", "\\r", "010", "4294967295", "0x10",
+        "#",
+        ";",
+        "{",
+        "}",
+        "\\n",
+        "\"",
+        "'",
+        " ",
+        "\\t",
+        "*",
+        "/",
+        ":",
+        "..",
+        ".",
+        "+",
+        "$",
+        "-",
+        "\\\\",
+        "é",
+        "0123456789abcdef",
+        "counter",
+        "return",
+        "accept",
+        "jump",
+        "@s",
+        ",",
+        "!=",
+        "\\0",
+        "\\r",
+        "010",
+        "4294967295",
+        "0x10",
     ];
-    let users = ["1337", "0", "root", "1000-2000", "65534", "4294967294", "a.b_c-d"];
-    let nics = ["eth0", "veth+", "a.b", "x-y_z", "eth9#", "a;{b}", "return", "lo", "+"];
+    let users = [
+        "1337",
+        "0",
+        "root",
+        "1000-2000",
+        "65534",
+        "4294967294",
+        "a.b_c-d",
+    ];
+    let nics = [
+        "eth0", "veth+", "a.b", "x-y_z", "eth9#", "a;{b}", "return", "lo", "+",
+    ];
     let fields: &[(&str, bool)] = &[
         ("-u ", false),
         ("-g ", false),
@@ -231,7 +270,7 @@ fn r1_generated_hostile_configs_keep_every_verdict() {
         "-o 22",
         "-t 1337",
     ];
-    let mut g = Gen(0x5eed_0f_15_71_0b1e);
+    let mut g = Gen(0x005e_ed0f_1571_0b1e);
     let (mut rendered, mut rejected) = (0, 0);
     for n in 0..400 {
         let mut input = String::from("--native-nftables\n");

@@ -1838,7 +1838,10 @@ fn nft_cases() -> Vec<(&'static str, Case, String)> {
                 + &nft_fixed()
                 + &nft_out(false)
                 + &nft_owner("1337", "1337", false, false)
-                + &n("istio-output", "skgid != \"java\" skgid != 202 counter return")
+                + &n(
+                    "istio-output",
+                    "skgid != \"java\" skgid != 202 counter return",
+                )
                 + &nft_loop(false)
                 + &redirect_all,
         ),
@@ -1957,7 +1960,10 @@ fn nft_cases() -> Vec<(&'static str, Case, String)> {
                 + &nft_fixed()
                 + &nft_out(true)
                 + &nft_owner("1337", "1337", true, true)
-                + &n("istio-output", "skgid != \"java\" skgid != 202 counter return")
+                + &n(
+                    "istio-output",
+                    "skgid != \"java\" skgid != 202 counter return",
+                )
                 + &nft_dns_redirects(&[("ip", "10.96.0.10/32")])
                 + &nft_loop(true)
                 + "\n"

@@ -1068,7 +1068,10 @@ fn r1_hash_in_uid_and_interface_fails_on_both_backends() {
         // The same value from the environment is named as such.
         let (code, log) = pod.istio_iptables(backend.flags(), &[("PROXY_UID", "1337#")]);
         assert_eq!(code, 1, "{backend:?}: $PROXY_UID=1337# must fail:\n{log}");
-        assert!(log.contains("$PROXY_UID") && log.contains("\"1337#\""), "{log}");
+        assert!(
+            log.contains("$PROXY_UID") && log.contains("\"1337#\""),
+            "{log}"
+        );
     }
 }
 
@@ -1111,20 +1114,37 @@ fn r1_kernel_valid_interface_names_apply_on_both_backends() {
         pod.apply(&with_backend(backend, &["--cleanup-only"]));
     }
     for (args, flag, value) in [
-        (&["-c", "0123456789abcdef"][..], "--istio-exclude-interfaces", "0123456789abcdef"),
+        (
+            &["-c", "0123456789abcdef"][..],
+            "--istio-exclude-interfaces",
+            "0123456789abcdef",
+        ),
         (&["-k", "a/b"], "--kube-virt-interfaces", "a/b"),
         (&["-u", "no-such-user-r1"], "--proxy-uid", "no-such-user-r1"),
-        (&["-g", "no-such-group-r1"], "--proxy-gid", "no-such-group-r1"),
+        (
+            &["-g", "no-such-group-r1"],
+            "--proxy-gid",
+            "no-such-group-r1",
+        ),
     ] {
         for backend in [Backend::Nft, Backend::Iptables] {
             let (code, log) = pod.istio_iptables(&with_backend(backend, args), &[]);
             assert_eq!(code, 1, "{backend:?} {args:?}:\n{log}");
-            assert!(log.contains(flag) && log.contains(value), "{args:?}:\n{log}");
+            assert!(
+                log.contains(flag) && log.contains(value),
+                "{args:?}:\n{log}"
+            );
             let rules = pod.ruleset(backend);
-            assert!(!rules.contains("istio") && !rules.contains("ISTIO"), "{rules}");
+            assert!(
+                !rules.contains("istio") && !rules.contains("ISTIO"),
+                "{rules}"
+            );
         }
     }
 }
+
+/// One way to pass a value: arguments, environment, and the name an error must show.
+type Source = (Vec<String>, Vec<(String, String)>, String);
 
 /// How a hostile value must come out.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -1224,7 +1244,9 @@ fn r1_every_rule_text_value_refuses_or_quotes_hostile_input() {
         ("0123456789abcdef", Refused),
         ("é", Refused),
     ];
-    let port_values = ["80#", "8;0", "{80}", "8\n0", "\"80\"", "8 0", "65536", "0x50"];
+    let port_values = [
+        "80#", "8;0", "{80}", "8\n0", "\"80\"", "8 0", "65536", "0x50",
+    ];
     let cidr_values = [
         "127.0.0.0/8#",
         "127.0.0.0/8;",
@@ -1233,7 +1255,15 @@ fn r1_every_rule_text_value_refuses_or_quotes_hostile_input() {
         "\"127.0.0.0/8\"",
         "127.0.0.0 /8",
     ];
-    let number_values = ["1337#", "13;37", "{1}", "1\n2", "\"1\"", "1 2", "4294967296"];
+    let number_values = [
+        "1337#",
+        "13;37",
+        "{1}",
+        "1\n2",
+        "\"1\"",
+        "1 2",
+        "4294967296",
+    ];
 
     let mut cases: Vec<((&str, &str), String, Outcome)> = Vec::new();
     for src in ids {
@@ -1260,7 +1290,7 @@ fn r1_every_rule_text_value_refuses_or_quotes_hostile_input() {
     let mut checked = 0;
     for ((flag, var), value, want) in cases {
         // The flag, then the env variable: each is a source the error must name.
-        let mut sources: Vec<(Vec<String>, Vec<(String, String)>, String)> = Vec::new();
+        let mut sources: Vec<Source> = Vec::new();
         let base = ["--native-nftables".to_owned()];
         if !flag.is_empty() {
             let mut args = base.to_vec();

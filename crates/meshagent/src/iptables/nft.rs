@@ -8,8 +8,7 @@
 //! than N rules.
 
 use super::config::{
-    Cidr, CidrSelection, Config, ConfigError, InterceptionMode, OwnerGroups, OwnerId,
-    PortSelection,
+    Cidr, CidrSelection, Config, ConfigError, InterceptionMode, OwnerGroups, OwnerId, PortSelection,
 };
 use super::rules::{DNS_PORT, OUTBOUND_MARK, redirect_dns};
 
