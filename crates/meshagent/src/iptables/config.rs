@@ -1274,6 +1274,79 @@ mod tests {
     }
 
     #[test]
+    fn r1_owner_ids_and_interface_names() {
+        assert_eq!(OwnerId::parse("1337"), Some(OwnerId::Id(1337)));
+        assert_eq!(OwnerId::parse("0"), Some(OwnerId::Id(0)));
+        assert_eq!(OwnerId::parse("4294967294"), Some(OwnerId::Id(MAX_ID)));
+        assert_eq!(OwnerId::parse("1-5"), Some(OwnerId::Range(1, 5)));
+        assert_eq!(
+            OwnerId::parse("istio-proxy"),
+            Some(OwnerId::Name("istio-proxy"))
+        );
+        assert_eq!(OwnerId::parse("host$"), Some(OwnerId::Name("host$")));
+        for bad in [
+            "",
+            "1337#",
+            "13 37",
+            "1337;",
+            "{1}",
+            "\"1\"",
+            "4294967295",
+            "010",
+            "5-1",
+            "-1",
+            "a\nb",
+            "$",
+            "a$b",
+            "é",
+        ] {
+            assert_eq!(OwnerId::parse(bad), None, "{bad:?}");
+        }
+        for ok in [
+            "eth0",
+            "eth9#",
+            "a;{b}",
+            "veth+",
+            "return",
+            "a.b",
+            "123456789012345",
+        ] {
+            assert!(valid_interface(ok), "{ok:?}");
+        }
+        for bad in [
+            "",
+            ".",
+            "..",
+            "+",
+            "a/b",
+            "a:b",
+            "a b",
+            "a\tb",
+            "a\nb",
+            "\"a\"",
+            "'a'",
+            "a\\b",
+            "a*",
+            "é",
+            "1234567890123456",
+        ] {
+            assert!(!valid_interface(bad), "{bad:?}");
+        }
+        // The parsed config keeps each entry; the error names the source.
+        let err = Config::from_args(&args(&["-g", "1337,a b"]), &env(&[]))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("--proxy-gid") && err.contains("\"a b\""),
+            "{err}"
+        );
+        let err = Config::from_args(&[], &env(&[("ISTIO_OUTBOUND_OWNER_GROUPS", "java#")]))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("$ISTIO_OUTBOUND_OWNER_GROUPS"), "{err}");
+    }
+
+    #[test]
     fn loopback_cidr_validation() {
         let e = env(&[("ISTIO_OUTBOUND_IPV4_LOOPBACK_CIDR", "127.0.0.1/8")]);
         assert_eq!(
