@@ -835,11 +835,12 @@ pub fn nft_load_check(text: &str) -> Result<(), String> {
         }
         s
     });
-    if let Some(mut stdin) = child.stdin.take() {
-        stdin
-            .write_all(text.as_bytes())
-            .map_err(|e| format!("writing to nft: {e}"))?;
-    }
+    // Dropping stdin closes it, so nft sees the end of its input. A failed write (nft gone
+    // early) is reported after the child is reaped.
+    let written = child
+        .stdin
+        .take()
+        .map(|mut stdin| stdin.write_all(text.as_bytes()));
     let deadline = Instant::now() + Duration::from_secs(30);
     let status = loop {
         match child.try_wait() {
@@ -854,6 +855,9 @@ pub fn nft_load_check(text: &str) -> Result<(), String> {
         }
     };
     let err = reader.join().unwrap_or_default();
+    if let Some(Err(e)) = written {
+        return Err(format!("writing to nft ({status}): {e}: {err}"));
+    }
     if status.success() {
         Ok(())
     } else {
