@@ -418,4 +418,449 @@ pub const TARGETS: &[(&str, Target)] = &[
     ("sds", sds),
     ("metrics_dedupe", metrics_dedupe),
     ("dns_request", dns_request),
+    ("nft_render", nft_render),
 ];
+
+/// How [`nft_render_checked`] uses the real `nft`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum NftCheck {
+    /// The structural checks only.
+    Off,
+    /// Also `nft -c -f -` in a fresh network namespace, when this runs as root and `nft` and
+    /// `unshare` are installed (the cargo-fuzz target).
+    IfAvailable,
+    /// Also `nft -c -f -`; not being able to run it is a failure (the corpus replay and
+    /// property tests under `make test`, which run as root with nft installed).
+    Required,
+}
+
+/// What [`nft_render_checked`] did with one input.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum NftRender {
+    /// The configuration was refused (this message) before any rule text existed.
+    Rejected(String),
+    /// Rendered and checked; `nft_checked` tells whether `nft -c` loaded it.
+    Rendered { text: String, nft_checked: bool },
+}
+
+/// Decodes `\n`, `\t`, `\r`, `\0` and `\\` so a one-line entry can carry control bytes.
+fn unescape(v: &str) -> String {
+    let mut out = String::with_capacity(v.len());
+    let mut chars = v.chars();
+    while let Some(c) = chars.next() {
+        if c != '\\' {
+            out.push(c);
+            continue;
+        }
+        match chars.next() {
+            Some('n') => out.push('\n'),
+            Some('t') => out.push('\t'),
+            Some('r') => out.push('\r'),
+            Some('0') => out.push('\0'),
+            Some(o) => out.push(o),
+            None => out.push('\\'),
+        }
+    }
+    out
+}
+
+/// The configuration an `nft_render` input describes, validated as the command validates it.
+///
+/// One entry a line: `-f value` or `--flag=value` is a command-line flag (value after the
+/// first space), `NAME=value` an environment variable, and `@` lines set what the command
+/// gathers or what code may set directly, bypassing the flag parser: `@ipv6`, `@dns4 A`,
+/// `@dns6 A` (resolv.conf servers), `@uid X`, `@gid X`, `@nic X`, `@kvi X`, `@grp+ X`,
+/// `@grp- X`. Values take `\n`-style escapes.
+pub fn nft_render_config(data: &[u8]) -> Result<crate::iptables::config::Config, String> {
+    use crate::iptables::config::{Config, OwnerGroups};
+    let text = String::from_utf8_lossy(data);
+    let mut args: Vec<String> = Vec::new();
+    let mut env: Vec<(String, String)> = Vec::new();
+    let mut direct: Vec<(String, String)> = Vec::new();
+    let (mut ipv6, mut dns4, mut dns6) = (false, Vec::new(), Vec::new());
+    for line in text.lines().take(256) {
+        if let Some(rest) = line.strip_prefix('@') {
+            let (k, v) = rest.split_once(' ').unwrap_or((rest, ""));
+            let v = unescape(v);
+            match k {
+                "ipv6" => ipv6 = true,
+                "dns4" => dns4.push(v),
+                "dns6" => dns6.push(v),
+                _ => direct.push((k.to_owned(), v)),
+            }
+        } else if line.starts_with('-') {
+            match line.split_once(' ') {
+                Some((flag, v)) => {
+                    args.push(flag.to_owned());
+                    args.push(unescape(v));
+                }
+                None => args.push(unescape(line)),
+            }
+        } else if let Some((k, v)) = line.split_once('=') {
+            env.push((k.to_owned(), unescape(v)));
+        }
+    }
+    let env = MapEnv::from_pairs(env);
+    let mut cfg = Config::from_args(&args, &env).map_err(|e| e.to_string())?;
+    cfg.enable_ipv6 = ipv6;
+    cfg.dns_servers_v4 = dns4;
+    cfg.dns_servers_v6 = dns6;
+    for (k, v) in direct {
+        match k.as_str() {
+            "uid" => cfg.proxy_uid.push(v),
+            "gid" => cfg.proxy_gid.push(v),
+            "nic" => cfg.exclude_interfaces.push(v),
+            "kvi" => cfg.kube_virt_interfaces.push(v),
+            "grp+" => match &mut cfg.owner_groups {
+                OwnerGroups::Include(g) => g.push(v),
+                other => *other = OwnerGroups::Include(vec![v]),
+            },
+            "grp-" => match &mut cfg.owner_groups {
+                OwnerGroups::Exclude(g) => g.push(v),
+                other => *other = OwnerGroups::Exclude(vec![v]),
+            },
+            _ => {}
+        }
+    }
+    cfg.validate().map_err(|e| e.to_string())?;
+    // A name nft could not resolve would fail `nft -c` as it fails the real apply.
+    cfg.resolve_owners().map_err(|e| e.to_string())?;
+    Ok(cfg)
+}
+
+/// Fuzz target `nft_render`: an arbitrary configuration (see [`nft_render_config`]) is
+/// validated, rendered as the native nftables transaction, and the text checked: every rule
+/// keeps its verdict and every value stays one token ([`check_nft_text`]), and — with root
+/// and nft installed — `nft -c -f -` in a fresh network namespace accepts it.
+pub fn nft_render(data: &[u8]) {
+    let _ = nft_render_checked(data, NftCheck::IfAvailable);
+}
+
+/// [`nft_render`] with the `nft -c` policy explicit; panics (the fuzz finding) on a broken
+/// property, returns what happened otherwise.
+pub fn nft_render_checked(data: &[u8], check: NftCheck) -> NftRender {
+    let cfg = match nft_render_config(data) {
+        Ok(c) => c,
+        Err(e) => return NftRender::Rejected(e),
+    };
+    let text = crate::iptables::nft::build(&cfg);
+    if let Err(e) = check_nft_text(&cfg, &text) {
+        panic!("rendered nft text breaks a rule: {e}\n--- text ---\n{text}");
+    }
+    if let Err(e) = check_iptables_args(&cfg) {
+        panic!("iptables rule text: {e}");
+    }
+    let run = match check {
+        NftCheck::Off => false,
+        NftCheck::Required => true,
+        NftCheck::IfAvailable => {
+            nix::unistd::geteuid().is_root()
+                && crate::iptables::apply::in_path("nft").is_some()
+                && crate::iptables::apply::in_path("unshare").is_some()
+        }
+    };
+    if run && let Err(e) = nft_load_check(&text) {
+        panic!("nft -c -f - rejects the rendered text: {e}\n--- text ---\n{text}");
+    }
+    NftRender::Rendered {
+        text,
+        nft_checked: run,
+    }
+}
+
+/// Every iptables argument from a validated config is one iptables-restore token: no
+/// whitespace, quotes or backslash (its quoting), nothing non-printable.
+fn check_iptables_args(cfg: &crate::iptables::config::Config) -> Result<(), String> {
+    let rules = crate::iptables::rules::build(cfg);
+    for r in rules.v4.iter().chain(&rules.v6) {
+        for a in &r.args {
+            let bad = a.is_empty()
+                || a.bytes()
+                    .any(|b| !b.is_ascii_graphic() || matches!(b, b'"' | b'\'' | b'\\'));
+            if bad {
+                return Err(format!("argument {a:?} of {:?}", r.line()));
+            }
+        }
+        if r.target().is_none() {
+            return Err(format!("rule without a target: {:?}", r.line()));
+        }
+    }
+    Ok(())
+}
+
+/// A token of an nft rule line: quoted (the text between the quotes) or bare.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct NftToken<'a> {
+    quoted: bool,
+    text: &'a str,
+}
+
+/// Splits a rule line as nft's scanner would, refusing anything that could end a token or
+/// the statement early: outside quotes only `[A-Za-z0-9_.:/,!=-{}]`; quotes closed on the line.
+fn nft_tokens(line: &str) -> Result<Vec<NftToken<'_>>, String> {
+    let mut out = Vec::new();
+    let mut rest = line;
+    loop {
+        rest = rest.trim_start_matches(' ');
+        if rest.is_empty() {
+            return Ok(out);
+        }
+        if let Some(q) = rest.strip_prefix('"') {
+            let end = q
+                .find('"')
+                .ok_or_else(|| format!("unterminated quote in {line:?}"))?;
+            let text = &q[..end];
+            if text.is_empty() || text.chars().any(char::is_control) {
+                return Err(format!("quoted value {text:?} in {line:?}"));
+            }
+            rest = &q[end + 1..];
+            if !rest.is_empty() && !rest.starts_with(' ') {
+                return Err(format!("text glued to a quoted value in {line:?}"));
+            }
+            out.push(NftToken { quoted: true, text });
+        } else {
+            let end = rest.find(' ').unwrap_or(rest.len());
+            let text = &rest[..end];
+            if let Some(c) = text
+                .chars()
+                .find(|c| !(c.is_ascii_alphanumeric() || "_.:/,!=-{}".contains(*c)))
+            {
+                return Err(format!("{c:?} outside quotes in {line:?}"));
+            }
+            rest = &rest[end..];
+            out.push(NftToken {
+                quoted: false,
+                text,
+            });
+        }
+    }
+}
+
+/// The statement a rule ends in, after its one `counter`: a verdict or a packet edit.
+fn nft_terminal(tail: &[&str]) -> bool {
+    let chains = [
+        "istio-inbound",
+        "istio-redirect",
+        "istio-in-redirect",
+        "istio-output",
+        "istio-output-dns",
+        "istio-divert",
+        "istio-tproxy",
+        "istio-drop",
+    ];
+    let number = |s: &str| !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit());
+    match tail {
+        ["return" | "accept" | "drop"] => true,
+        ["jump", c] => chains.contains(c),
+        ["redirect", "to", p] => p.strip_prefix(':').is_some_and(number),
+        ["meta", "mark", "set", n] | ["ct", "zone", "set", n] => number(n),
+        ["meta", "mark", "set", "ct", "mark"] | ["ct", "mark", "set", "mark"] => true,
+        _ => false,
+    }
+}
+
+/// Structural check of a rendered transaction (the property the `nft_render` target
+/// asserts): only the statements the renderer writes; each rule one line with exactly one
+/// `counter` followed by its verdict (or packet edit); no `#`, `;` or quote outside a quoted
+/// value; every interface, uid and gid a single token, every configured value present in
+/// its rule with the rule's verdict intact.
+pub fn check_nft_text(cfg: &crate::iptables::config::Config, text: &str) -> Result<(), String> {
+    use crate::iptables::config::OwnerGroups;
+    use crate::iptables::nft::{NftTable, ifname, owner};
+    let tables: Vec<&str> = NftTable::ALL.iter().map(|t| t.name()).collect();
+    let mut expected: Vec<String> = Vec::new();
+    expected.extend(cfg.exclude_interfaces.iter().map(|n| ifname(n)));
+    expected.extend(cfg.kube_virt_interfaces.iter().map(|n| ifname(n)));
+    expected.extend(cfg.proxy_uid.iter().chain(&cfg.proxy_gid).map(|i| owner(i)));
+    if let OwnerGroups::Include(g) | OwnerGroups::Exclude(g) = &cfg.owner_groups {
+        expected.extend(g.iter().map(|i| owner(i)));
+    }
+    let mut rule_lines = Vec::new();
+    for line in text.lines() {
+        let words: Vec<&str> = line.split(' ').collect();
+        match words.as_slice() {
+            [] | [""] => {}
+            ["add" | "flush", "table", "inet", t] if tables.contains(t) => {}
+            ["add", "chain", "inet", t, _chain] if tables.contains(t) => {}
+            [
+                "add",
+                "chain",
+                "inet",
+                t,
+                _,
+                "{",
+                "type",
+                _,
+                "hook",
+                _,
+                "priority",
+                _,
+                ";",
+                "}",
+            ] if tables.contains(t) => {}
+            ["add", "rule", "inet", t, chain, ..] if tables.contains(t) => {
+                let body = line
+                    .split_once(&format!("{t} {chain} "))
+                    .map(|(_, b)| b)
+                    .ok_or_else(|| format!("empty rule {line:?}"))?;
+                rule_lines.push((line, body));
+            }
+            ["insert", "rule", "inet", t, chain, "index", i, ..]
+                if tables.contains(t) && i.bytes().all(|b| b.is_ascii_digit()) =>
+            {
+                let body = line
+                    .split_once(&format!("{t} {chain} index {i} "))
+                    .map(|(_, b)| b)
+                    .ok_or_else(|| format!("empty rule {line:?}"))?;
+                rule_lines.push((line, body));
+            }
+            _ => return Err(format!("unexpected line {line:?}")),
+        }
+    }
+    for (line, body) in &rule_lines {
+        let toks = nft_tokens(body)?;
+        let counters: Vec<usize> = toks
+            .iter()
+            .enumerate()
+            .filter(|(_, t)| !t.quoted && t.text == "counter")
+            .map(|(i, _)| i)
+            .collect();
+        let [at] = counters.as_slice() else {
+            return Err(format!("{} counters in {line:?}", counters.len()));
+        };
+        let tail: Vec<&str> = toks[at + 1..].iter().map(|t| t.text).collect();
+        if toks[at + 1..].iter().any(|t| t.quoted) || !nft_terminal(&tail) {
+            return Err(format!("rule does not end in its verdict: {line:?}"));
+        }
+        let opens = toks.iter().filter(|t| !t.quoted && t.text == "{").count();
+        let closes = toks.iter().filter(|t| !t.quoted && t.text == "}").count();
+        if opens != closes
+            || toks
+                .iter()
+                .any(|t| !t.quoted && t.text.len() > 1 && t.text.contains(['{', '}']))
+        {
+            return Err(format!("unbalanced set braces in {line:?}"));
+        }
+        for (i, t) in toks.iter().enumerate() {
+            if t.quoted {
+                let shown = format!("\"{}\"", t.text);
+                if !expected.contains(&shown) {
+                    return Err(format!(
+                        "quoted value {shown} in {line:?} is no configured value"
+                    ));
+                }
+                continue;
+            }
+            match t.text {
+                "skuid" | "skgid" => {
+                    let mut v = toks.get(i + 1);
+                    if v.is_some_and(|v| !v.quoted && v.text == "!=") {
+                        v = toks.get(i + 2);
+                    }
+                    let ok = v.is_some_and(|v| {
+                        v.quoted
+                            || crate::iptables::config::OwnerId::parse(v.text).is_some_and(|o| {
+                                !matches!(o, crate::iptables::config::OwnerId::Name(_))
+                            })
+                    });
+                    if !ok {
+                        return Err(format!("{} without one id token in {line:?}", t.text));
+                    }
+                }
+                "iifname" | "oifname" => {
+                    let ok = toks.get(i + 1).is_some_and(|v| v.quoted || v.text == "lo");
+                    if !ok {
+                        return Err(format!("{} without one name token in {line:?}", t.text));
+                    }
+                }
+                _ => {}
+            }
+        }
+    }
+    // Each configured value keeps the rule that uses it, verdict included.
+    let has = |want: &str| rule_lines.iter().any(|(l, _)| l.ends_with(want));
+    let nat = "istio-proxy-nat";
+    for n in cfg.exclude_interfaces.iter().map(|n| ifname(n)) {
+        for want in [
+            format!("{nat} prerouting iifname {n} counter return"),
+            format!("{nat} output oifname {n} counter return"),
+        ] {
+            if !has(&want) {
+                return Err(format!("missing rule `{want}`"));
+            }
+        }
+    }
+    for n in cfg.kube_virt_interfaces.iter().map(|n| ifname(n)) {
+        if !rule_lines.iter().any(|(l, b)| {
+            l.contains(&format!("{nat} prerouting ")) && *b == format!("iifname {n} counter return")
+        }) {
+            return Err(format!("missing kube-virt return for {n}"));
+        }
+    }
+    for (key, ids) in [("skuid", &cfg.proxy_uid), ("skgid", &cfg.proxy_gid)] {
+        for id in ids.iter().map(|i| owner(i)) {
+            let want = format!("{nat} istio-output {key} {id} counter return");
+            if !has(&want) {
+                return Err(format!("missing rule `{want}`"));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Runs `nft -c -f -` on `text` in a new network namespace (`nft -c` needs CAP_NET_ADMIN and
+/// talks to the kernel, which must not see the host's tables), with a deadline.
+#[allow(
+    clippy::disallowed_types,
+    reason = "synchronous check outside any Tokio runtime"
+)]
+pub fn nft_load_check(text: &str) -> Result<(), String> {
+    use std::io::{Read, Write};
+    use std::process::{Command, Stdio};
+    use std::time::{Duration, Instant};
+    let mut child = Command::new("unshare")
+        .args(["--net", "--", "nft", "-c", "-f", "-"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .map_err(|e| format!("cannot run unshare --net nft: {e}"))?;
+    let mut stderr = child.stderr.take();
+    // nft reads all of stdin before it parses, so the write cannot wait on its output; the
+    // error text is read on a thread so a long one cannot block it either.
+    let reader = std::thread::spawn(move || {
+        let mut s = String::new();
+        if let Some(e) = stderr.as_mut() {
+            let _ = e.take(64 * 1024).read_to_string(&mut s);
+        }
+        s
+    });
+    // Dropping stdin closes it, so nft sees the end of its input. A failed write (nft gone
+    // early) is reported after the child is reaped.
+    let written = child
+        .stdin
+        .take()
+        .map(|mut stdin| stdin.write_all(text.as_bytes()));
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let status = loop {
+        match child.try_wait() {
+            Ok(Some(s)) => break s,
+            Ok(None) if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(5)),
+            Ok(None) => {
+                let _ = child.kill();
+                let _ = child.wait();
+                return Err("nft -c did not finish within 30 s".into());
+            }
+            Err(e) => return Err(format!("waiting for nft: {e}")),
+        }
+    };
+    let err = reader.join().unwrap_or_default();
+    if let Some(Err(e)) = written {
+        return Err(format!("writing to nft ({status}): {e}: {err}"));
+    }
+    if status.success() {
+        Ok(())
+    } else {
+        Err(format!("nft -c exited with {status}: {err}"))
+    }
+}

@@ -60,6 +60,8 @@ pub enum RunError {
     #[error(transparent)]
     Detect(#[from] config::DetectError),
     #[error(transparent)]
+    UnknownOwner(#[from] config::UnknownOwner),
+    #[error(transparent)]
     Apply(#[from] apply::ApplyError),
     #[error("cannot enter network namespace {path}: {error}")]
     Netns { path: String, error: String },
@@ -265,6 +267,11 @@ pub fn run(mut cfg: Config) -> Result<u8, RunError> {
         // Rules may have been added by a run that saw IPv6: clean v6 too when it is usable.
         cfg.enable_ipv6 = apply::in_path("ip6tables-save").is_some() || cfg.native_nftables;
     }
+    // resolv.conf's servers reach the rule text too.
+    cfg.validate()?;
+    if !cfg.dry_run && !cfg.skip_rule_apply && !cfg.cleanup_only {
+        cfg.resolve_owners()?;
+    }
     tracing::info!(
         "istio-iptables configuration: {}",
         serde_json::to_string(&cfg).unwrap_or_default()
@@ -280,7 +287,7 @@ pub fn run(mut cfg: Config) -> Result<u8, RunError> {
             let text = if cfg.cleanup_only {
                 nft::cleanup()
             } else {
-                nft::build(&cfg)
+                nft::try_build(&cfg)?
             };
             apply::apply_nft(&mut sys, &text)?;
         } else {

@@ -1044,3 +1044,299 @@ fn iptables_complex_rerun_is_noop_and_drift_is_detected() {
         "cleanup left rules",
     );
 }
+
+/// `#` in `-u`/`-c` once became an nft comment: `meta skuid 1337` lost its verdict (Envoy's
+/// own traffic looped back into Envoy) and the interface exclusion did nothing, while the
+/// command exited 0. Now both backends refuse `-u 1337#` before touching the namespace,
+/// naming the flag, the value and what was expected.
+#[test]
+fn r1_hash_in_uid_and_interface_fails_on_both_backends() {
+    let pod = Pod::new();
+    for backend in [Backend::Nft, Backend::Iptables] {
+        let args = with_backend(backend, &["-u", "1337#", "-c", "eth9#"]);
+        let (code, log) = pod.istio_iptables(&args, &[]);
+        assert_eq!(code, 1, "{backend:?}: {args:?} must fail:\n{log}");
+        assert!(
+            log.contains("--proxy-uid") && log.contains("\"1337#\"") && log.contains("expected"),
+            "{backend:?}: the error must name the flag, the value and what was expected:\n{log}"
+        );
+        let rules = pod.ruleset(backend);
+        assert!(
+            !rules.contains("istio") && !rules.contains("ISTIO"),
+            "{backend:?}: nothing may be applied:\n{rules}"
+        );
+        // The same value from the environment is named as such.
+        let (code, log) = pod.istio_iptables(backend.flags(), &[("PROXY_UID", "1337#")]);
+        assert_eq!(code, 1, "{backend:?}: $PROXY_UID=1337# must fail:\n{log}");
+        assert!(
+            log.contains("$PROXY_UID") && log.contains("\"1337#\""),
+            "{log}"
+        );
+    }
+}
+
+/// Interface names the kernel accepts (`#`, `;`, `{` and nft keywords included) are applied
+/// by both backends with the same meaning: quoted in the nft text, the exclusion keeps its
+/// `return`; iptables' `+` wildcard becomes nft's `*`. A name the kernel refuses, and user
+/// names that do not exist, fail before anything is applied.
+#[test]
+fn r1_kernel_valid_interface_names_apply_on_both_backends() {
+    let pod = Pod::new();
+    let nics = "eth9#,a;{b},return,veth+";
+    for backend in [Backend::Nft, Backend::Iptables] {
+        let args = with_backend(backend, &["-i", "*", "-c", nics, "-k", "kv#1"]);
+        pod.apply(&args);
+        let rules = pod.ruleset(backend);
+        let want: &[&str] = match backend {
+            Backend::Nft => &[
+                "iifname \"eth9#\" counter return",
+                "oifname \"eth9#\" counter return",
+                "iifname \"a;{b}\" counter return",
+                "oifname \"return\" counter return",
+                "iifname \"veth*\" counter return",
+                "iifname \"kv#1\" counter jump istio-redirect",
+            ],
+            Backend::Iptables => &[
+                "-A PREROUTING -i eth9# -j RETURN",
+                "-A OUTPUT -o eth9# -j RETURN",
+                "-A PREROUTING -i a;{b} -j RETURN",
+                "-A OUTPUT -o return -j RETURN",
+                "-A PREROUTING -i veth+ -j RETURN",
+                "-A PREROUTING -i kv#1 -j ISTIO_REDIRECT",
+            ],
+        };
+        for w in want {
+            assert!(
+                rules.lines().any(|l| l.trim().ends_with(w)),
+                "{backend:?}: missing `{w}` in\n{rules}"
+            );
+        }
+        pod.apply(&with_backend(backend, &["--cleanup-only"]));
+    }
+    for (args, flag, value) in [
+        (
+            &["-c", "0123456789abcdef"][..],
+            "--istio-exclude-interfaces",
+            "0123456789abcdef",
+        ),
+        (&["-k", "a/b"], "--kube-virt-interfaces", "a/b"),
+        (&["-u", "no-such-user-r1"], "--proxy-uid", "no-such-user-r1"),
+        (
+            &["-g", "no-such-group-r1"],
+            "--proxy-gid",
+            "no-such-group-r1",
+        ),
+    ] {
+        for backend in [Backend::Nft, Backend::Iptables] {
+            let (code, log) = pod.istio_iptables(&with_backend(backend, args), &[]);
+            assert_eq!(code, 1, "{backend:?} {args:?}:\n{log}");
+            assert!(
+                log.contains(flag) && log.contains(value),
+                "{args:?}:\n{log}"
+            );
+            let rules = pod.ruleset(backend);
+            assert!(
+                !rules.contains("istio") && !rules.contains("ISTIO"),
+                "{rules}"
+            );
+        }
+    }
+}
+
+/// One way to pass a value: arguments, environment, and the name an error must show.
+type Source = (Vec<String>, Vec<(String, String)>, String);
+
+/// How a hostile value must come out.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Outcome {
+    /// Refused, naming the source and the value.
+    Refused,
+    /// Accepted (the kernel allows it); the rendered nft text keeps every verdict and
+    /// `nft -c -f -` loads it.
+    Quoted,
+}
+
+/// Every flag and env variable whose value reaches rule text, with hostile values: comment,
+/// statement and set characters, newline, quotes, spaces, overlong names, out-of-range
+/// numbers. Each is refused with a clear error, or — interface names the kernel accepts —
+/// rendered quoted so that nft loads it and every rule keeps its verdict.
+#[test]
+fn r1_every_rule_text_value_refuses_or_quotes_hostile_input() {
+    use Outcome::{Quoted, Refused};
+    use meshagent::iptables::config::{Config, MapEnv};
+    // (flag, env variable, what it takes)
+    let ids: &[(&str, &str)] = &[
+        ("--proxy-uid", "PROXY_UID"),
+        ("--proxy-gid", "PROXY_GID"),
+        ("", "ISTIO_OUTBOUND_OWNER_GROUPS"),
+        ("", "ISTIO_OUTBOUND_OWNER_GROUPS_EXCLUDE"),
+    ];
+    let nics: &[(&str, &str)] = &[
+        ("--istio-exclude-interfaces", "ISTIO_EXCLUDE_INTERFACES"),
+        ("--kube-virt-interfaces", "KUBE_VIRT_INTERFACES"),
+    ];
+    let ports: &[(&str, &str)] = &[
+        ("--envoy-port", ""),
+        ("--inbound-capture-port", "INBOUND_CAPTURE_PORT"),
+        ("--inbound-tunnel-port", "INBOUND_TUNNEL_PORT"),
+        ("--istio-inbound-ports", "ISTIO_INBOUND_PORTS"),
+        ("--istio-local-exclude-ports", "ISTIO_LOCAL_EXCLUDE_PORTS"),
+        ("--istio-outbound-ports", "ISTIO_OUTBOUND_PORTS"),
+        (
+            "--istio-local-outbound-ports-exclude",
+            "ISTIO_LOCAL_OUTBOUND_PORTS_EXCLUDE",
+        ),
+        ("--iptables-probe-port", "IPTABLES_PROBE_PORT"),
+    ];
+    let cidrs: &[(&str, &str)] = &[
+        ("--istio-service-cidr", "ISTIO_SERVICE_CIDR"),
+        ("--istio-service-exclude-cidr", "ISTIO_SERVICE_EXCLUDE_CIDR"),
+        ("", "ISTIO_OUTBOUND_IPV4_LOOPBACK_CIDR"),
+    ];
+    let numbers: &[(&str, &str)] = &[
+        ("--istio-inbound-tproxy-mark", "ISTIO_INBOUND_TPROXY_MARK"),
+        (
+            "--istio-inbound-tproxy-route-table",
+            "ISTIO_INBOUND_TPROXY_ROUTE_TABLE",
+        ),
+        (
+            "--istio-inbound-interception-mode",
+            "ISTIO_INBOUND_INTERCEPTION_MODE",
+        ),
+    ];
+    let long_user = "u".repeat(300);
+    let id_values: Vec<(&str, Outcome)> = vec![
+        ("1337#", Refused),
+        ("1337 #x", Refused),
+        ("1337;", Refused),
+        ("13;37", Refused),
+        ("{1337}", Refused),
+        ("1337\ncounter accept", Refused),
+        ("\"1337\"", Refused),
+        ("'1337'", Refused),
+        ("13 37", Refused),
+        ("root\\", Refused),
+        ("4294967295", Refused),
+        ("99999999999", Refused),
+        ("010", Refused),
+        ("-1", Refused),
+        ("2000-1000", Refused),
+        (long_user.as_str(), Refused),
+    ];
+    let nic_values: Vec<(&str, Outcome)> = vec![
+        ("eth9#", Quoted),
+        ("a;b", Quoted),
+        ("{x}", Quoted),
+        ("accept", Quoted),
+        ("eth+", Quoted),
+        ("a\nb", Refused),
+        ("\"eth0\"", Refused),
+        ("'eth0'", Refused),
+        ("eth 0", Refused),
+        ("eth\t0", Refused),
+        ("a\\b", Refused),
+        ("a/b", Refused),
+        ("a:b", Refused),
+        ("a*", Refused),
+        ("+", Refused),
+        (".", Refused),
+        ("..", Refused),
+        ("0123456789abcdef", Refused),
+        ("é", Refused),
+    ];
+    let port_values = [
+        "80#", "8;0", "{80}", "8\n0", "\"80\"", "8 0", "65536", "0x50",
+    ];
+    let cidr_values = [
+        "127.0.0.0/8#",
+        "127.0.0.0/8;",
+        "{127.0.0.0/8}",
+        "127.0.0.0/8\n#",
+        "\"127.0.0.0/8\"",
+        "127.0.0.0 /8",
+    ];
+    let number_values = [
+        "1337#",
+        "13;37",
+        "{1}",
+        "1\n2",
+        "\"1\"",
+        "1 2",
+        "4294967296",
+    ];
+
+    let mut cases: Vec<((&str, &str), String, Outcome)> = Vec::new();
+    for src in ids {
+        for (v, o) in &id_values {
+            cases.push((*src, (*v).to_owned(), *o));
+        }
+    }
+    for src in nics {
+        for (v, o) in &nic_values {
+            cases.push((*src, (*v).to_owned(), *o));
+        }
+    }
+    for (srcs, values) in [
+        (ports, &port_values[..]),
+        (cidrs, &cidr_values[..]),
+        (numbers, &number_values[..]),
+    ] {
+        for src in srcs {
+            for v in values {
+                cases.push((*src, (*v).to_owned(), Refused));
+            }
+        }
+    }
+    let mut checked = 0;
+    for ((flag, var), value, want) in cases {
+        // The flag, then the env variable: each is a source the error must name.
+        let mut sources: Vec<Source> = Vec::new();
+        let base = ["--native-nftables".to_owned()];
+        if !flag.is_empty() {
+            let mut args = base.to_vec();
+            args.push(format!("{flag}={value}"));
+            sources.push((args, vec![], flag.to_owned()));
+        }
+        if !var.is_empty() {
+            sources.push((
+                base.to_vec(),
+                vec![(var.to_owned(), value.clone())],
+                format!("${var}"),
+            ));
+        }
+        for (args, mut env, shown) in sources {
+            // Capture everything outbound (kube-virt rules then jump too), unless that is
+            // the variable under test.
+            if var != "ISTIO_SERVICE_CIDR" {
+                env.push(("ISTIO_SERVICE_CIDR".to_owned(), "*".to_owned()));
+            }
+            let env = MapEnv::from_pairs(env);
+            let got = Config::from_args(&args, &env);
+            match (want, got) {
+                (Refused, Err(e)) => {
+                    let e = e.to_string();
+                    let v_trim = format!("{:?}", value.trim());
+                    assert!(
+                        e.contains(&shown)
+                            && (e.contains(&format!("{value:?}")) || e.contains(&v_trim)),
+                        "{shown}={value:?}: the error must name the source and value: {e}"
+                    );
+                }
+                (Refused, Ok(c)) => panic!(
+                    "{shown}={value:?} must be refused; renders:\n{}",
+                    meshagent::iptables::nft::build(&c)
+                ),
+                (Quoted, Ok(c)) => {
+                    let text = meshagent::iptables::nft::try_build(&c).unwrap();
+                    meshagent::fuzzing::check_nft_text(&c, &text)
+                        .unwrap_or_else(|e| panic!("{shown}={value:?}: {e}\n{text}"));
+                    meshagent::fuzzing::nft_load_check(&text)
+                        .unwrap_or_else(|e| panic!("{shown}={value:?}: {e}\n{text}"));
+                }
+                (Quoted, Err(e)) => panic!("{shown}={value:?} must be accepted: {e}"),
+            }
+            checked += 1;
+        }
+    }
+    assert!(checked > 300, "only {checked} cases");
+}

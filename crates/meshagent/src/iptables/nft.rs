@@ -7,7 +7,9 @@
 //! `-I chain N` becomes `insert rule … index N-1`, or `add rule` when the chain has fewer
 //! than N rules.
 
-use super::config::{Cidr, CidrSelection, Config, InterceptionMode, OwnerGroups, PortSelection};
+use super::config::{
+    Cidr, CidrSelection, Config, ConfigError, InterceptionMode, OwnerGroups, OwnerId, PortSelection,
+};
 use super::rules::{DNS_PORT, OUTBOUND_MARK, redirect_dns};
 
 /// Istio's nft tables, in transaction order.
@@ -122,11 +124,47 @@ impl Builder {
     }
 }
 
+/// An nft quoted string. Values are validated before they get here ([`Config::validate`]);
+/// dropping the bytes that could end the string or the line keeps even an unvalidated value
+/// inside its one token.
+fn quoted(s: &str) -> String {
+    let inner: String = s.chars().filter(|c| *c != '"' && !c.is_control()).collect();
+    format!("\"{inner}\"")
+}
+
+/// An interface name for `iifname`/`oifname`: always quoted (Istio's nft path writes it
+/// bare, where `#` starts a comment and a keyword such as `return` is no name at all).
+/// iptables' trailing `+` wildcard is nft's trailing `*`, as iptables-nft translates it.
+pub fn ifname(n: &str) -> String {
+    match n.strip_suffix('+') {
+        Some(prefix) => quoted(&format!("{prefix}*")),
+        None => quoted(n),
+    }
+}
+
+/// A uid/gid for `skuid`/`skgid`: numbers and ranges bare, names quoted (nft resolves a
+/// quoted name like a bare one).
+pub fn owner(id: &str) -> String {
+    match OwnerId::parse(id) {
+        Some(OwnerId::Id(n)) => n.to_string(),
+        Some(OwnerId::Range(lo, hi)) => format!("{lo}-{hi}"),
+        Some(OwnerId::Name(name)) => quoted(name),
+        None => quoted(id),
+    }
+}
+
+/// [`build`] after [`Config::validate`]: what the command runs.
+pub fn try_build(cfg: &Config) -> Result<String, ConfigError> {
+    cfg.validate()?;
+    Ok(build(cfg))
+}
+
 fn family(c: &Cidr) -> &'static str {
     if c.is_v4() { "ip" } else { "ip6" }
 }
 
-/// Generates the transaction text for `cfg`.
+/// Generates the transaction text for `cfg`, which must be valid ([`Config::validate`];
+/// [`try_build`] checks).
 pub fn build(cfg: &Config) -> String {
     use NftTable::{Mangle, Nat};
     let mut b = Builder {
@@ -145,12 +183,12 @@ pub fn build(cfg: &Config) -> String {
     };
     let include_has_loopback = include.iter().any(Cidr::is_loopback);
 
-    for nic in &cfg.exclude_interfaces {
+    for nic in cfg.exclude_interfaces.iter().map(|n| ifname(n)) {
         b.add(Nat, "prerouting", format!("iifname {nic} counter return"));
         b.add(Nat, "output", format!("oifname {nic} counter return"));
     }
     if tproxy {
-        for nic in &cfg.exclude_interfaces {
+        for nic in cfg.exclude_interfaces.iter().map(|n| ifname(n)) {
             b.add(
                 Mangle,
                 "prerouting",
@@ -159,7 +197,7 @@ pub fn build(cfg: &Config) -> String {
             b.add(Mangle, "output", format!("oifname {nic} counter return"));
         }
     }
-    for nic in &cfg.kube_virt_interfaces {
+    for nic in cfg.kube_virt_interfaces.iter().map(|n| ifname(n)) {
         b.insert(
             Nat,
             "prerouting",
@@ -289,7 +327,7 @@ pub fn build(cfg: &Config) -> String {
         "oifname lo ip6 saddr ::6/128 counter return".into(),
     );
     for (key, ids) in [("skuid", &cfg.proxy_uid), ("skgid", &cfg.proxy_gid)] {
-        for id in ids {
+        for id in ids.iter().map(|i| owner(i)) {
             // As in iptables, only the uid rule leaves port 53 out under DNS capture.
             let dport = if dns && key == "skuid" {
                 format!("tcp dport != {{ 53, {tunnel} }}")
@@ -317,7 +355,7 @@ pub fn build(cfg: &Config) -> String {
         OwnerGroups::Include(groups) => Some(
             groups
                 .iter()
-                .map(|g| format!("skgid != {g}"))
+                .map(|g| format!("skgid != {}", owner(g)))
                 .collect::<Vec<_>>()
                 .join(" "),
         ),
@@ -336,7 +374,7 @@ pub fn build(cfg: &Config) -> String {
             );
         }
         OwnerGroups::Exclude(groups) => {
-            for g in groups {
+            for g in groups.iter().map(|g| owner(g)) {
                 b.add(Nat, "istio-output", format!("skgid {g} counter return"));
             }
         }
@@ -369,7 +407,7 @@ pub fn build(cfg: &Config) -> String {
     match &cfg.outbound_cidrs_include {
         CidrSelection::All => {
             b.add(Nat, "istio-output", "counter jump istio-redirect".into());
-            for nic in &cfg.kube_virt_interfaces {
+            for nic in cfg.kube_virt_interfaces.iter().map(|n| ifname(n)) {
                 b.insert(
                     Nat,
                     "prerouting",
@@ -381,7 +419,7 @@ pub fn build(cfg: &Config) -> String {
         CidrSelection::Cidrs(cidrs) => {
             for c in cidrs.iter().filter(|c| c.is_v4() || ipv6) {
                 let fam = family(c);
-                for nic in &cfg.kube_virt_interfaces {
+                for nic in cfg.kube_virt_interfaces.iter().map(|n| ifname(n)) {
                     b.insert(
                         Nat,
                         "prerouting",
@@ -411,7 +449,7 @@ pub fn build(cfg: &Config) -> String {
             format!("oifname lo meta l4proto tcp mark {mark} counter return"),
         );
         for (key, ids) in [("skuid", &cfg.proxy_uid), ("skgid", &cfg.proxy_gid)] {
-            for id in ids {
+            for id in ids.iter().map(|i| owner(i)) {
                 b.versioned(Mangle, "output", lo4, |ip, lo| {
                     format!("oifname lo meta l4proto tcp {ip} daddr != {lo} {key} {id} counter meta mark set {OUTBOUND_MARK}")
                 });
@@ -497,7 +535,7 @@ fn setup_dns(b: &mut Builder, cfg: &Config) {
         }
     }
     for (key, ids) in [("skuid", &cfg.proxy_uid), ("skgid", &cfg.proxy_gid)] {
-        for id in ids {
+        for id in ids.iter().map(|i| owner(i)) {
             b.add(
                 Raw,
                 "istio-output-dns",
