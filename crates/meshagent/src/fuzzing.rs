@@ -757,8 +757,10 @@ pub fn check_nft_text(cfg: &crate::iptables::config::Config, text: &str) -> Resu
                     if v.is_some_and(|v| !v.quoted && v.text == "!=") {
                         v = toks.get(i + 2);
                     }
+                    // Quoted, a number or range, or a plain name written bare as Istio does.
                     let ok = v.is_some_and(|v| {
                         v.quoted
+                            || expected.iter().any(|e| e == v.text)
                             || crate::iptables::config::OwnerId::parse(v.text).is_some_and(|o| {
                                 !matches!(o, crate::iptables::config::OwnerId::Name(_))
                             })
@@ -768,7 +770,9 @@ pub fn check_nft_text(cfg: &crate::iptables::config::Config, text: &str) -> Resu
                     }
                 }
                 "iifname" | "oifname" => {
-                    let ok = toks.get(i + 1).is_some_and(|v| v.quoted || v.text == "lo");
+                    let ok = toks.get(i + 1).is_some_and(|v| {
+                        v.quoted || v.text == "lo" || expected.iter().any(|e| e == v.text)
+                    });
                     if !ok {
                         return Err(format!("{} without one name token in {line:?}", t.text));
                     }

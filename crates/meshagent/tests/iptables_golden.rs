@@ -23,8 +23,8 @@
 //!   order, `add table` + `flush table`, base chains (prerouting, output) then regular chains
 //!   in constant order, only if they receive rules; `counter` on every rule (1.28+);
 //!   `-I chain N` → `insert rule … index N-1`, or `add` when the chain is shorter.
-//!   Unlike Istio's text, interface and user/group names are quoted (`iifname "eth1"`,
-//!   `skgid != "java"`), so no name can end its token or the rule; numbers stay bare.
+//!   Names are written bare as Istio writes them (`iifname eth1`, `skgid != java`) when they
+//!   are plain identifiers; any other name is quoted, so none can end its token or the rule.
 
 #![allow(clippy::unwrap_used)] // tests fail loudly by design
 
@@ -1566,8 +1566,8 @@ fn nft_cases() -> Vec<(&'static str, Case, String)> {
             .ipv6()
             .dns(&["127.0.0.53"], &[]),
             nat_head(true, true)
-                + &n("prerouting", "iifname \"not-istio-nic\" counter return")
-                + &n("output", "oifname \"not-istio-nic\" counter return")
+                + &n("prerouting", "iifname not-istio-nic counter return")
+                + &n("output", "oifname not-istio-nic counter return")
                 + &nft_fixed()
                 + &nft_out(true)
                 + &nft_owner("1337", "1337", true, true)
@@ -1580,8 +1580,8 @@ fn nft_cases() -> Vec<(&'static str, Case, String)> {
                 )
                 + "\n"
                 + &mangle_head(true)
-                + &m("prerouting", "iifname \"not-istio-nic\" counter return")
-                + &m("output", "oifname \"not-istio-nic\" counter return")
+                + &m("prerouting", "iifname not-istio-nic counter return")
+                + &m("output", "oifname not-istio-nic counter return")
                 + &nft_divert(true)
                 + &m("prerouting", "meta l4proto tcp counter jump istio-inbound")
                 + &m(
@@ -1600,8 +1600,8 @@ fn nft_cases() -> Vec<(&'static str, Case, String)> {
             "basic-exclude-nic",
             case(&["-c", "not-istio-nic", "-b", "*", "-i", "*"]),
             nat_head(true, false)
-                + &n("prerouting", "iifname \"not-istio-nic\" counter return")
-                + &n("output", "oifname \"not-istio-nic\" counter return")
+                + &n("prerouting", "iifname not-istio-nic counter return")
+                + &n("output", "oifname not-istio-nic counter return")
                 + &nft_fixed()
                 + &inbound_all()
                 + &nft_out(false)
@@ -1738,8 +1738,8 @@ fn nft_cases() -> Vec<(&'static str, Case, String)> {
             "ipnets-with-kube-virt-interfaces",
             case(&["-i", "10.0.0.0/8", "-k", "eth1,eth2"]),
             nat_head(true, false)
-                + &n("prerouting", "iifname \"eth1\" counter return")
-                + &ins("nat", "prerouting", 0, "iifname \"eth2\" counter return")
+                + &n("prerouting", "iifname eth1 counter return")
+                + &ins("nat", "prerouting", 0, "iifname eth2 counter return")
                 + &nft_fixed()
                 + &nft_out(false)
                 + &nft_owner("1337", "1337", false, false)
@@ -1748,13 +1748,13 @@ fn nft_cases() -> Vec<(&'static str, Case, String)> {
                     "nat",
                     "prerouting",
                     0,
-                    "iifname \"eth1\" ip daddr 10.0.0.0/8 counter jump istio-redirect",
+                    "iifname eth1 ip daddr 10.0.0.0/8 counter jump istio-redirect",
                 )
                 + &ins(
                     "nat",
                     "prerouting",
                     0,
-                    "iifname \"eth2\" ip daddr 10.0.0.0/8 counter jump istio-redirect",
+                    "iifname eth2 ip daddr 10.0.0.0/8 counter jump istio-redirect",
                 )
                 + &n(
                     "istio-output",
@@ -1765,8 +1765,8 @@ fn nft_cases() -> Vec<(&'static str, Case, String)> {
             "kube-virt-interfaces",
             case(&["-i", "*", "-k", "eth1,eth2", "-b", "*"]),
             nat_head(true, false)
-                + &n("prerouting", "iifname \"eth1\" counter return")
-                + &ins("nat", "prerouting", 0, "iifname \"eth2\" counter return")
+                + &n("prerouting", "iifname eth1 counter return")
+                + &ins("nat", "prerouting", 0, "iifname eth2 counter return")
                 + &nft_fixed()
                 + &inbound_all()
                 + &nft_out(false)
@@ -1777,13 +1777,13 @@ fn nft_cases() -> Vec<(&'static str, Case, String)> {
                     "nat",
                     "prerouting",
                     0,
-                    "iifname \"eth1\" counter jump istio-redirect",
+                    "iifname eth1 counter jump istio-redirect",
                 )
                 + &ins(
                     "nat",
                     "prerouting",
                     0,
-                    "iifname \"eth2\" counter jump istio-redirect",
+                    "iifname eth2 counter jump istio-redirect",
                 ),
         ),
         (
@@ -1815,10 +1815,7 @@ fn nft_cases() -> Vec<(&'static str, Case, String)> {
                 + &nft_fixed()
                 + &nft_out(false)
                 + &nft_owner("1337", "1337", false, false)
-                + &n(
-                    "istio-output",
-                    "skgid != \"java\" skgid != 202 counter return",
-                )
+                + &n("istio-output", "skgid != java skgid != 202 counter return")
                 + &nft_loop(false)
                 + &redirect_all,
         ),
@@ -1830,7 +1827,7 @@ fn nft_cases() -> Vec<(&'static str, Case, String)> {
                 + &nft_out(false)
                 + &nft_owner("1337", "1337", false, false)
                 + &n("istio-output", "skgid 888 counter return")
-                + &n("istio-output", "skgid \"ftp\" counter return")
+                + &n("istio-output", "skgid ftp counter return")
                 + &nft_loop(false)
                 + &redirect_all,
         ),
@@ -1908,7 +1905,7 @@ fn nft_cases() -> Vec<(&'static str, Case, String)> {
             "ipv6-virt-interfaces",
             case(&["-k", "eth1", "-i", "*"]).ipv6(),
             nat_head(true, false)
-                + &n("prerouting", "iifname \"eth1\" counter return")
+                + &n("prerouting", "iifname eth1 counter return")
                 + &nft_fixed()
                 + &nft_out(true)
                 + &nft_owner("1337", "1337", true, false)
@@ -1918,7 +1915,7 @@ fn nft_cases() -> Vec<(&'static str, Case, String)> {
                     "nat",
                     "prerouting",
                     0,
-                    "iifname \"eth1\" counter jump istio-redirect",
+                    "iifname eth1 counter jump istio-redirect",
                 ),
         ),
         (
@@ -1931,10 +1928,7 @@ fn nft_cases() -> Vec<(&'static str, Case, String)> {
                 + &nft_fixed()
                 + &nft_out(true)
                 + &nft_owner("1337", "1337", true, true)
-                + &n(
-                    "istio-output",
-                    "skgid != \"java\" skgid != 202 counter return",
-                )
+                + &n("istio-output", "skgid != java skgid != 202 counter return")
                 + &nft_dns_redirects(&[("ip", "10.96.0.10/32")])
                 + &nft_loop(true)
                 + "\n"

@@ -132,22 +132,104 @@ fn quoted(s: &str) -> String {
     format!("\"{inner}\"")
 }
 
-/// An interface name for `iifname`/`oifname`: always quoted (Istio's nft path writes it
-/// bare, where `#` starts a comment and a keyword such as `return` is no name at all).
-/// iptables' trailing `+` wildcard is nft's trailing `*`, as iptables-nft translates it.
+/// Whether `s` can stand bare in nft text as Istio writes it (`oifname eth0`, `skgid java`):
+/// an identifier nft's scanner reads as one string token, that is no keyword of the rule
+/// grammar. Anything else is quoted: Istio's nft path pastes every name bare, where `#`
+/// starts a comment, `;` ends the rule and a keyword such as `return` is no name at all, so
+/// names Istio handles correctly keep Istio's exact text and the others keep their meaning.
+fn bare(s: &str) -> bool {
+    const KEYWORDS: &[&str] = &[
+        "accept",
+        "drop",
+        "reject",
+        "return",
+        "jump",
+        "goto",
+        "continue",
+        "queue",
+        "counter",
+        "redirect",
+        "tproxy",
+        "to",
+        "meta",
+        "mark",
+        "ct",
+        "state",
+        "zone",
+        "set",
+        "ip",
+        "ip6",
+        "inet",
+        "tcp",
+        "udp",
+        "dport",
+        "sport",
+        "saddr",
+        "daddr",
+        "iifname",
+        "oifname",
+        "skuid",
+        "skgid",
+        "l4proto",
+        "log",
+        "limit",
+        "masquerade",
+        "snat",
+        "dnat",
+        "notrack",
+        "vmap",
+        "map",
+        "element",
+        "table",
+        "chain",
+        "rule",
+        "add",
+        "insert",
+        "delete",
+        "flush",
+        "type",
+        "hook",
+        "priority",
+        "policy",
+        "comment",
+        "th",
+        "icmp",
+        "icmpv6",
+        "ether",
+        "vlan",
+        "arp",
+        "socket",
+        "fib",
+        "rt",
+        "nat",
+        "filter",
+        "route",
+        "any",
+    ];
+    let mut chars = s.chars();
+    chars.next().is_some_and(|c| c.is_ascii_alphabetic())
+        && chars.all(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '.' | '-'))
+        && !KEYWORDS.contains(&s)
+}
+
+/// An interface name for `iifname`/`oifname`: bare when [`bare`] allows (as Istio writes
+/// it), else quoted. iptables' trailing `+` wildcard is nft's trailing `*`, as iptables-nft
+/// translates it.
 pub fn ifname(n: &str) -> String {
     match n.strip_suffix('+') {
         Some(prefix) => quoted(&format!("{prefix}*")),
+        None if bare(n) => n.to_owned(),
         None => quoted(n),
     }
 }
 
-/// A uid/gid for `skuid`/`skgid`: numbers and ranges bare, names quoted (nft resolves a
-/// quoted name like a bare one).
+/// A uid/gid for `skuid`/`skgid`: numbers and ranges bare, names as [`ifname`] writes them
+/// (nft resolves a quoted name like a bare one).
 pub fn owner(id: &str) -> String {
     match OwnerId::parse(id) {
         Some(OwnerId::Id(n)) => n.to_string(),
         Some(OwnerId::Range(lo, hi)) => format!("{lo}-{hi}"),
+        Some(OwnerId::Name(name)) if bare(name) => name.to_owned(),
         Some(OwnerId::Name(name)) => quoted(name),
         None => quoted(id),
     }
