@@ -192,6 +192,10 @@ impl Cache {
                     format!("unsupported Wasm module downloading URL scheme: {url}"),
                 ));
             };
+        // One overall deadline (Istio `pkg/wasm/convert.go`: the fetch context's timeout is
+        // `http_uri.timeout`): every request, body, token exchange and retry of this fetch,
+        // and this caller's wait on another caller's download of the same module.
+        let deadline = Instant::now() + o.timeout;
         let h = unpack::sha256_hex(module_name.as_bytes());
         let ignore_rv = ignore_resource_version(o.pull_policy, url);
         if let Some(p) = self.lookup(url, &h, &mut checksum, &o, ignore_rv) {
@@ -207,8 +211,15 @@ impl Cache {
                     let me = self.clone();
                     let url = url.to_owned();
                     let o = o.clone();
-                    async move {
-                        let r = me.download(&url, &h, &checksum, oci_ref, &o).await;
+                    // A task of its own: the download runs to its end (success or deadline)
+                    // even when every waiter has gone (a superseded ECDS response), so the
+                    // single-flight entry never outlives its deadline unpolled.
+                    let task = tokio::spawn(async move {
+                        let work = me.download(&url, &h, &checksum, oci_ref, &o, deadline);
+                        let r = match tokio::time::timeout_at(deadline, work).await {
+                            Ok(r) => r,
+                            Err(_) => Err(timed_out(&url, o.timeout)),
+                        };
                         lock(&me.inner)
                             .inflight
                             .remove(&format!("{url}\n{checksum}"));
@@ -218,13 +229,26 @@ impl Cache {
                         };
                         me.metrics.remote_fetch.with(&[label]).inc();
                         r
+                    });
+                    async move {
+                        task.await.unwrap_or_else(|e| {
+                            Err(FetchError::new(
+                                FetchResult::FetchFailure,
+                                format!("the download task failed: {e}"),
+                            ))
+                        })
                     }
                     .boxed()
                     .shared()
                 })
                 .clone()
         };
-        pending.await
+        // A caller joining a download started with a longer timeout still waits no longer
+        // than its own.
+        match tokio::time::timeout_at(deadline, pending).await {
+            Ok(r) => r,
+            Err(_) => Err(timed_out(url, o.timeout)),
+        }
     }
 
     /// Istio `getEntry`, with the restart fallback: a URL without checksum whose module dir
@@ -292,8 +316,8 @@ impl Cache {
         expected: &str,
         oci_ref: Option<oci::Reference>,
         o: &GetOptions,
+        deadline: Instant,
     ) -> Result<PathBuf, FetchError> {
-        let deadline = Instant::now() + o.timeout;
         let tmp = unpack::tmp_dir(&self.opts.dir);
         let (module, checksum) = match oci_ref {
             None => {
@@ -371,13 +395,22 @@ impl Cache {
                 .map_err(|e| bad(format!("pull secret: {e}")));
         }
         let Some(path) = self.opts.docker_config.clone() else {
+            tracing::debug!("no HOME or DOCKER_CONFIG: anonymous registry access");
             return Ok(None);
         };
-        let data = match crate::fsio::read(path.clone(), 1024 * 1024, Duration::from_secs(5)).await
-        {
-            Ok(d) => d,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
-            Err(e) => return Err(bad(format!("docker config {}: {e}", path.display()))),
+        let p = path.clone();
+        let job = tokio::task::spawn_blocking(move || read_docker_config(&p));
+        let data = match tokio::time::timeout(DOCKER_CONFIG_READ_TIMEOUT, job).await {
+            Ok(Ok(Ok(Some(d)))) => d,
+            Ok(Ok(Ok(None))) => return Ok(None),
+            Ok(Ok(Err(e))) => return Err(bad(format!("docker config: {e}"))),
+            Ok(Err(e)) => return Err(bad(format!("docker config {}: {e}", path.display()))),
+            Err(_) => {
+                return Err(bad(format!(
+                    "docker config {}: not read within {DOCKER_CONFIG_READ_TIMEOUT:?}",
+                    path.display()
+                )));
+            }
         };
         lookup(data, true)
             .await
@@ -416,6 +449,50 @@ impl Cache {
             }
         })
         .await;
+    }
+}
+
+fn timed_out(url: &str, timeout: Duration) -> FetchError {
+    FetchError::new(
+        FetchResult::DownloadFailure,
+        format!("{url}: not fetched within the {timeout:?} of http_uri.timeout"),
+    )
+}
+
+/// Bound on reading the docker config (a hung network home directory must not hold a pull
+/// beyond it; the read itself may stay stuck on the blocking pool).
+const DOCKER_CONFIG_READ_TIMEOUT: Duration = Duration::from_secs(5);
+/// Largest docker config read.
+const MAX_DOCKER_CONFIG: u64 = 1024 * 1024;
+
+/// The keychain file as go-containerregistry's `authn.DefaultKeychain` finds it
+/// (`pkg/authn/keychain.go`): the file is used only if `stat` finds something that is not a
+/// directory; any `stat` failure (no file, no `.docker` directory, `HOME` not a directory or
+/// not searchable) means anonymous access. A found file is loaded by docker/cli's
+/// `config.Load` (`cli/config/config.go`), which fails on an unreadable file but takes an
+/// empty one as no configuration (`LoadFromReader` ignores `io.EOF`: 0 bytes or only
+/// whitespace). `Ok(None)`: anonymous. Blocking.
+fn read_docker_config(path: &Path) -> Result<Option<Vec<u8>>, String> {
+    match std::fs::metadata(path) {
+        Ok(m) if !m.is_dir() => {}
+        Ok(_) => {
+            tracing::debug!(path = %path.display(), "docker config is a directory: anonymous registry access");
+            return Ok(None);
+        }
+        Err(e) => {
+            tracing::debug!(path = %path.display(), error = %e, "no docker config: anonymous registry access");
+            return Ok(None);
+        }
+    }
+    match crate::fsio::read_bounded(path, MAX_DOCKER_CONFIG) {
+        // Removed between the stat and the open: as if the stat had not found it.
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+        Err(e) => Err(e.to_string()),
+        Ok(d) if d.iter().all(u8::is_ascii_whitespace) => {
+            tracing::debug!(path = %path.display(), "docker config is empty: anonymous registry access");
+            Ok(None)
+        }
+        Ok(d) => Ok(Some(d)),
     }
 }
 

@@ -11,8 +11,11 @@
 #![allow(deprecated)]
 
 use std::collections::BTreeMap;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
+
+use futures::future::BoxFuture;
+use tokio_util::sync::CancellationToken;
 
 use meshagent_proto::envoy::pb::envoy::config::core::v3::{
     AsyncDataSource, DataSource, TypedExtensionConfig, async_data_source, data_source,
@@ -86,39 +89,247 @@ pub enum FilterKind {
 pub struct Converter {
     pub cache: Arc<Cache>,
     pub metrics: Metrics,
+    /// Conversions of responses still pending, which a newer response may make unwanted.
+    pending: Mutex<Pending>,
 }
 
 /// Why a response must be NACKed.
 pub type Nack = String;
 
-impl Converter {
-    /// Converts a whole SotW or Delta response; `Err` is the NACK message.
-    pub async fn convert_response(&self, delta: bool, msg: &[u8]) -> Result<Vec<u8>, Nack> {
-        let start = Instant::now();
-        let out = if delta {
-            let mut r = DeltaDiscoveryResponse::decode(msg)
-                .map_err(|e| format!("invalid ECDS response: {e}"))?;
-            let anys: Vec<Option<Any>> =
-                r.resources.iter_mut().map(|x| x.resource.take()).collect();
-            let converted = futures::future::join_all(anys.into_iter().map(|a| async move {
-                match a {
-                    Some(a) => self.convert(a).await.map(Some),
-                    None => Ok(None),
-                }
-            }))
-            .await;
-            for (res, c) in r.resources.iter_mut().zip(converted) {
-                res.resource = c?;
-            }
-            r.encode_to_vec()
+/// What the proxy hands on for one ECDS response.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Converted {
+    /// The converted response, for Envoy.
+    Forward(Vec<u8>),
+    /// A newer SotW response arrived while this one was still fetching: it carries the whole
+    /// requested set, so this one is neither forwarded nor ACKed.
+    Superseded,
+}
+
+#[derive(Default)]
+struct Pending {
+    next: u64,
+    entries: Vec<PendingEntry>,
+}
+
+/// One resource of a response being converted.
+struct PendingEntry {
+    id: u64,
+    delta: bool,
+    name: String,
+    cancel: CancellationToken,
+}
+
+enum Decoded {
+    Sotw(DiscoveryResponse),
+    Delta(DeltaDiscoveryResponse),
+}
+
+impl Decoded {
+    fn decode(delta: bool, msg: &[u8]) -> Result<Decoded, Nack> {
+        let bad = |e: prost::DecodeError| format!("invalid ECDS response: {e}");
+        Ok(if delta {
+            Decoded::Delta(DeltaDiscoveryResponse::decode(msg).map_err(bad)?)
         } else {
-            let mut r = DiscoveryResponse::decode(msg)
-                .map_err(|e| format!("invalid ECDS response: {e}"))?;
-            let anys = std::mem::take(&mut r.resources);
-            let converted =
-                futures::future::join_all(anys.into_iter().map(|a| self.convert(a))).await;
-            r.resources = converted.into_iter().collect::<Result<_, _>>()?;
-            r.encode_to_vec()
+            Decoded::Sotw(DiscoveryResponse::decode(msg).map_err(bad)?)
+        })
+    }
+
+    /// The name of each resource (Delta: `Resource.name`, else the extension's own name), and
+    /// for Delta the names it removes.
+    fn names(&self) -> (Vec<String>, Vec<String>) {
+        let ec_name = |a: &Any| {
+            TypedExtensionConfig::decode(a.value.as_slice())
+                .map(|e| e.name)
+                .unwrap_or_default()
+        };
+        match self {
+            Decoded::Sotw(r) => (r.resources.iter().map(ec_name).collect(), Vec::new()),
+            Decoded::Delta(r) => (
+                r.resources
+                    .iter()
+                    .map(|x| match (&x.name, &x.resource) {
+                        (n, _) if !n.is_empty() => n.clone(),
+                        (_, Some(a)) => ec_name(a),
+                        _ => String::new(),
+                    })
+                    .collect(),
+                r.removed_resources.clone(),
+            ),
+        }
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Removes a response's entries from [`Pending`] when its conversion ends or is dropped.
+struct Deregister {
+    conv: Arc<Converter>,
+    ids: Vec<u64>,
+}
+
+impl Drop for Deregister {
+    fn drop(&mut self) {
+        lock(&self.conv.pending)
+            .entries
+            .retain(|e| !self.ids.contains(&e.id));
+    }
+}
+
+impl Converter {
+    pub fn new(cache: Arc<Cache>, metrics: Metrics) -> Converter {
+        Converter {
+            cache,
+            metrics,
+            pending: Mutex::default(),
+        }
+    }
+
+    /// Converts a whole SotW or Delta response; `Err` is the NACK message. Nothing can
+    /// supersede it (see [`Converter::convert_latest`]).
+    pub async fn convert_response(&self, delta: bool, msg: &[u8]) -> Result<Vec<u8>, Nack> {
+        let d = Decoded::decode(delta, msg)?;
+        let n = match &d {
+            Decoded::Sotw(r) => r.resources.len(),
+            Decoded::Delta(r) => r.resources.len(),
+        };
+        match self.run(d, vec![None; n]).await? {
+            Converted::Forward(b) => Ok(b),
+            Converted::Superseded => Err("superseded".into()),
+        }
+    }
+
+    /// The xDS proxy's conversion of one ECDS response. Registered at once, in the order
+    /// responses arrive, so that a newer response releases the older ones it makes unwanted
+    /// instead of queueing behind their fetches (the proxy hands ECDS responses to Envoy in
+    /// order, `xds/stream.rs`): a newer SotW response supersedes every older pending one (it
+    /// carries the whole requested set); a newer Delta response supersedes the pending
+    /// resources it updates or removes, which the older response then goes without. A
+    /// superseded fetch itself runs on to its deadline in the cache (a later request for the
+    /// same module joins it). Istio converts each response in its own goroutine and forwards
+    /// whichever finishes first (`pkg/istio-agent/xds_proxy.go` `rewriteAndForward`), so a
+    /// slow older response can overwrite a newer one there; this keeps the order.
+    ///
+    /// Only Envoy's ADS stream carries ECDS, so responses are compared across the one
+    /// converter.
+    pub fn convert_latest(
+        self: &Arc<Self>,
+        delta: bool,
+        msg: &[u8],
+    ) -> BoxFuture<'static, Result<Converted, Nack>> {
+        let d = match Decoded::decode(delta, msg) {
+            Ok(d) => d,
+            Err(e) => return Box::pin(std::future::ready(Err(e))),
+        };
+        let (names, removed) = d.names();
+        let (ids, tokens) = {
+            let mut p = lock(&self.pending);
+            let mut released = 0usize;
+            for e in p.entries.iter().filter(|e| e.delta == delta) {
+                let replaced = !delta || names.contains(&e.name) || removed.contains(&e.name);
+                if replaced && !e.cancel.is_cancelled() {
+                    e.cancel.cancel();
+                    released += 1;
+                }
+            }
+            if released > 0 {
+                tracing::info!(
+                    resources = released,
+                    "a newer ECDS response replaces resources still being fetched; the older response is not held for them"
+                );
+            }
+            let mut ids = Vec::with_capacity(names.len());
+            let mut tokens = Vec::with_capacity(names.len());
+            for name in names {
+                let id = p.next;
+                p.next += 1;
+                let cancel = CancellationToken::new();
+                p.entries.push(PendingEntry {
+                    id,
+                    delta,
+                    name,
+                    cancel: cancel.clone(),
+                });
+                ids.push(id);
+                tokens.push(Some(cancel));
+            }
+            (ids, tokens)
+        };
+        let me = self.clone();
+        Box::pin(async move {
+            let _done = Deregister {
+                conv: me.clone(),
+                ids,
+            };
+            me.run(d, tokens).await
+        })
+    }
+
+    /// One resource, unless a newer response supersedes it first (`None`).
+    async fn convert_unless(
+        &self,
+        a: Any,
+        superseded: Option<CancellationToken>,
+    ) -> Option<Result<Any, Nack>> {
+        match superseded {
+            None => Some(self.convert(a).await),
+            Some(t) => tokio::select! {
+                biased;
+                _ = t.cancelled() => None,
+                r = self.convert(a) => Some(r),
+            },
+        }
+    }
+
+    async fn run(
+        &self,
+        d: Decoded,
+        tokens: Vec<Option<CancellationToken>>,
+    ) -> Result<Converted, Nack> {
+        let start = Instant::now();
+        let out = match d {
+            Decoded::Delta(mut r) => {
+                let resources = std::mem::take(&mut r.resources);
+                let converted = futures::future::join_all(resources.iter().zip(tokens).map(
+                    |(res, t)| async move {
+                        match res.resource.clone() {
+                            Some(a) => self.convert_unless(a, t).await.map(|c| c.map(Some)),
+                            None => Some(Ok(None)),
+                        }
+                    },
+                ))
+                .await;
+                for (mut res, c) in resources.into_iter().zip(converted) {
+                    match c {
+                        Some(c) => {
+                            res.resource = c?;
+                            r.resources.push(res);
+                        }
+                        None => {
+                            tracing::info!(resource = %res.name, nonce = %r.nonce, "ECDS resource superseded by a newer response before its Wasm module was fetched; left out of this one");
+                        }
+                    }
+                }
+                Converted::Forward(r.encode_to_vec())
+            }
+            Decoded::Sotw(mut r) => {
+                let anys = std::mem::take(&mut r.resources);
+                let converted = futures::future::join_all(
+                    anys.into_iter()
+                        .zip(tokens)
+                        .map(|(a, t)| self.convert_unless(a, t)),
+                )
+                .await;
+                if converted.iter().any(Option::is_none) {
+                    tracing::info!(nonce = %r.nonce, version = %r.version_info, "ECDS response superseded by a newer one before its Wasm modules were fetched; not forwarded");
+                    Converted::Superseded
+                } else {
+                    r.resources = converted.into_iter().flatten().collect::<Result<_, _>>()?;
+                    Converted::Forward(r.encode_to_vec())
+                }
+            }
         };
         self.metrics
             .conversion_duration_ms

@@ -92,8 +92,11 @@ pub async fn http(
             tokio::time::sleep(backoff).await;
             backoff = backoff.mul_f64(1.5);
         }
-        let resp = match tokio::time::timeout_at(deadline, client.get(url, &HeaderMap::new(), None))
-            .await
+        let resp = match tokio::time::timeout_at(
+            deadline,
+            client.get(url, &HeaderMap::new(), None, deadline),
+        )
+        .await
         {
             Err(_) => {
                 last = format!("{url}: timed out");
@@ -118,7 +121,7 @@ pub async fn http(
                 .await;
         }
         last = format!("wasm module download request failed: {url}: status code {status}");
-        resp.discard().await;
+        resp.discard();
         if !retryable(status) {
             break;
         }
