@@ -761,13 +761,47 @@ pub fn sotw_response(version: &str, nonce: &str, resources: Vec<Any>) -> Vec<u8>
     .encode_to_vec()
 }
 
-/// Test/bench helper: an ECDS resource of a remote HTTP Wasm filter.
+/// Test helper: a Delta ECDS response of these named resources and removals.
+pub fn delta_response(nonce: &str, resources: Vec<(String, Any)>, removed: Vec<String>) -> Vec<u8> {
+    use meshagent_proto::envoy::pb::envoy::service::discovery::v3::Resource;
+    DeltaDiscoveryResponse {
+        system_version_info: nonce.into(),
+        resources: resources
+            .into_iter()
+            .map(|(name, a)| Resource {
+                name,
+                resource: Some(a),
+                ..Default::default()
+            })
+            .collect(),
+        removed_resources: removed,
+        type_url: meshagent_proto::type_url::EXTENSION_CONFIG.into(),
+        nonce: nonce.into(),
+        ..Default::default()
+    }
+    .encode_to_vec()
+}
+
+/// Test/bench helper: an ECDS resource of a remote HTTP Wasm filter (`http_uri.timeout` 30 s,
+/// what istiod sets).
 pub fn remote_wasm_resource(
     name: &str,
     url: &str,
     sha256: &str,
     env: BTreeMap<String, String>,
     fail_open: bool,
+) -> Any {
+    remote_wasm_resource_with_timeout(name, url, sha256, env, fail_open, Duration::from_secs(30))
+}
+
+/// [`remote_wasm_resource`] with another `http_uri.timeout`.
+pub fn remote_wasm_resource_with_timeout(
+    name: &str,
+    url: &str,
+    sha256: &str,
+    env: BTreeMap<String, String>,
+    fail_open: bool,
+    timeout: Duration,
 ) -> Any {
     use meshagent_proto::envoy::pb::envoy::config::core::v3::{
         HttpUri, RemoteDataSource, http_uri,
@@ -783,8 +817,8 @@ pub fn remote_wasm_resource(
                         http_uri: Some(HttpUri {
                             uri: url.into(),
                             timeout: Some(meshagent_proto::envoy::pb::google::protobuf::Duration {
-                                seconds: 30,
-                                nanos: 0,
+                                seconds: i64::try_from(timeout.as_secs()).unwrap_or(i64::MAX),
+                                nanos: i32::try_from(timeout.subsec_nanos()).unwrap_or(0),
                             }),
                             http_upstream_type: Some(http_uri::HttpUpstreamType::Cluster(
                                 url.into(),
