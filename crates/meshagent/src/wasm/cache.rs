@@ -556,7 +556,99 @@ fn starts_with_magic(p: &Path) -> bool {
 
 #[cfg(test)]
 mod tests {
+    #![allow(clippy::unwrap_used)]
     use super::*;
+
+    /// go-containerregistry's keychain: anything `stat` does not find is anonymous; a found
+    /// file that is empty (or only whitespace, `io.EOF` to Go's decoder) is anonymous; a
+    /// found file that cannot be read fails, naming it.
+    #[test]
+    fn c2_docker_config_missing_or_empty_is_anonymous() {
+        let home = tempfile::tempdir().unwrap();
+        let cfg = home.path().join(".docker/config.json");
+        // HOME is an empty directory: no `.docker` directory.
+        assert_eq!(read_docker_config(&cfg), Ok(None));
+        // `.docker` exists, no config.json.
+        std::fs::create_dir(home.path().join(".docker")).unwrap();
+        assert_eq!(read_docker_config(&cfg), Ok(None));
+        // Empty and whitespace-only files.
+        for empty in ["", " \n\t\r\n"] {
+            std::fs::write(&cfg, empty).unwrap();
+            assert_eq!(read_docker_config(&cfg), Ok(None), "{empty:?}");
+        }
+        // A directory where the file should be.
+        std::fs::remove_file(&cfg).unwrap();
+        std::fs::create_dir(&cfg).unwrap();
+        assert_eq!(read_docker_config(&cfg), Ok(None));
+        // HOME is a file, not a directory (ENOTDIR), or does not exist.
+        let file_home = home.path().join("plain");
+        std::fs::write(&file_home, "x").unwrap();
+        assert_eq!(
+            read_docker_config(&file_home.join(".docker/config.json")),
+            Ok(None)
+        );
+        assert_eq!(
+            read_docker_config(&home.path().join("gone/.docker/config.json")),
+            Ok(None)
+        );
+        // A present file is returned as is (malformed JSON is refused by the lookup, which
+        // names the file: `Cache::credentials`).
+        let h2 = tempfile::tempdir().unwrap();
+        let cfg2 = h2.path().join("config.json");
+        std::fs::write(&cfg2, "{not json").unwrap();
+        assert_eq!(read_docker_config(&cfg2), Ok(Some(b"{not json".to_vec())));
+        // Found but not a regular file (a FIFO, which would block a plain read): an error
+        // naming it.
+        std::fs::remove_file(&cfg2).unwrap();
+        nix::unistd::mkfifo(&cfg2, nix::sys::stat::Mode::S_IRWXU).unwrap();
+        let e = read_docker_config(&cfg2).unwrap_err();
+        assert!(e.contains(&*cfg2.to_string_lossy()), "{e}");
+    }
+
+    /// An unsearchable HOME (`stat` fails with EACCES) is anonymous too. Root passes every
+    /// permission check, so as root the check runs in this test binary re-executed as
+    /// `nobody` ([`c2_unreadable_home_child`]).
+    #[test]
+    fn c2_unreadable_home_is_anonymous() {
+        use std::os::unix::fs::PermissionsExt as _;
+        use std::os::unix::process::CommandExt as _;
+        let home = tempfile::tempdir().unwrap();
+        std::fs::create_dir(home.path().join(".docker")).unwrap();
+        let cfg = home.path().join(".docker/config.json");
+        std::fs::write(&cfg, "{}").unwrap();
+        std::fs::set_permissions(home.path(), std::fs::Permissions::from_mode(0o700)).unwrap();
+        if nix::unistd::geteuid().is_root() {
+            let out = std::process::Command::new(std::env::current_exe().unwrap())
+                .args(["--exact", "wasm::cache::tests::c2_unreadable_home_child"])
+                .env("C2_DOCKER_CONFIG", &cfg)
+                .uid(65534)
+                .gid(65534)
+                .output()
+                .unwrap();
+            let text = String::from_utf8_lossy(&out.stdout);
+            assert!(
+                out.status.success() && text.contains("1 passed"),
+                "{text}{}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+        } else {
+            std::fs::set_permissions(home.path(), std::fs::Permissions::from_mode(0o000))
+                .unwrap();
+            assert_eq!(read_docker_config(&cfg), Ok(None));
+            std::fs::set_permissions(home.path(), std::fs::Permissions::from_mode(0o700))
+                .unwrap();
+        }
+    }
+
+    /// The unprivileged half of [`c2_unreadable_home_is_anonymous`] (does nothing alone).
+    #[test]
+    fn c2_unreadable_home_child() {
+        if let Some(cfg) = std::env::var_os("C2_DOCKER_CONFIG") {
+            let cfg = std::path::PathBuf::from(cfg);
+            assert!(std::fs::metadata(&cfg).is_err(), "the home is searchable");
+            assert_eq!(read_docker_config(&cfg), Ok(None));
+        }
+    }
 
     #[test]
     fn pull_policy_rules() {
