@@ -777,3 +777,118 @@ async fn r2_a_newer_ecds_response_is_not_queued_behind_a_hung_fetch() {
     assert_eq!(d[0].0, "g");
     assert!(matches!(d[0].1, Out::Local(_)), "{d:?}");
 }
+
+// === R6: disk full and read-only cache ===
+
+/// The cache's answer for `url` (the error text the agent logs for a failed fetch).
+async fn get(a: &Agent, url: &str) -> Result<std::path::PathBuf, meshagent::wasm::fetch::FetchError> {
+    a.conv
+        .cache
+        .get(
+            url,
+            meshagent::wasm::cache::GetOptions {
+                resource_name: "default.hdr".into(),
+                timeout: Duration::from_secs(30),
+                ..Default::default()
+            },
+        )
+        .await
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn r6_wasm_cache_disk_full_leaves_nothing_behind_and_is_retried() {
+    let small = module();
+    let big = padded_module(&small, 600 * 1024);
+    let srv = ModServer::start().await;
+    srv.route("/big.wasm", Behaviour::Serve(big.clone()));
+    // Fits as a download (zeros compress), not once unpacked.
+    srv.route("/big.wasm.gz", Behaviour::Serve(gzip(&big)));
+    srv.route("/small.wasm", Behaviour::Serve(small.clone()));
+    let fs = Tmpfs::mount("256k");
+    let a = agent(fs.path(), wasm_config(&[], 8 << 20));
+    let big_sha = sha256_hex(&big);
+    for p in ["/big.wasm", "/big.wasm.gz"] {
+        let url = srv.url(p);
+        // Disk full: the fail strategy applies, with the reason.
+        assert_eq!(convert_one(&a, &url, &big_sha, false).await, deny(), "{p}");
+        assert_eq!(convert_one(&a, &url, &big_sha, true).await, allow(), "{p}");
+        let e = get(&a, &url).await.unwrap_err();
+        assert!(e.message.contains("No space left on device"), "{p}: {e}");
+        // No partial file is left, in the cache or its temp directory.
+        assert_eq!(fs.files(), Vec::<std::path::PathBuf>::new(), "{p}");
+        assert!(a.conv.cache.is_empty());
+    }
+    let m = metrics(&a);
+    assert_eq!(
+        metric(&m, "istio_agent_wasm_remote_fetch_count{result=\"success\"}"),
+        0.0,
+        "{m}"
+    );
+    // The agent keeps serving: a module that fits is fetched and cached.
+    assert!(matches!(
+        convert_one(&a, &srv.url("/small.wasm"), &sha256_hex(&small), false).await,
+        Out::Local(_)
+    ));
+    // Each request tried again (failures are not cached); with space, the next succeeds.
+    assert_eq!(srv.hits("/big.wasm"), 3);
+    fs.remount("size=4m");
+    let Out::Local(f) = convert_one(&a, &srv.url("/big.wasm"), &big_sha, false).await else {
+        panic!("not fetched once there is space")
+    };
+    assert_eq!(std::fs::read(f).unwrap(), big);
+    // A restart trusts only the complete modules.
+    drop(a);
+    let b = agent(fs.path(), wasm_config(&[], 8 << 20));
+    assert!(matches!(
+        convert_one(&b, &srv.url("/big.wasm"), &big_sha, false).await,
+        Out::Local(_)
+    ));
+    assert_eq!(b.conv.cache.len(), 2);
+    assert_eq!(srv.hits("/big.wasm"), 4);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn r6_wasm_cache_read_only_serves_cached_modules_and_retries() {
+    let one = module();
+    let two = padded_module(&one, 4096);
+    let srv = ModServer::start().await;
+    srv.route("/one.wasm", Behaviour::Serve(one.clone()));
+    srv.route("/two.wasm", Behaviour::Serve(two.clone()));
+    let fs = Tmpfs::mount("4m");
+    let a = agent(fs.path(), wasm_config(&[], 8 << 20));
+    let (sha1, sha2) = (sha256_hex(&one), sha256_hex(&two));
+    assert!(matches!(
+        convert_one(&a, &srv.url("/one.wasm"), &sha1, false).await,
+        Out::Local(_)
+    ));
+    let before = fs.files();
+    assert_eq!(before.len(), 1);
+
+    fs.remount("ro");
+    // The running agent: a new module cannot be written; the fail strategy applies, with
+    // the reason; a cached one is still served.
+    assert_eq!(convert_one(&a, &srv.url("/two.wasm"), &sha2, false).await, deny());
+    let e = get(&a, &srv.url("/two.wasm")).await.unwrap_err();
+    assert!(e.message.contains("Read-only file system"), "{e}");
+    assert!(matches!(
+        convert_one(&a, &srv.url("/one.wasm"), &sha1, false).await,
+        Out::Local(_)
+    ));
+    // An agent restarted on the read-only cache restores and serves what is there.
+    let b = agent(fs.path(), wasm_config(&[], 8 << 20));
+    assert!(matches!(
+        convert_one(&b, &srv.url("/one.wasm"), &sha1, false).await,
+        Out::Local(_)
+    ));
+    assert_eq!(srv.hits("/one.wasm"), 1);
+    assert_eq!(convert_one(&b, &srv.url("/two.wasm"), &sha2, true).await, allow());
+    assert_eq!(fs.files(), before);
+
+    // Writable again: the next request fetches it.
+    fs.remount("rw");
+    let Out::Local(f) = convert_one(&b, &srv.url("/two.wasm"), &sha2, false).await else {
+        panic!("not fetched once writable")
+    };
+    assert_eq!(std::fs::read(f).unwrap(), two);
+    assert_eq!(srv.hits("/two.wasm"), 4);
+}

@@ -158,6 +158,7 @@ pub(crate) async fn unpack_blocking(
     member: TarMember,
 ) -> Result<Module, FetchError> {
     let dir: PathBuf = tmp_dir.to_owned();
+    let shown = dir.display().to_string();
     tokio::task::spawn_blocking(move || unpack::unpack(file, sha256, &dir, max, member))
         .await
         .map_err(|e| FetchError::new(FetchResult::FetchFailure, e.to_string()))?
@@ -165,6 +166,11 @@ pub(crate) async fn unpack_blocking(
             unpack::UnpackError::TooLarge { .. } => {
                 FetchError::new(FetchResult::DownloadFailure, e.to_string())
             }
+            // Disk full, read-only cache: say where (the temp file is already removed).
+            unpack::UnpackError::Io(e) => FetchError::new(
+                FetchResult::FetchFailure,
+                format!("unpacking the module in {shown}: {e}"),
+            ),
             e => FetchError::new(FetchResult::FetchFailure, e.to_string()),
         })
 }
