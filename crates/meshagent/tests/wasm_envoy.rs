@@ -284,7 +284,14 @@ async fn r2_stalled_servers_hold_neither_readiness_nor_the_next_ecds_push() {
     let mut b = Sidecar::start(&dp, "b", "default", "b", &[]).await;
     a.wait_ready(READY).await;
     b.wait_ready(READY).await;
-    wait_response("the fail-closed stand-in of the stalled 404", &m, 403, false, &[&a]).await;
+    wait_response(
+        "the fail-closed stand-in of the stalled 404",
+        &m,
+        403,
+        false,
+        &[&a],
+    )
+    .await;
 
     // A download that hangs; then the plugin is replaced by a good module.
     let before = stall_200.connections();

@@ -627,25 +627,37 @@ async fn r2_stalled_bodies_end_within_http_uri_timeout_and_apply_the_fail_strate
         for o in [&o1, &o2, &o3] {
             assert_eq!(*o, want, "{what}");
         }
-        assert!(d1 <= timeout + SLACK && d2 <= timeout + SLACK, "{what}: {d1:?} {d2:?}");
-        assert!(d3 <= short + SLACK, "{what}: the joining caller waited {d3:?}");
+        assert!(
+            d1 <= timeout + SLACK && d2 <= timeout + SLACK,
+            "{what}: {d1:?} {d2:?}"
+        );
+        assert!(
+            d3 <= short + SLACK,
+            "{what}: the joining caller waited {d3:?}"
+        );
         assert!(srv.connections() >= 1, "{what}");
         // The download's own outcome is counted as it ends (with its deadline).
-        meshagent_testkit::wait_for("the failed fetch to be counted", Duration::from_secs(5), || async {
-            let m = metrics(&a);
-            let failed = |r: &str| {
-                metric(
-                    &m,
-                    &format!("istio_agent_wasm_remote_fetch_count{{result=\"{r}\"}}"),
-                )
-            };
-            (failed("download_failure") + failed("manifest_failure") == 1.0).then_some(())
-        })
+        meshagent_testkit::wait_for(
+            "the failed fetch to be counted",
+            Duration::from_secs(5),
+            || async {
+                let m = metrics(&a);
+                let failed = |r: &str| {
+                    metric(
+                        &m,
+                        &format!("istio_agent_wasm_remote_fetch_count{{result=\"{r}\"}}"),
+                    )
+                };
+                (failed("download_failure") + failed("manifest_failure") == 1.0).then_some(())
+            },
+        )
         .await;
         // The agent closed its connections: nothing is left holding a socket.
-        meshagent_testkit::wait_for("the agent to close its connections", Duration::from_secs(5), || async {
-            (srv.open() == 0).then_some(())
-        })
+        meshagent_testkit::wait_for(
+            "the agent to close its connections",
+            Duration::from_secs(5),
+            || async { (srv.open() == 0).then_some(()) },
+        )
         .await;
     }
 }
@@ -697,9 +709,11 @@ async fn r2_a_newer_ecds_response_is_not_queued_behind_a_hung_fetch() {
     let wait_hung = |n: u32| {
         let hung = &hung;
         async move {
-            meshagent_testkit::wait_for("the hung fetch to start", Duration::from_secs(10), || async {
-                (hung.connections() >= n).then_some(())
-            })
+            meshagent_testkit::wait_for(
+                "the hung fetch to start",
+                Duration::from_secs(10),
+                || async { (hung.connections() >= n).then_some(()) },
+            )
             .await
         }
     };
@@ -737,8 +751,11 @@ async fn r2_a_newer_ecds_response_is_not_queued_behind_a_hung_fetch() {
         ],
         vec![],
     );
-    let second =
-        convert::delta_response("d2", vec![("a".into(), res("a", &good_url))], vec!["c".into()]);
+    let second = convert::delta_response(
+        "d2",
+        vec![("a".into(), res("a", &good_url))],
+        vec!["c".into()],
+    );
     let before = hung.connections();
     let j1 = tokio::spawn(a.conv.convert_latest(true, &first));
     // "a" joins the first (superseded, still running) download of the hung URL; "c" is new.
@@ -759,7 +776,11 @@ async fn r2_a_newer_ecds_response_is_not_queued_behind_a_hung_fetch() {
 
     // A newer Delta response about another resource does not release a pending one: the
     // slow module is still fetched and forwarded first.
-    let first = convert::delta_response("d3", vec![("g".into(), res("g", &srv.url("/gate.wasm")))], vec![]);
+    let first = convert::delta_response(
+        "d3",
+        vec![("g".into(), res("g", &srv.url("/gate.wasm")))],
+        vec![],
+    );
     let second = convert::delta_response("d4", vec![("h".into(), res("h", &good_url))], vec![]);
     let j1 = tokio::spawn(a.conv.convert_latest(true, &first));
     meshagent_testkit::wait_for("the gated fetch", Duration::from_secs(10), || async {
@@ -781,7 +802,10 @@ async fn r2_a_newer_ecds_response_is_not_queued_behind_a_hung_fetch() {
 // === R6: disk full and read-only cache ===
 
 /// The cache's answer for `url` (the error text the agent logs for a failed fetch).
-async fn get(a: &Agent, url: &str) -> Result<std::path::PathBuf, meshagent::wasm::fetch::FetchError> {
+async fn get(
+    a: &Agent,
+    url: &str,
+) -> Result<std::path::PathBuf, meshagent::wasm::fetch::FetchError> {
     a.conv
         .cache
         .get(
@@ -820,7 +844,10 @@ async fn r6_wasm_cache_disk_full_leaves_nothing_behind_and_is_retried() {
     }
     let m = metrics(&a);
     assert_eq!(
-        metric(&m, "istio_agent_wasm_remote_fetch_count{result=\"success\"}"),
+        metric(
+            &m,
+            "istio_agent_wasm_remote_fetch_count{result=\"success\"}"
+        ),
         0.0,
         "{m}"
     );
@@ -867,7 +894,10 @@ async fn r6_wasm_cache_read_only_serves_cached_modules_and_retries() {
     fs.remount("ro");
     // The running agent: a new module cannot be written; the fail strategy applies, with
     // the reason; a cached one is still served.
-    assert_eq!(convert_one(&a, &srv.url("/two.wasm"), &sha2, false).await, deny());
+    assert_eq!(
+        convert_one(&a, &srv.url("/two.wasm"), &sha2, false).await,
+        deny()
+    );
     let e = get(&a, &srv.url("/two.wasm")).await.unwrap_err();
     assert!(e.message.contains("Read-only file system"), "{e}");
     assert!(matches!(
@@ -881,7 +911,10 @@ async fn r6_wasm_cache_read_only_serves_cached_modules_and_retries() {
         Out::Local(_)
     ));
     assert_eq!(srv.hits("/one.wasm"), 1);
-    assert_eq!(convert_one(&b, &srv.url("/two.wasm"), &sha2, true).await, allow());
+    assert_eq!(
+        convert_one(&b, &srv.url("/two.wasm"), &sha2, true).await,
+        allow()
+    );
     assert_eq!(fs.files(), before);
 
     // Writable again: the next request fetches it.

@@ -448,8 +448,16 @@ async fn c2_oci_pulls_without_a_docker_config_are_anonymous() {
     std::fs::write(&file_home, "x").unwrap();
     let cases: Vec<(&str, PathBuf, Option<&str>)> = vec![
         ("no .docker directory", cfg.clone(), None),
-        ("HOME does not exist", home.path().join("gone/.docker/config.json"), None),
-        ("HOME is a file", file_home.join(".docker/config.json"), None),
+        (
+            "HOME does not exist",
+            home.path().join("gone/.docker/config.json"),
+            None,
+        ),
+        (
+            "HOME is a file",
+            file_home.join(".docker/config.json"),
+            None,
+        ),
         ("an empty file", cfg.clone(), Some("")),
         ("only whitespace", cfg.clone(), Some(" \n\t\n")),
     ];
@@ -490,7 +498,12 @@ async fn c2_missing_docker_config_reports_the_registrys_refusal() {
     );
     let reg = OciRegistry::start_with(&auth, None).await;
     let layout = oci_layout(&tmp.path().join("img"), "v1", &module, true);
-    reg.push_with(&layout, "v1", "wasm/private", &["--dest-creds", "wasm:s3cret"]);
+    reg.push_with(
+        &layout,
+        "v1",
+        "wasm/private",
+        &["--dest-creds", "wasm:s3cret"],
+    );
     let url = format!("oci://{}/wasm/private:v1", reg.addr);
     let home = tempfile::tempdir().unwrap();
     let a = agent(

@@ -632,11 +632,9 @@ mod tests {
                 String::from_utf8_lossy(&out.stderr)
             );
         } else {
-            std::fs::set_permissions(home.path(), std::fs::Permissions::from_mode(0o000))
-                .unwrap();
+            std::fs::set_permissions(home.path(), std::fs::Permissions::from_mode(0o000)).unwrap();
             assert_eq!(read_docker_config(&cfg), Ok(None));
-            std::fs::set_permissions(home.path(), std::fs::Permissions::from_mode(0o700))
-                .unwrap();
+            std::fs::set_permissions(home.path(), std::fs::Permissions::from_mode(0o700)).unwrap();
         }
     }
 

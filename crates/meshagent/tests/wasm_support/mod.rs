@@ -861,7 +861,13 @@ impl Tmpfs {
     pub fn mount(size: &str) -> Tmpfs {
         let dir = tempfile::tempdir().unwrap();
         let st = Command::new("mount")
-            .args(["-t", "tmpfs", "-o", &format!("size={size},mode=0755"), "tmpfs"])
+            .args([
+                "-t",
+                "tmpfs",
+                "-o",
+                &format!("size={size},mode=0755"),
+                "tmpfs",
+            ])
             .arg(dir.path())
             .status()
             .expect("mount (tests run as root)");
