@@ -648,7 +648,7 @@ async fn r2_stalled_bodies_end_within_http_uri_timeout_and_apply_the_fail_strate
                         &format!("istio_agent_wasm_remote_fetch_count{{result=\"{r}\"}}"),
                     )
                 };
-                (failed("download_failure") + failed("manifest_failure") == 1.0).then_some(())
+                (failed("download_failure") + failed("manifest_failure") >= 1.0).then_some(())
             },
         )
         .await;
@@ -699,6 +699,7 @@ async fn r2_a_newer_ecds_response_is_not_queued_behind_a_hung_fetch() {
     let srv = ModServer::start().await;
     srv.route("/good.wasm", Behaviour::Serve(module.clone()));
     srv.route("/gate.wasm", Behaviour::Gate(module.clone()));
+    srv.route("/gate2.wasm", Behaviour::Gate(module.clone()));
     let dir = tempfile::tempdir().unwrap();
     let a = agent(dir.path(), wasm_config(&[], 1 << 20));
     let res = |name: &str, url: &str| {
@@ -774,17 +775,39 @@ async fn r2_a_newer_ecds_response_is_not_queued_behind_a_hung_fetch() {
     assert_eq!(d2[0].0, "a");
     assert!(matches!(d2[0].1, Out::Local(_)), "{d2:?}");
 
+    // A newer SotW response carrying the same resource (and another) still wants it: both
+    // wait for the one download and are forwarded in order.
+    let gated = res("default.hdr", &srv.url("/gate.wasm"));
+    let first = convert::sotw_response("v3", "n3", vec![gated.clone()]);
+    let second = convert::sotw_response("v4", "n4", vec![gated, res("other", &good_url)]);
+    let j1 = tokio::spawn(a.conv.convert_latest(false, &first));
+    meshagent_testkit::wait_for("the gated fetch", Duration::from_secs(10), || async {
+        (srv.hits("/gate.wasm") > 0).then_some(())
+    })
+    .await;
+    let j2 = tokio::spawn(a.conv.convert_latest(false, &second));
+    srv.release();
+    let out = in_order(vec![j1, j2], Duration::from_secs(10)).await;
+    for o in &out {
+        let Ok(Converted::Forward(b)) = o else {
+            panic!("{out:?}")
+        };
+        let r = DiscoveryResponse::decode(b.as_slice()).unwrap();
+        assert!(matches!(decode(&r.resources[0].value).0, Out::Local(_)));
+    }
+    assert_eq!(srv.hits("/gate.wasm"), 1);
+
     // A newer Delta response about another resource does not release a pending one: the
     // slow module is still fetched and forwarded first.
     let first = convert::delta_response(
         "d3",
-        vec![("g".into(), res("g", &srv.url("/gate.wasm")))],
+        vec![("g".into(), res("g", &srv.url("/gate2.wasm")))],
         vec![],
     );
     let second = convert::delta_response("d4", vec![("h".into(), res("h", &good_url))], vec![]);
     let j1 = tokio::spawn(a.conv.convert_latest(true, &first));
     meshagent_testkit::wait_for("the gated fetch", Duration::from_secs(10), || async {
-        (srv.hits("/gate.wasm") > 0).then_some(())
+        (srv.hits("/gate2.wasm") > 0).then_some(())
     })
     .await;
     let j2 = tokio::spawn(a.conv.convert_latest(true, &second));

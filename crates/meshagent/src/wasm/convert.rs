@@ -117,7 +117,19 @@ struct PendingEntry {
     id: u64,
     delta: bool,
     name: String,
+    /// Of the resource's bytes: a newer response carrying the same resource still wants it.
+    digest: u64,
     cancel: CancellationToken,
+}
+
+fn digest(a: Option<&Any>) -> u64 {
+    use std::hash::{Hash as _, Hasher as _};
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    if let Some(a) = a {
+        a.type_url.hash(&mut h);
+        a.value.hash(&mut h);
+    }
+    h.finish()
 }
 
 enum Decoded {
@@ -135,23 +147,32 @@ impl Decoded {
         })
     }
 
-    /// The name of each resource (Delta: `Resource.name`, else the extension's own name), and
-    /// for Delta the names it removes.
-    fn names(&self) -> (Vec<String>, Vec<String>) {
+    /// The name and digest of each resource (Delta: `Resource.name`, else the extension's
+    /// own name), and for Delta the names it removes.
+    fn names(&self) -> (Vec<(String, u64)>, Vec<String>) {
         let ec_name = |a: &Any| {
             TypedExtensionConfig::decode(a.value.as_slice())
                 .map(|e| e.name)
                 .unwrap_or_default()
         };
         match self {
-            Decoded::Sotw(r) => (r.resources.iter().map(ec_name).collect(), Vec::new()),
+            Decoded::Sotw(r) => (
+                r.resources
+                    .iter()
+                    .map(|a| (ec_name(a), digest(Some(a))))
+                    .collect(),
+                Vec::new(),
+            ),
             Decoded::Delta(r) => (
                 r.resources
                     .iter()
-                    .map(|x| match (&x.name, &x.resource) {
-                        (n, _) if !n.is_empty() => n.clone(),
-                        (_, Some(a)) => ec_name(a),
-                        _ => String::new(),
+                    .map(|x| {
+                        let name = match (&x.name, &x.resource) {
+                            (n, _) if !n.is_empty() => n.clone(),
+                            (_, Some(a)) => ec_name(a),
+                            _ => String::new(),
+                        };
+                        (name, digest(x.resource.as_ref()))
                     })
                     .collect(),
                 r.removed_resources.clone(),
@@ -204,16 +225,18 @@ impl Converter {
     /// The xDS proxy's conversion of one ECDS response. Registered at once, in the order
     /// responses arrive, so that a newer response releases the older ones it makes unwanted
     /// instead of queueing behind their fetches (the proxy hands ECDS responses to Envoy in
-    /// order, `xds/stream.rs`): a newer SotW response supersedes every older pending one (it
-    /// carries the whole requested set); a newer Delta response supersedes the pending
-    /// resources it updates or removes, which the older response then goes without. A
-    /// superseded fetch itself runs on to its deadline in the cache (a later request for the
-    /// same module joins it). Istio converts each response in its own goroutine and forwards
+    /// order, `xds/stream.rs`). A pending resource is unwanted once a newer response replaces
+    /// it with different content or removes it (SotW: leaves it out; Delta: names it in
+    /// `removed_resources`); a newer response carrying the same resource still wants it and
+    /// waits for the same download. A SotW response with an unwanted resource is dropped whole
+    /// (the newer one carries the whole requested set); a Delta response goes without its
+    /// unwanted resources. A released fetch itself runs on to its deadline in the cache (a
+    /// later request for the same module joins it). Istio converts each response in its own goroutine and forwards
     /// whichever finishes first (`pkg/istio-agent/xds_proxy.go` `rewriteAndForward`), so a
     /// slow older response can overwrite a newer one there; this keeps the order.
     ///
     /// Only Envoy's ADS stream carries ECDS, so responses are compared across the one
-    /// converter.
+    /// converter (two streams given the same resources do not release each other's).
     pub fn convert_latest(
         self: &Arc<Self>,
         delta: bool,
@@ -228,8 +251,13 @@ impl Converter {
             let mut p = lock(&self.pending);
             let mut released = 0usize;
             for e in p.entries.iter().filter(|e| e.delta == delta) {
-                let replaced = !delta || names.contains(&e.name) || removed.contains(&e.name);
-                if replaced && !e.cancel.is_cancelled() {
+                let newer = names.iter().find(|(n, _)| *n == e.name).map(|(_, d)| *d);
+                let unwanted = if delta {
+                    removed.contains(&e.name) || newer.is_some_and(|d| d != e.digest)
+                } else {
+                    newer != Some(e.digest)
+                };
+                if unwanted && !e.cancel.is_cancelled() {
                     e.cancel.cancel();
                     released += 1;
                 }
@@ -242,7 +270,7 @@ impl Converter {
             }
             let mut ids = Vec::with_capacity(names.len());
             let mut tokens = Vec::with_capacity(names.len());
-            for name in names {
+            for (name, digest) in names {
                 let id = p.next;
                 p.next += 1;
                 let cancel = CancellationToken::new();
@@ -250,6 +278,7 @@ impl Converter {
                     id,
                     delta,
                     name,
+                    digest,
                     cancel: cancel.clone(),
                 });
                 ids.push(id);
