@@ -17,8 +17,14 @@ use std::time::Duration;
 /// Why a bounded read failed; every variant names the file.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum ReadError {
+    /// `kind` is the failure's own `std::io::ErrorKind` (callers tell a missing file from an
+    /// unreadable one by it).
     #[error("cannot read {path}: {reason}")]
-    Io { path: String, reason: String },
+    Io {
+        path: String,
+        reason: String,
+        kind: std::io::ErrorKind,
+    },
     #[error("cannot read {path}: not a regular file (a {kind})")]
     NotRegular { path: String, kind: &'static str },
     #[error("cannot read {path}: larger than {max} bytes")]
@@ -36,7 +42,7 @@ impl ReadError {
     /// The `std::io::ErrorKind` closest to this failure.
     pub fn kind(&self) -> std::io::ErrorKind {
         match self {
-            ReadError::Io { .. } => std::io::ErrorKind::Other,
+            ReadError::Io { kind, .. } => *kind,
             ReadError::NotRegular { .. } | ReadError::TooLarge { .. } => {
                 std::io::ErrorKind::InvalidData
             }
@@ -52,6 +58,7 @@ pub fn read_bounded(path: &Path, max: u64) -> Result<Vec<u8>, ReadError> {
     let io = |e: std::io::Error| ReadError::Io {
         path: shown(),
         reason: e.to_string(),
+        kind: e.kind(),
     };
     let flags = nix::fcntl::OFlag::O_NONBLOCK | nix::fcntl::OFlag::O_NOCTTY;
     let f = std::fs::OpenOptions::new()
@@ -97,6 +104,7 @@ pub async fn read(path: PathBuf, max: u64, timeout: Duration) -> Result<Vec<u8>,
         Ok(Err(e)) => Err(ReadError::Io {
             path: shown,
             reason: format!("read task failed: {e}"),
+            kind: std::io::ErrorKind::Other,
         }),
         Err(_) => Err(ReadError::Timeout {
             path: shown,
@@ -136,6 +144,22 @@ mod tests {
         assert_eq!(read_bounded(&f, 11).unwrap().len(), 11);
         let e = read_bounded(&dir.path().join("missing"), 10).unwrap_err();
         assert!(e.to_string().contains("missing"), "{e}");
+        assert!(!e.is_permanent(), "a missing file may appear: {e}");
+    }
+
+    #[test]
+    fn io_failures_keep_their_error_kind() {
+        let dir = tempfile::tempdir().unwrap();
+        let e = read_bounded(&dir.path().join("missing"), 10).unwrap_err();
+        assert_eq!(e.kind(), std::io::ErrorKind::NotFound, "{e}");
+        let e = read_bounded(&dir.path().join("missing/f"), 10).unwrap_err();
+        assert_eq!(e.kind(), std::io::ErrorKind::NotFound, "{e}");
+        let f = dir.path().join("f");
+        std::fs::write(&f, b"x").unwrap();
+        let e = read_bounded(&f.join("below"), 10).unwrap_err();
+        assert_eq!(e.kind(), std::io::ErrorKind::NotADirectory, "{e}");
+        let e = read_bounded(dir.path(), 10).unwrap_err();
+        assert_eq!(e.kind(), std::io::ErrorKind::InvalidData, "{e}");
     }
 
     #[tokio::test(flavor = "current_thread")]

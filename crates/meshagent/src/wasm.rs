@@ -9,7 +9,9 @@
 //! * [`metrics`]: the `istio_agent_wasm_*` metrics.
 //!
 //! Conversion runs inside the xDS stream's ECDS interceptor future, so a slow download
-//! holds back only later ECDS responses (`xds/intercept.rs`).
+//! holds back only later ECDS responses (`xds/intercept.rs`), and those only until the
+//! fetch's `http_uri.timeout` or until a newer response replaces the plugin being fetched
+//! (`convert::Converter::convert_latest`).
 
 pub mod cache;
 pub mod client;
@@ -51,13 +53,19 @@ pub struct WasmRewrite {
 }
 
 impl EcdsRewrite for WasmRewrite {
-    fn rewrite(&self, api: Api, msg: Bytes) -> BoxFuture<'static, Result<Bytes, InterceptError>> {
-        let c = self.converter.clone();
+    fn rewrite(
+        &self,
+        api: Api,
+        msg: Bytes,
+    ) -> BoxFuture<'static, Result<Option<Bytes>, InterceptError>> {
+        // Registered now, in arrival order (`Converter::convert_latest`).
+        let job = self.converter.convert_latest(api == Api::Delta, &msg);
         Box::pin(async move {
-            c.convert_response(api == Api::Delta, &msg)
-                .await
-                .map(Bytes::from)
-                .map_err(InterceptError::Rejected)
+            match job.await {
+                Ok(convert::Converted::Forward(b)) => Ok(Some(Bytes::from(b))),
+                Ok(convert::Converted::Superseded) => Ok(None),
+                Err(e) => Err(InterceptError::Rejected(e)),
+            }
         })
     }
 }
@@ -124,5 +132,5 @@ pub fn start(
             }
         }
     });
-    Ok(Arc::new(convert::Converter { cache, metrics }))
+    Ok(Arc::new(convert::Converter::new(cache, metrics)))
 }

@@ -231,3 +231,97 @@ async fn a_slow_module_server_delays_only_ecds() {
     a.wait_ready(READY).await;
     wait_response("module after the slow download", &m, 200, true, &[&a]).await;
 }
+
+/// No docker config at all (HOME an empty directory, no DOCKER_CONFIG), as in every pod:
+/// the OCI module is pulled anonymously and Envoy runs it.
+#[tokio::test(flavor = "multi_thread")]
+async fn c2_oci_module_with_home_an_empty_directory() {
+    let module = module();
+    let reg = OciRegistry::start().await;
+    let layouts = tempfile::tempdir().unwrap();
+    let compat = oci_layout(&layouts.path().join("compat"), "v1", &module, true);
+    let digest = reg.push(&compat, "v1", "wasm/hdr", false).await;
+    let m = TwoWorkloads::new();
+    let oci = format!("oci://{}/wasm/hdr:v1", reg.addr);
+    let plugin =
+        format!("{{name: hdr, url: \"{oci}\", sha256: \"{digest}\", failStrategy: FAIL_CLOSE}}");
+    let dp = Devplane::start(&mesh(&m, &plugin)).await;
+    app("a", m.a_app).await;
+    app("b", m.b_app).await;
+    let home = tempfile::tempdir().unwrap();
+    let env = [("HOME", home.path().display().to_string())];
+    let mut a = Sidecar::start(&dp, "a", "default", "a", &env).await;
+    let mut b = Sidecar::start(&dp, "b", "default", "b", &env).await;
+    a.wait_ready(READY).await;
+    b.wait_ready(READY).await;
+    wait_response("OCI module with an empty HOME", &m, 200, true, &[&a]).await;
+    let success = "istio_agent_wasm_remote_fetch_count{result=\"success\"}";
+    assert_eq!(agent_metric(&a, success).await, 1.0);
+    assert!(!a.proc.log_text().contains("docker config"));
+}
+
+/// A module server that stalls a 404 body cannot hold ECDS or readiness: the fetch fails at
+/// once (fail-closed: 403). A plugin whose download hangs (200, body stalled; istiod's
+/// `http_uri.timeout` is 30 s) is replaced by the next push at once, not after the timeout.
+#[tokio::test(flavor = "multi_thread")]
+async fn r2_stalled_servers_hold_neither_readiness_nor_the_next_ecds_push() {
+    let module = module();
+    let sha = sha256_hex(&module);
+    let srv = ModServer::start().await;
+    srv.route("/hdr.wasm", Behaviour::Serve(module.clone()));
+    let stall_404 = StallServer::start(404).await;
+    let stall_200 = StallServer::start(200).await;
+    let m = TwoWorkloads::new();
+    let plugin = |url: &str, sha: &str, version: &str| {
+        format!(
+            "{{name: hdr, url: \"{url}\", sha256: \"{sha}\", failStrategy: FAIL_CLOSE, resourceVersion: \"{version}\"}}"
+        )
+    };
+    let dp = Devplane::start(&mesh(&m, &plugin(&stall_404.url("/m.wasm"), "", "1"))).await;
+    app("a", m.a_app).await;
+    app("b", m.b_app).await;
+    let mut a = Sidecar::start(&dp, "a", "default", "a", &[]).await;
+    let mut b = Sidecar::start(&dp, "b", "default", "b", &[]).await;
+    a.wait_ready(READY).await;
+    b.wait_ready(READY).await;
+    wait_response(
+        "the fail-closed stand-in of the stalled 404",
+        &m,
+        403,
+        false,
+        &[&a],
+    )
+    .await;
+
+    // A download that hangs; then the plugin is replaced by a good module.
+    let before = stall_200.connections();
+    dp.write_mesh(&mesh(&m, &plugin(&stall_200.url("/m.wasm"), &sha, "2")));
+    wait_for("the agent to start the hung download", DEADLINE, || async {
+        (stall_200.connections() > before).then_some(())
+    })
+    .await;
+    let t = tokio::time::Instant::now();
+    dp.write_mesh(&mesh(&m, &plugin(&srv.url("/hdr.wasm"), &sha, "3")));
+    let within = Duration::from_secs(15);
+    loop {
+        let r = raw_get(m.a_to_b, "/").await;
+        if status_of(&r) == 200 && has_header(&r) {
+            break;
+        }
+        if t.elapsed() > within {
+            a.proc.print_log();
+            panic!("the replacing push was not applied within {within:?}: {r}");
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    // Nothing was NACKed.
+    let acks = dp.acks().await;
+    let ca = acks
+        .iter()
+        .find(|c| c["node_id"].as_str().is_some_and(|n| n.contains("a-5f7d9")))
+        .unwrap();
+    assert!(
+        ca["nacks"].get(type_url::EXTENSION_CONFIG).is_none(),
+        "{ca}"
+    );
+}

@@ -99,8 +99,19 @@ async fn convert_with_env(
 }
 
 fn decode(value: &[u8]) -> (Out, BTreeMap<String, String>) {
+    let (name, out, env) = decode_named(value);
+    assert_eq!(name, "default.hdr");
+    (out, env)
+}
+
+fn decode_named(value: &[u8]) -> (String, Out, BTreeMap<String, String>) {
     let ec = TypedExtensionConfig::decode(value).unwrap();
-    assert_eq!(ec.name, "default.hdr");
+    let name = ec.name.clone();
+    let (out, env) = decode_ec(ec);
+    (name, out, env)
+}
+
+fn decode_ec(ec: TypedExtensionConfig) -> (Out, BTreeMap<String, String>) {
     let tc = ec.typed_config.unwrap();
     if tc.type_url == convert::RBAC_HTTP {
         let r = Rbac::decode(tc.value.as_slice()).unwrap();
@@ -551,4 +562,389 @@ async fn pull_policy_always_follows_the_resource_version_and_purge_expires() {
     let (out, _) = convert_with_env(&a, &url, "nil", false, env("IfNotPresent", "5")).await;
     assert!(matches!(out, Out::Local(_)));
     assert_eq!(srv.hits("/hdr.wasm"), 3, "fetched again after the purge");
+}
+
+// === R2: stalled servers and superseded ECDS responses ===
+
+/// Slack over a deadline for the conversion to return (no IO is left at the deadline).
+const SLACK: Duration = Duration::from_millis(1500);
+
+/// One SotW conversion with `http_uri.timeout` = `timeout`: the outcome and its duration.
+async fn convert_timed(
+    conv: Arc<Converter>,
+    url: String,
+    fail_open: bool,
+    timeout: Duration,
+) -> (Out, Duration) {
+    let res = convert::remote_wasm_resource_with_timeout(
+        "default.hdr",
+        &url,
+        "nil",
+        BTreeMap::new(),
+        fail_open,
+        timeout,
+    );
+    let msg = convert::sotw_response("v1", "n1", vec![res]);
+    let t = tokio::time::Instant::now();
+    let out = conv.convert_response(false, &msg).await.expect("no NACK");
+    let r = DiscoveryResponse::decode(out.as_slice()).unwrap();
+    (decode(&r.resources[0].value).0, t.elapsed())
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn r2_stalled_bodies_end_within_http_uri_timeout_and_apply_the_fail_strategy() {
+    let timeout = Duration::from_secs(2);
+    let short = Duration::from_secs(1);
+    // (status, a registry challenge first, OCI, fail-open)
+    let cases = [
+        (404, false, false, false),
+        (503, false, false, true),
+        (200, false, false, false),
+        (404, false, true, true),
+        (404, true, true, false),
+    ];
+    for (status, challenge, oci, fail_open) in cases {
+        let srv = StallServer::start_with(status, challenge).await;
+        let dir = tempfile::tempdir().unwrap();
+        let a = agent(dir.path(), wasm_config(&[], 1 << 20));
+        let url = if oci {
+            format!("oci://{}/wasm/stall:v1", srv.addr)
+        } else {
+            srv.url("/stall.wasm")
+        };
+        let what = format!("{status} challenge={challenge} {url}");
+        // Two callers of one module (one download) and a third, with a shorter timeout,
+        // joining it: none waits past its own timeout.
+        let all = futures::future::join3(
+            convert_timed(a.conv.clone(), url.clone(), fail_open, timeout),
+            convert_timed(a.conv.clone(), url.clone(), fail_open, timeout),
+            convert_timed(a.conv.clone(), url.clone(), fail_open, short),
+        );
+        let ((o1, d1), (o2, d2), (o3, d3)) = tokio::time::timeout(Duration::from_secs(30), all)
+            .await
+            .unwrap_or_else(|_| panic!("{what}: the conversion still hangs after 30 s"));
+        let want = if fail_open { allow() } else { deny() };
+        for o in [&o1, &o2, &o3] {
+            assert_eq!(*o, want, "{what}");
+        }
+        assert!(
+            d1 <= timeout + SLACK && d2 <= timeout + SLACK,
+            "{what}: {d1:?} {d2:?}"
+        );
+        assert!(
+            d3 <= short + SLACK,
+            "{what}: the joining caller waited {d3:?}"
+        );
+        assert!(srv.connections() >= 1, "{what}");
+        // The download's own outcome is counted as it ends (with its deadline).
+        meshagent_testkit::wait_for(
+            "the failed fetch to be counted",
+            Duration::from_secs(5),
+            || async {
+                let m = metrics(&a);
+                let failed = |r: &str| {
+                    metric(
+                        &m,
+                        &format!("istio_agent_wasm_remote_fetch_count{{result=\"{r}\"}}"),
+                    )
+                };
+                (failed("download_failure") + failed("manifest_failure") >= 1.0).then_some(())
+            },
+        )
+        .await;
+        // The agent closed its connections: nothing is left holding a socket.
+        meshagent_testkit::wait_for(
+            "the agent to close its connections",
+            Duration::from_secs(5),
+            || async { (srv.open() == 0).then_some(()) },
+        )
+        .await;
+    }
+}
+
+/// A future's result, waited for in the order the futures were started (as the xDS stream
+/// hands ECDS responses to Envoy).
+async fn in_order<T: Send + 'static>(
+    jobs: Vec<tokio::task::JoinHandle<T>>,
+    within: Duration,
+) -> Vec<T> {
+    let mut out = Vec::new();
+    for j in jobs {
+        out.push(
+            tokio::time::timeout(within, j)
+                .await
+                .expect("an ECDS response is held back")
+                .unwrap(),
+        );
+    }
+    out
+}
+
+fn delta_out(b: &[u8]) -> Vec<(String, Out)> {
+    use meshagent_proto::envoy::pb::envoy::service::discovery::v3::DeltaDiscoveryResponse;
+    DeltaDiscoveryResponse::decode(b)
+        .unwrap()
+        .resources
+        .into_iter()
+        .map(|r| (r.name, decode_named(&r.resource.unwrap().value).1))
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn r2_a_newer_ecds_response_is_not_queued_behind_a_hung_fetch() {
+    use convert::Converted;
+    let module = module();
+    // A module download whose body stalls (200, 10 of 1000 bytes).
+    let hung = StallServer::start(200).await;
+    let srv = ModServer::start().await;
+    srv.route("/good.wasm", Behaviour::Serve(module.clone()));
+    srv.route("/gate.wasm", Behaviour::Gate(module.clone()));
+    srv.route("/gate2.wasm", Behaviour::Gate(module.clone()));
+    let dir = tempfile::tempdir().unwrap();
+    let a = agent(dir.path(), wasm_config(&[], 1 << 20));
+    let res = |name: &str, url: &str| {
+        convert::remote_wasm_resource(name, url, "nil", BTreeMap::new(), false)
+    };
+    let hung_url = hung.url("/hung.wasm");
+    let good_url = srv.url("/good.wasm");
+    let wait_hung = |n: u32| {
+        let hung = &hung;
+        async move {
+            meshagent_testkit::wait_for(
+                "the hung fetch to start",
+                Duration::from_secs(10),
+                || async { (hung.connections() >= n).then_some(()) },
+            )
+            .await
+        }
+    };
+
+    // SotW: the first response hangs on its module (http_uri.timeout 30 s); the second
+    // replaces the plugin. The second is handed on at once, the first is dropped (the
+    // second carries the whole set).
+    let first = convert::sotw_response("v1", "n1", vec![res("default.hdr", &hung_url)]);
+    let second = convert::sotw_response("v2", "n2", vec![res("default.hdr", &good_url)]);
+    let j1 = tokio::spawn(a.conv.convert_latest(false, &first));
+    wait_hung(1).await;
+    let t = tokio::time::Instant::now();
+    let j2 = tokio::spawn(a.conv.convert_latest(false, &second));
+    let out = in_order(vec![j1, j2], Duration::from_secs(5)).await;
+    assert!(t.elapsed() < Duration::from_secs(5));
+    assert_eq!(out[0], Ok(Converted::Superseded));
+    let Ok(Converted::Forward(b)) = &out[1] else {
+        panic!("{:?}", out[1])
+    };
+    let r = DiscoveryResponse::decode(b.as_slice()).unwrap();
+    assert_eq!((r.version_info.as_str(), r.nonce.as_str()), ("v2", "n2"));
+    let Out::Local(f) = decode(&r.resources[0].value).0 else {
+        panic!("not localised")
+    };
+    assert_eq!(std::fs::read(f).unwrap(), module);
+
+    // Delta: a newer response updating "a" and removing "c" releases those two; "b" of the
+    // first response, not named by the second, is still converted and forwarded.
+    let first = convert::delta_response(
+        "d1",
+        vec![
+            ("a".into(), res("a", &hung_url)),
+            ("b".into(), res("b", &good_url)),
+            ("c".into(), res("c", &hung.url("/other.wasm"))),
+        ],
+        vec![],
+    );
+    let second = convert::delta_response(
+        "d2",
+        vec![("a".into(), res("a", &good_url))],
+        vec!["c".into()],
+    );
+    let before = hung.connections();
+    let j1 = tokio::spawn(a.conv.convert_latest(true, &first));
+    // "a" joins the first (superseded, still running) download of the hung URL; "c" is new.
+    wait_hung(before + 1).await;
+    let j2 = tokio::spawn(a.conv.convert_latest(true, &second));
+    let out = in_order(vec![j1, j2], Duration::from_secs(5)).await;
+    let (Ok(Converted::Forward(b1)), Ok(Converted::Forward(b2))) = (&out[0], &out[1]) else {
+        panic!("{out:?}")
+    };
+    let d1 = delta_out(b1);
+    assert_eq!(d1.len(), 1, "{d1:?}");
+    assert_eq!(d1[0].0, "b");
+    assert!(matches!(d1[0].1, Out::Local(_)), "{d1:?}");
+    let d2 = delta_out(b2);
+    assert_eq!(d2.len(), 1);
+    assert_eq!(d2[0].0, "a");
+    assert!(matches!(d2[0].1, Out::Local(_)), "{d2:?}");
+
+    // A newer SotW response carrying the same resource (and another) still wants it: both
+    // wait for the one download and are forwarded in order.
+    let gated = res("default.hdr", &srv.url("/gate.wasm"));
+    let first = convert::sotw_response("v3", "n3", vec![gated.clone()]);
+    let second = convert::sotw_response("v4", "n4", vec![gated, res("other", &good_url)]);
+    let j1 = tokio::spawn(a.conv.convert_latest(false, &first));
+    meshagent_testkit::wait_for("the gated fetch", Duration::from_secs(10), || async {
+        (srv.hits("/gate.wasm") > 0).then_some(())
+    })
+    .await;
+    let j2 = tokio::spawn(a.conv.convert_latest(false, &second));
+    srv.release();
+    let out = in_order(vec![j1, j2], Duration::from_secs(10)).await;
+    for o in &out {
+        let Ok(Converted::Forward(b)) = o else {
+            panic!("{out:?}")
+        };
+        let r = DiscoveryResponse::decode(b.as_slice()).unwrap();
+        assert!(matches!(decode(&r.resources[0].value).0, Out::Local(_)));
+    }
+    assert_eq!(srv.hits("/gate.wasm"), 1);
+
+    // A newer Delta response about another resource does not release a pending one: the
+    // slow module is still fetched and forwarded first.
+    let first = convert::delta_response(
+        "d3",
+        vec![("g".into(), res("g", &srv.url("/gate2.wasm")))],
+        vec![],
+    );
+    let second = convert::delta_response("d4", vec![("h".into(), res("h", &good_url))], vec![]);
+    let j1 = tokio::spawn(a.conv.convert_latest(true, &first));
+    meshagent_testkit::wait_for("the gated fetch", Duration::from_secs(10), || async {
+        (srv.hits("/gate2.wasm") > 0).then_some(())
+    })
+    .await;
+    let j2 = tokio::spawn(a.conv.convert_latest(true, &second));
+    srv.release();
+    let out = in_order(vec![j1, j2], Duration::from_secs(10)).await;
+    let (Ok(Converted::Forward(b1)), Ok(Converted::Forward(_))) = (&out[0], &out[1]) else {
+        panic!("{out:?}")
+    };
+    let d = delta_out(b1);
+    assert_eq!(d.len(), 1);
+    assert_eq!(d[0].0, "g");
+    assert!(matches!(d[0].1, Out::Local(_)), "{d:?}");
+}
+
+// === R6: disk full and read-only cache ===
+
+/// The cache's answer for `url` (the error text the agent logs for a failed fetch).
+async fn get(
+    a: &Agent,
+    url: &str,
+) -> Result<std::path::PathBuf, meshagent::wasm::fetch::FetchError> {
+    a.conv
+        .cache
+        .get(
+            url,
+            meshagent::wasm::cache::GetOptions {
+                resource_name: "default.hdr".into(),
+                timeout: Duration::from_secs(30),
+                ..Default::default()
+            },
+        )
+        .await
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn r6_wasm_cache_disk_full_leaves_nothing_behind_and_is_retried() {
+    let small = module();
+    let big = padded_module(&small, 600 * 1024);
+    let srv = ModServer::start().await;
+    srv.route("/big.wasm", Behaviour::Serve(big.clone()));
+    // Fits as a download (zeros compress), not once unpacked.
+    srv.route("/big.wasm.gz", Behaviour::Serve(gzip(&big)));
+    srv.route("/small.wasm", Behaviour::Serve(small.clone()));
+    let fs = Tmpfs::mount("256k");
+    let a = agent(fs.path(), wasm_config(&[], 8 << 20));
+    let big_sha = sha256_hex(&big);
+    for p in ["/big.wasm", "/big.wasm.gz"] {
+        let url = srv.url(p);
+        // Disk full: the fail strategy applies, with the reason.
+        assert_eq!(convert_one(&a, &url, &big_sha, false).await, deny(), "{p}");
+        assert_eq!(convert_one(&a, &url, &big_sha, true).await, allow(), "{p}");
+        let e = get(&a, &url).await.unwrap_err();
+        assert!(e.message.contains("No space left on device"), "{p}: {e}");
+        // No partial file is left, in the cache or its temp directory.
+        assert_eq!(fs.files(), Vec::<std::path::PathBuf>::new(), "{p}");
+        assert!(a.conv.cache.is_empty());
+    }
+    let m = metrics(&a);
+    assert_eq!(
+        metric(
+            &m,
+            "istio_agent_wasm_remote_fetch_count{result=\"success\"}"
+        ),
+        0.0,
+        "{m}"
+    );
+    // The agent keeps serving: a module that fits is fetched and cached.
+    assert!(matches!(
+        convert_one(&a, &srv.url("/small.wasm"), &sha256_hex(&small), false).await,
+        Out::Local(_)
+    ));
+    // Each request tried again (failures are not cached); with space, the next succeeds.
+    assert_eq!(srv.hits("/big.wasm"), 3);
+    fs.remount("size=4m");
+    let Out::Local(f) = convert_one(&a, &srv.url("/big.wasm"), &big_sha, false).await else {
+        panic!("not fetched once there is space")
+    };
+    assert_eq!(std::fs::read(f).unwrap(), big);
+    // A restart trusts only the complete modules.
+    drop(a);
+    let b = agent(fs.path(), wasm_config(&[], 8 << 20));
+    assert!(matches!(
+        convert_one(&b, &srv.url("/big.wasm"), &big_sha, false).await,
+        Out::Local(_)
+    ));
+    assert_eq!(b.conv.cache.len(), 2);
+    assert_eq!(srv.hits("/big.wasm"), 4);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn r6_wasm_cache_read_only_serves_cached_modules_and_retries() {
+    let one = module();
+    let two = padded_module(&one, 4096);
+    let srv = ModServer::start().await;
+    srv.route("/one.wasm", Behaviour::Serve(one.clone()));
+    srv.route("/two.wasm", Behaviour::Serve(two.clone()));
+    let fs = Tmpfs::mount("4m");
+    let a = agent(fs.path(), wasm_config(&[], 8 << 20));
+    let (sha1, sha2) = (sha256_hex(&one), sha256_hex(&two));
+    assert!(matches!(
+        convert_one(&a, &srv.url("/one.wasm"), &sha1, false).await,
+        Out::Local(_)
+    ));
+    let before = fs.files();
+    assert_eq!(before.len(), 1);
+
+    fs.remount("ro");
+    // The running agent: a new module cannot be written; the fail strategy applies, with
+    // the reason; a cached one is still served.
+    assert_eq!(
+        convert_one(&a, &srv.url("/two.wasm"), &sha2, false).await,
+        deny()
+    );
+    let e = get(&a, &srv.url("/two.wasm")).await.unwrap_err();
+    assert!(e.message.contains("Read-only file system"), "{e}");
+    assert!(matches!(
+        convert_one(&a, &srv.url("/one.wasm"), &sha1, false).await,
+        Out::Local(_)
+    ));
+    // An agent restarted on the read-only cache restores and serves what is there.
+    let b = agent(fs.path(), wasm_config(&[], 8 << 20));
+    assert!(matches!(
+        convert_one(&b, &srv.url("/one.wasm"), &sha1, false).await,
+        Out::Local(_)
+    ));
+    assert_eq!(srv.hits("/one.wasm"), 1);
+    assert_eq!(
+        convert_one(&b, &srv.url("/two.wasm"), &sha2, true).await,
+        allow()
+    );
+    assert_eq!(fs.files(), before);
+
+    // Writable again: the next request fetches it.
+    fs.remount("rw");
+    let Out::Local(f) = convert_one(&b, &srv.url("/two.wasm"), &sha2, false).await else {
+        panic!("not fetched once writable")
+    };
+    assert_eq!(std::fs::read(f).unwrap(), two);
+    assert_eq!(srv.hits("/two.wasm"), 4);
 }

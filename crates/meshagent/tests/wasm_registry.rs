@@ -424,3 +424,97 @@ async fn https_registries_with_an_untrusted_cert_need_an_insecure_entry() {
         Out::Module(module.clone())
     );
 }
+
+/// go-containerregistry's keychain (`authn.DefaultKeychain`, docker/cli `config.Load`):
+/// without a usable docker config the pull is anonymous; only a present, malformed file is
+/// an error, and it names the file.
+#[tokio::test(flavor = "multi_thread")]
+async fn c2_oci_pulls_without_a_docker_config_are_anonymous() {
+    let module = module();
+    let reg = OciRegistry::start().await;
+    let tmp = tempfile::tempdir().unwrap();
+    let layout = oci_layout(&tmp.path().join("img"), "v1", &module, true);
+    reg.push(&layout, "v1", "wasm/public", false).await;
+    let url = format!("oci://{}/wasm/public:v1", reg.addr);
+
+    // HOME is an empty directory (a pod, a fresh machine).
+    let home = tempfile::tempdir().unwrap();
+    let cfg = home.path().join(".docker/config.json");
+    let a = agent(wasm_config(&[]), None, Some(cfg.clone()));
+    expect_module(&a, &url, "nil", None, &module, &reg.proc.log_text()).await;
+
+    // Each of these is anonymous too; a fresh agent each time (nothing cached).
+    let file_home = home.path().join("plain-file");
+    std::fs::write(&file_home, "x").unwrap();
+    let cases: Vec<(&str, PathBuf, Option<&str>)> = vec![
+        ("no .docker directory", cfg.clone(), None),
+        (
+            "HOME does not exist",
+            home.path().join("gone/.docker/config.json"),
+            None,
+        ),
+        (
+            "HOME is a file",
+            file_home.join(".docker/config.json"),
+            None,
+        ),
+        ("an empty file", cfg.clone(), Some("")),
+        ("only whitespace", cfg.clone(), Some(" \n\t\n")),
+    ];
+    for (what, path, content) in cases {
+        if let Some(c) = content {
+            std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+            std::fs::write(&path, c).unwrap();
+        }
+        let a = agent(wasm_config(&[]), None, Some(path.clone()));
+        let got = get(&a, &url, None).await;
+        assert!(got.is_ok(), "{what} ({}): {got:?}", path.display());
+        assert_eq!(count(&a, "success"), 1.0, "{what}");
+    }
+
+    // A present but malformed file: a clear error naming it, the fail strategy applies.
+    std::fs::write(&cfg, "{\"auths\": ").unwrap();
+    let b = agent(wasm_config(&[]), None, Some(cfg.clone()));
+    assert_eq!(ecds(&b, &url, "nil", None).await, Out::Deny);
+    let e = get(&b, &url, None).await.unwrap_err();
+    assert!(
+        e.message.contains(&*cfg.to_string_lossy()) && e.message.contains("docker config"),
+        "{e}"
+    );
+    assert_eq!(count(&b, "manifest_failure"), 2.0);
+}
+
+/// A registry that needs credentials, with no docker config: the registry's refusal is the
+/// error, not the missing file.
+#[tokio::test(flavor = "multi_thread")]
+async fn c2_missing_docker_config_reports_the_registrys_refusal() {
+    let module = module();
+    let tmp = tempfile::tempdir().unwrap();
+    let pw = tmp.path().join("htpasswd");
+    htpasswd(&pw, "wasm", "s3cret");
+    let auth = format!(
+        "auth:\n  htpasswd:\n    realm: meshagent-test\n    path: {}\n",
+        pw.display()
+    );
+    let reg = OciRegistry::start_with(&auth, None).await;
+    let layout = oci_layout(&tmp.path().join("img"), "v1", &module, true);
+    reg.push_with(
+        &layout,
+        "v1",
+        "wasm/private",
+        &["--dest-creds", "wasm:s3cret"],
+    );
+    let url = format!("oci://{}/wasm/private:v1", reg.addr);
+    let home = tempfile::tempdir().unwrap();
+    let a = agent(
+        wasm_config(&[]),
+        None,
+        Some(home.path().join(".docker/config.json")),
+    );
+    let e = get(&a, &url, None).await.unwrap_err();
+    assert!(e.message.contains("registry requires credentials"), "{e}");
+    assert!(!e.message.contains("docker config"), "{e}");
+    // A pull secret still works next to the missing keychain.
+    let good = docker_config_json(&reg.addr.to_string(), "wasm", "s3cret");
+    expect_module(&a, &url, "nil", Some(&good), &module, &reg.proc.log_text()).await;
+}

@@ -192,6 +192,10 @@ impl Cache {
                     format!("unsupported Wasm module downloading URL scheme: {url}"),
                 ));
             };
+        // One overall deadline (Istio `pkg/wasm/convert.go`: the fetch context's timeout is
+        // `http_uri.timeout`): every request, body, token exchange and retry of this fetch,
+        // and this caller's wait on another caller's download of the same module.
+        let deadline = Instant::now() + o.timeout;
         let h = unpack::sha256_hex(module_name.as_bytes());
         let ignore_rv = ignore_resource_version(o.pull_policy, url);
         if let Some(p) = self.lookup(url, &h, &mut checksum, &o, ignore_rv) {
@@ -207,8 +211,15 @@ impl Cache {
                     let me = self.clone();
                     let url = url.to_owned();
                     let o = o.clone();
-                    async move {
-                        let r = me.download(&url, &h, &checksum, oci_ref, &o).await;
+                    // A task of its own: the download runs to its end (success or deadline)
+                    // even when every waiter has gone (a superseded ECDS response), so the
+                    // single-flight entry never outlives its deadline unpolled.
+                    let task = tokio::spawn(async move {
+                        let work = me.download(&url, &h, &checksum, oci_ref, &o, deadline);
+                        let r = match tokio::time::timeout_at(deadline, work).await {
+                            Ok(r) => r,
+                            Err(_) => Err(timed_out(&url, o.timeout)),
+                        };
                         lock(&me.inner)
                             .inflight
                             .remove(&format!("{url}\n{checksum}"));
@@ -218,13 +229,26 @@ impl Cache {
                         };
                         me.metrics.remote_fetch.with(&[label]).inc();
                         r
+                    });
+                    async move {
+                        task.await.unwrap_or_else(|e| {
+                            Err(FetchError::new(
+                                FetchResult::FetchFailure,
+                                format!("the download task failed: {e}"),
+                            ))
+                        })
                     }
                     .boxed()
                     .shared()
                 })
                 .clone()
         };
-        pending.await
+        // A caller joining a download started with a longer timeout still waits no longer
+        // than its own.
+        match tokio::time::timeout_at(deadline, pending).await {
+            Ok(r) => r,
+            Err(_) => Err(timed_out(url, o.timeout)),
+        }
     }
 
     /// Istio `getEntry`, with the restart fallback: a URL without checksum whose module dir
@@ -292,8 +316,8 @@ impl Cache {
         expected: &str,
         oci_ref: Option<oci::Reference>,
         o: &GetOptions,
+        deadline: Instant,
     ) -> Result<PathBuf, FetchError> {
-        let deadline = Instant::now() + o.timeout;
         let tmp = unpack::tmp_dir(&self.opts.dir);
         let (module, checksum) = match oci_ref {
             None => {
@@ -371,13 +395,22 @@ impl Cache {
                 .map_err(|e| bad(format!("pull secret: {e}")));
         }
         let Some(path) = self.opts.docker_config.clone() else {
+            tracing::debug!("no HOME or DOCKER_CONFIG: anonymous registry access");
             return Ok(None);
         };
-        let data = match crate::fsio::read(path.clone(), 1024 * 1024, Duration::from_secs(5)).await
-        {
-            Ok(d) => d,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
-            Err(e) => return Err(bad(format!("docker config {}: {e}", path.display()))),
+        let p = path.clone();
+        let job = tokio::task::spawn_blocking(move || read_docker_config(&p));
+        let data = match tokio::time::timeout(DOCKER_CONFIG_READ_TIMEOUT, job).await {
+            Ok(Ok(Ok(Some(d)))) => d,
+            Ok(Ok(Ok(None))) => return Ok(None),
+            Ok(Ok(Err(e))) => return Err(bad(format!("docker config: {e}"))),
+            Ok(Err(e)) => return Err(bad(format!("docker config {}: {e}", path.display()))),
+            Err(_) => {
+                return Err(bad(format!(
+                    "docker config {}: not read within {DOCKER_CONFIG_READ_TIMEOUT:?}",
+                    path.display()
+                )));
+            }
         };
         lookup(data, true)
             .await
@@ -416,6 +449,50 @@ impl Cache {
             }
         })
         .await;
+    }
+}
+
+fn timed_out(url: &str, timeout: Duration) -> FetchError {
+    FetchError::new(
+        FetchResult::DownloadFailure,
+        format!("{url}: not fetched within the {timeout:?} of http_uri.timeout"),
+    )
+}
+
+/// Bound on reading the docker config (a hung network home directory must not hold a pull
+/// beyond it; the read itself may stay stuck on the blocking pool).
+const DOCKER_CONFIG_READ_TIMEOUT: Duration = Duration::from_secs(5);
+/// Largest docker config read.
+const MAX_DOCKER_CONFIG: u64 = 1024 * 1024;
+
+/// The keychain file as go-containerregistry's `authn.DefaultKeychain` finds it
+/// (`pkg/authn/keychain.go`): the file is used only if `stat` finds something that is not a
+/// directory; any `stat` failure (no file, no `.docker` directory, `HOME` not a directory or
+/// not searchable) means anonymous access. A found file is loaded by docker/cli's
+/// `config.Load` (`cli/config/config.go`), which fails on an unreadable file but takes an
+/// empty one as no configuration (`LoadFromReader` ignores `io.EOF`: 0 bytes or only
+/// whitespace). `Ok(None)`: anonymous. Blocking.
+fn read_docker_config(path: &Path) -> Result<Option<Vec<u8>>, String> {
+    match std::fs::metadata(path) {
+        Ok(m) if !m.is_dir() => {}
+        Ok(_) => {
+            tracing::debug!(path = %path.display(), "docker config is a directory: anonymous registry access");
+            return Ok(None);
+        }
+        Err(e) => {
+            tracing::debug!(path = %path.display(), error = %e, "no docker config: anonymous registry access");
+            return Ok(None);
+        }
+    }
+    match crate::fsio::read_bounded(path, MAX_DOCKER_CONFIG) {
+        // Removed between the stat and the open: as if the stat had not found it.
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+        Err(e) => Err(e.to_string()),
+        Ok(d) if d.iter().all(u8::is_ascii_whitespace) => {
+            tracing::debug!(path = %path.display(), "docker config is empty: anonymous registry access");
+            Ok(None)
+        }
+        Ok(d) => Ok(Some(d)),
     }
 }
 
@@ -479,7 +556,97 @@ fn starts_with_magic(p: &Path) -> bool {
 
 #[cfg(test)]
 mod tests {
+    #![allow(clippy::unwrap_used)]
     use super::*;
+
+    /// go-containerregistry's keychain: anything `stat` does not find is anonymous; a found
+    /// file that is empty (or only whitespace, `io.EOF` to Go's decoder) is anonymous; a
+    /// found file that cannot be read fails, naming it.
+    #[test]
+    fn c2_docker_config_missing_or_empty_is_anonymous() {
+        let home = tempfile::tempdir().unwrap();
+        let cfg = home.path().join(".docker/config.json");
+        // HOME is an empty directory: no `.docker` directory.
+        assert_eq!(read_docker_config(&cfg), Ok(None));
+        // `.docker` exists, no config.json.
+        std::fs::create_dir(home.path().join(".docker")).unwrap();
+        assert_eq!(read_docker_config(&cfg), Ok(None));
+        // Empty and whitespace-only files.
+        for empty in ["", " \n\t\r\n"] {
+            std::fs::write(&cfg, empty).unwrap();
+            assert_eq!(read_docker_config(&cfg), Ok(None), "{empty:?}");
+        }
+        // A directory where the file should be.
+        std::fs::remove_file(&cfg).unwrap();
+        std::fs::create_dir(&cfg).unwrap();
+        assert_eq!(read_docker_config(&cfg), Ok(None));
+        // HOME is a file, not a directory (ENOTDIR), or does not exist.
+        let file_home = home.path().join("plain");
+        std::fs::write(&file_home, "x").unwrap();
+        assert_eq!(
+            read_docker_config(&file_home.join(".docker/config.json")),
+            Ok(None)
+        );
+        assert_eq!(
+            read_docker_config(&home.path().join("gone/.docker/config.json")),
+            Ok(None)
+        );
+        // A present file is returned as is (malformed JSON is refused by the lookup, which
+        // names the file: `Cache::credentials`).
+        let h2 = tempfile::tempdir().unwrap();
+        let cfg2 = h2.path().join("config.json");
+        std::fs::write(&cfg2, "{not json").unwrap();
+        assert_eq!(read_docker_config(&cfg2), Ok(Some(b"{not json".to_vec())));
+        // Found but not a regular file (a FIFO, which would block a plain read): an error
+        // naming it.
+        std::fs::remove_file(&cfg2).unwrap();
+        nix::unistd::mkfifo(&cfg2, nix::sys::stat::Mode::S_IRWXU).unwrap();
+        let e = read_docker_config(&cfg2).unwrap_err();
+        assert!(e.contains(&*cfg2.to_string_lossy()), "{e}");
+    }
+
+    /// An unsearchable HOME (`stat` fails with EACCES) is anonymous too. Root passes every
+    /// permission check, so as root the check runs in this test binary re-executed as
+    /// `nobody` ([`c2_unreadable_home_child`]).
+    #[test]
+    fn c2_unreadable_home_is_anonymous() {
+        use std::os::unix::fs::PermissionsExt as _;
+        use std::os::unix::process::CommandExt as _;
+        let home = tempfile::tempdir().unwrap();
+        std::fs::create_dir(home.path().join(".docker")).unwrap();
+        let cfg = home.path().join(".docker/config.json");
+        std::fs::write(&cfg, "{}").unwrap();
+        std::fs::set_permissions(home.path(), std::fs::Permissions::from_mode(0o700)).unwrap();
+        if nix::unistd::geteuid().is_root() {
+            let out = std::process::Command::new(std::env::current_exe().unwrap())
+                .args(["--exact", "wasm::cache::tests::c2_unreadable_home_child"])
+                .env("C2_DOCKER_CONFIG", &cfg)
+                .uid(65534)
+                .gid(65534)
+                .output()
+                .unwrap();
+            let text = String::from_utf8_lossy(&out.stdout);
+            assert!(
+                out.status.success() && text.contains("1 passed"),
+                "{text}{}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+        } else {
+            std::fs::set_permissions(home.path(), std::fs::Permissions::from_mode(0o000)).unwrap();
+            assert_eq!(read_docker_config(&cfg), Ok(None));
+            std::fs::set_permissions(home.path(), std::fs::Permissions::from_mode(0o700)).unwrap();
+        }
+    }
+
+    /// The unprivileged half of [`c2_unreadable_home_is_anonymous`] (does nothing alone).
+    #[test]
+    fn c2_unreadable_home_child() {
+        if let Some(cfg) = std::env::var_os("C2_DOCKER_CONFIG") {
+            let cfg = std::path::PathBuf::from(cfg);
+            assert!(std::fs::metadata(&cfg).is_err(), "the home is searchable");
+            assert_eq!(read_docker_config(&cfg), Ok(None));
+        }
+    }
 
     #[test]
     fn pull_policy_rules() {

@@ -80,13 +80,15 @@ impl ClientError {
     }
 }
 
-/// A response with the URL it finally came from (after redirects).
+/// A response with the URL it finally came from (after redirects), and the deadline of the
+/// fetch it belongs to: its body is read by then or not at all.
 pub struct Fetched {
     pub url: Uri,
     pub status: StatusCode,
     pub headers: HeaderMap,
     body: Incoming,
     url_text: String,
+    deadline: Instant,
 }
 
 #[derive(Clone)]
@@ -99,7 +101,8 @@ pub struct Client {
     mesh_root: Option<Arc<Path>>,
     unverified: Arc<rustls::ClientConfig>,
     insecure_hosts: Arc<Vec<String>>,
-    /// Per request (`WASM_HTTP_REQUEST_TIMEOUT`): connect and response head.
+    /// Per request (`WASM_HTTP_REQUEST_TIMEOUT`): connect and response head, within the
+    /// fetch's overall deadline.
     pub request_timeout: Duration,
 }
 
@@ -194,11 +197,14 @@ impl Client {
 
     /// GET `url`, following redirects (each hop through the guard). `auth` is sent only to
     /// the original host, as Go's client drops `Authorization` on a cross-host redirect.
+    /// `deadline` is the whole fetch's (`http_uri.timeout`): no part of this request, its
+    /// body or its connection outlives it.
     pub async fn get(
         &self,
         url: &str,
         headers: &HeaderMap,
         auth: Option<&str>,
+        deadline: Instant,
     ) -> Result<Fetched, ClientError> {
         let mut uri: Uri = url
             .parse()
@@ -207,7 +213,7 @@ impl Client {
         for _ in 0..=MAX_REDIRECTS {
             let same_host = uri.authority() == first_authority.as_ref();
             let resp = self
-                .exchange(&uri, headers, auth.filter(|_| same_host))
+                .exchange(&uri, headers, auth.filter(|_| same_host), deadline)
                 .await?;
             if resp.status().is_redirection()
                 && let Some(loc) = resp.headers().get(header::LOCATION)
@@ -224,6 +230,7 @@ impl Client {
                 status: parts.status,
                 headers: parts.headers,
                 body,
+                deadline,
             });
         }
         Err(ClientError::Redirects { url: url.into() })
@@ -234,6 +241,7 @@ impl Client {
         uri: &Uri,
         headers: &HeaderMap,
         auth: Option<&str>,
+        deadline: Instant,
     ) -> Result<Response<Incoming>, ClientError> {
         let text = uri.to_string();
         let https = match uri.scheme_str() {
@@ -266,7 +274,8 @@ impl Client {
         {
             req.headers_mut().insert(header::AUTHORIZATION, v);
         }
-        let timeout = self.request_timeout;
+        let start = Instant::now();
+        let until = deadline.min(start + self.request_timeout);
         let work =
             async {
                 let addrs = self.guard.resolve(&host, port).await.map_err(|source| {
@@ -329,24 +338,31 @@ impl Client {
                     let (mut s, conn) = hyper::client::conn::http1::handshake(TokioIo::new(tls))
                         .await
                         .map_err(exchange_err)?;
-                    tokio::spawn(conn);
+                    tokio::spawn(bounded(conn, deadline));
                     s.send_request(req).await.map_err(exchange_err)
                 } else {
                     let (mut s, conn) = hyper::client::conn::http1::handshake(TokioIo::new(tcp))
                         .await
                         .map_err(exchange_err)?;
-                    tokio::spawn(conn);
+                    tokio::spawn(bounded(conn, deadline));
                     s.send_request(req).await.map_err(exchange_err)
                 }
             };
-        match tokio::time::timeout(timeout, work).await {
+        match tokio::time::timeout_at(until, work).await {
             Ok(r) => r,
             Err(_) => Err(ClientError::Timeout {
                 url: text,
-                after: timeout,
+                after: until.saturating_duration_since(start),
             }),
         }
     }
+}
+
+/// A connection's task, dropped (closing the socket) at the fetch's deadline whatever the
+/// peer does: a server that holds a half-sent body open must not keep the task and its
+/// descriptor.
+async fn bounded<F: std::future::Future>(conn: F, deadline: Instant) {
+    let _ = tokio::time::timeout_at(deadline, conn).await;
 }
 
 fn unreachable_no_addr(url: &str) -> Result<tokio::net::TcpStream, ClientError> {
@@ -393,6 +409,7 @@ impl Fetched {
             w.flush()?;
             Ok::<_, std::io::Error>(super::unpack::hex(hash.finish().as_ref()))
         });
+        let deadline = deadline.min(self.deadline);
         let mut n: u64 = 0;
         let result = loop {
             let frame = match tokio::time::timeout_at(deadline, self.body.frame()).await {
@@ -434,10 +451,20 @@ impl Fetched {
         Ok((n, sha))
     }
 
-    /// A small body (manifests, tokens), an error past `max`.
+    /// A small body (manifests, tokens), an error past `max` or at the fetch's deadline.
     pub async fn bytes(mut self, max: usize) -> Result<Vec<u8>, ClientError> {
         let mut out = Vec::new();
-        while let Some(f) = self.body.frame().await {
+        loop {
+            let f = match tokio::time::timeout_at(self.deadline, self.body.frame()).await {
+                Ok(Some(f)) => f,
+                Ok(None) => break,
+                Err(_) => {
+                    return Err(ClientError::Timeout {
+                        url: self.url_text,
+                        after: Duration::ZERO,
+                    });
+                }
+            };
             let f = f.map_err(|e| ClientError::Body {
                 url: self.url_text.clone(),
                 reason: crate::http_client::error_chain(&e),
@@ -455,9 +482,13 @@ impl Fetched {
         Ok(out)
     }
 
-    /// Reads and drops the body (so a retried connection is not left half-read).
-    pub async fn discard(self) {
-        let _ = self.bytes(64 * 1024).await;
+    /// Drops a response whose body is not wanted (non-200, a 401 challenge). Not read:
+    /// every request has its own connection (`exchange`), so nothing is reused that a
+    /// half-read body could corrupt, and a server holding a body back (a 404 with
+    /// `Content-Length: 1000` and 10 bytes sent) would otherwise hold the fetch. Dropping the
+    /// body ends the connection task, which closes the socket.
+    pub fn discard(self) {
+        drop(self);
     }
 
     pub fn url_text(&self) -> &str {

@@ -11,8 +11,11 @@
 #![allow(deprecated)]
 
 use std::collections::BTreeMap;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
+
+use futures::future::BoxFuture;
+use tokio_util::sync::CancellationToken;
 
 use meshagent_proto::envoy::pb::envoy::config::core::v3::{
     AsyncDataSource, DataSource, TypedExtensionConfig, async_data_source, data_source,
@@ -86,39 +89,276 @@ pub enum FilterKind {
 pub struct Converter {
     pub cache: Arc<Cache>,
     pub metrics: Metrics,
+    /// Conversions of responses still pending, which a newer response may make unwanted.
+    pending: Mutex<Pending>,
 }
 
 /// Why a response must be NACKed.
 pub type Nack = String;
 
-impl Converter {
-    /// Converts a whole SotW or Delta response; `Err` is the NACK message.
-    pub async fn convert_response(&self, delta: bool, msg: &[u8]) -> Result<Vec<u8>, Nack> {
-        let start = Instant::now();
-        let out = if delta {
-            let mut r = DeltaDiscoveryResponse::decode(msg)
-                .map_err(|e| format!("invalid ECDS response: {e}"))?;
-            let anys: Vec<Option<Any>> =
-                r.resources.iter_mut().map(|x| x.resource.take()).collect();
-            let converted = futures::future::join_all(anys.into_iter().map(|a| async move {
-                match a {
-                    Some(a) => self.convert(a).await.map(Some),
-                    None => Ok(None),
-                }
-            }))
-            .await;
-            for (res, c) in r.resources.iter_mut().zip(converted) {
-                res.resource = c?;
-            }
-            r.encode_to_vec()
+/// What the proxy hands on for one ECDS response.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Converted {
+    /// The converted response, for Envoy.
+    Forward(Vec<u8>),
+    /// A newer SotW response arrived while this one was still fetching: it carries the whole
+    /// requested set, so this one is neither forwarded nor ACKed.
+    Superseded,
+}
+
+#[derive(Default)]
+struct Pending {
+    next: u64,
+    entries: Vec<PendingEntry>,
+}
+
+/// One resource of a response being converted.
+struct PendingEntry {
+    id: u64,
+    delta: bool,
+    name: String,
+    /// Of the resource's bytes: a newer response carrying the same resource still wants it.
+    digest: u64,
+    cancel: CancellationToken,
+}
+
+fn digest(a: Option<&Any>) -> u64 {
+    use std::hash::{Hash as _, Hasher as _};
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    if let Some(a) = a {
+        a.type_url.hash(&mut h);
+        a.value.hash(&mut h);
+    }
+    h.finish()
+}
+
+enum Decoded {
+    Sotw(DiscoveryResponse),
+    Delta(DeltaDiscoveryResponse),
+}
+
+impl Decoded {
+    fn decode(delta: bool, msg: &[u8]) -> Result<Decoded, Nack> {
+        let bad = |e: prost::DecodeError| format!("invalid ECDS response: {e}");
+        Ok(if delta {
+            Decoded::Delta(DeltaDiscoveryResponse::decode(msg).map_err(bad)?)
         } else {
-            let mut r = DiscoveryResponse::decode(msg)
-                .map_err(|e| format!("invalid ECDS response: {e}"))?;
-            let anys = std::mem::take(&mut r.resources);
-            let converted =
-                futures::future::join_all(anys.into_iter().map(|a| self.convert(a))).await;
-            r.resources = converted.into_iter().collect::<Result<_, _>>()?;
-            r.encode_to_vec()
+            Decoded::Sotw(DiscoveryResponse::decode(msg).map_err(bad)?)
+        })
+    }
+
+    /// The name and digest of each resource (Delta: `Resource.name`, else the extension's
+    /// own name), and for Delta the names it removes.
+    fn names(&self) -> (Vec<(String, u64)>, Vec<String>) {
+        let ec_name = |a: &Any| {
+            TypedExtensionConfig::decode(a.value.as_slice())
+                .map(|e| e.name)
+                .unwrap_or_default()
+        };
+        match self {
+            Decoded::Sotw(r) => (
+                r.resources
+                    .iter()
+                    .map(|a| (ec_name(a), digest(Some(a))))
+                    .collect(),
+                Vec::new(),
+            ),
+            Decoded::Delta(r) => (
+                r.resources
+                    .iter()
+                    .map(|x| {
+                        let name = match (&x.name, &x.resource) {
+                            (n, _) if !n.is_empty() => n.clone(),
+                            (_, Some(a)) => ec_name(a),
+                            _ => String::new(),
+                        };
+                        (name, digest(x.resource.as_ref()))
+                    })
+                    .collect(),
+                r.removed_resources.clone(),
+            ),
+        }
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Removes a response's entries from [`Pending`] when its conversion ends or is dropped.
+struct Deregister {
+    conv: Arc<Converter>,
+    ids: Vec<u64>,
+}
+
+impl Drop for Deregister {
+    fn drop(&mut self) {
+        lock(&self.conv.pending)
+            .entries
+            .retain(|e| !self.ids.contains(&e.id));
+    }
+}
+
+impl Converter {
+    pub fn new(cache: Arc<Cache>, metrics: Metrics) -> Converter {
+        Converter {
+            cache,
+            metrics,
+            pending: Mutex::default(),
+        }
+    }
+
+    /// Converts a whole SotW or Delta response; `Err` is the NACK message. Nothing can
+    /// supersede it (see [`Converter::convert_latest`]).
+    pub async fn convert_response(&self, delta: bool, msg: &[u8]) -> Result<Vec<u8>, Nack> {
+        let d = Decoded::decode(delta, msg)?;
+        let n = match &d {
+            Decoded::Sotw(r) => r.resources.len(),
+            Decoded::Delta(r) => r.resources.len(),
+        };
+        match self.run(d, vec![None; n]).await? {
+            Converted::Forward(b) => Ok(b),
+            Converted::Superseded => Err("superseded".into()),
+        }
+    }
+
+    /// The xDS proxy's conversion of one ECDS response. Registered at once, in the order
+    /// responses arrive, so that a newer response releases the older ones it makes unwanted
+    /// instead of queueing behind their fetches (the proxy hands ECDS responses to Envoy in
+    /// order, `xds/stream.rs`). A pending resource is unwanted once a newer response replaces
+    /// it with different content or removes it (SotW: leaves it out; Delta: names it in
+    /// `removed_resources`); a newer response carrying the same resource still wants it and
+    /// waits for the same download. A SotW response with an unwanted resource is dropped whole
+    /// (the newer one carries the whole requested set); a Delta response goes without its
+    /// unwanted resources. A released fetch itself runs on to its deadline in the cache (a
+    /// later request for the same module joins it). Istio converts each response in its own goroutine and forwards
+    /// whichever finishes first (`pkg/istio-agent/xds_proxy.go` `rewriteAndForward`), so a
+    /// slow older response can overwrite a newer one there; this keeps the order.
+    ///
+    /// Only Envoy's ADS stream carries ECDS, so responses are compared across the one
+    /// converter (two streams given the same resources do not release each other's).
+    pub fn convert_latest(
+        self: &Arc<Self>,
+        delta: bool,
+        msg: &[u8],
+    ) -> BoxFuture<'static, Result<Converted, Nack>> {
+        let d = match Decoded::decode(delta, msg) {
+            Ok(d) => d,
+            Err(e) => return Box::pin(std::future::ready(Err(e))),
+        };
+        let (names, removed) = d.names();
+        let (ids, tokens) = {
+            let mut p = lock(&self.pending);
+            let mut released = 0usize;
+            for e in p.entries.iter().filter(|e| e.delta == delta) {
+                let newer = names.iter().find(|(n, _)| *n == e.name).map(|(_, d)| *d);
+                let unwanted = if delta {
+                    removed.contains(&e.name) || newer.is_some_and(|d| d != e.digest)
+                } else {
+                    newer != Some(e.digest)
+                };
+                if unwanted && !e.cancel.is_cancelled() {
+                    e.cancel.cancel();
+                    released += 1;
+                }
+            }
+            if released > 0 {
+                tracing::info!(
+                    resources = released,
+                    "a newer ECDS response replaces resources still being fetched; the older response is not held for them"
+                );
+            }
+            let mut ids = Vec::with_capacity(names.len());
+            let mut tokens = Vec::with_capacity(names.len());
+            for (name, digest) in names {
+                let id = p.next;
+                p.next += 1;
+                let cancel = CancellationToken::new();
+                p.entries.push(PendingEntry {
+                    id,
+                    delta,
+                    name,
+                    digest,
+                    cancel: cancel.clone(),
+                });
+                ids.push(id);
+                tokens.push(Some(cancel));
+            }
+            (ids, tokens)
+        };
+        let me = self.clone();
+        Box::pin(async move {
+            let _done = Deregister {
+                conv: me.clone(),
+                ids,
+            };
+            me.run(d, tokens).await
+        })
+    }
+
+    /// One resource, unless a newer response supersedes it first (`None`).
+    async fn convert_unless(
+        &self,
+        a: Any,
+        superseded: Option<CancellationToken>,
+    ) -> Option<Result<Any, Nack>> {
+        match superseded {
+            None => Some(self.convert(a).await),
+            Some(t) => tokio::select! {
+                biased;
+                _ = t.cancelled() => None,
+                r = self.convert(a) => Some(r),
+            },
+        }
+    }
+
+    async fn run(
+        &self,
+        d: Decoded,
+        tokens: Vec<Option<CancellationToken>>,
+    ) -> Result<Converted, Nack> {
+        let start = Instant::now();
+        let out = match d {
+            Decoded::Delta(mut r) => {
+                let resources = std::mem::take(&mut r.resources);
+                let converted = futures::future::join_all(resources.iter().zip(tokens).map(
+                    |(res, t)| async move {
+                        match res.resource.clone() {
+                            Some(a) => self.convert_unless(a, t).await.map(|c| c.map(Some)),
+                            None => Some(Ok(None)),
+                        }
+                    },
+                ))
+                .await;
+                for (mut res, c) in resources.into_iter().zip(converted) {
+                    match c {
+                        Some(c) => {
+                            res.resource = c?;
+                            r.resources.push(res);
+                        }
+                        None => {
+                            tracing::info!(resource = %res.name, nonce = %r.nonce, "ECDS resource superseded by a newer response before its Wasm module was fetched; left out of this one");
+                        }
+                    }
+                }
+                Converted::Forward(r.encode_to_vec())
+            }
+            Decoded::Sotw(mut r) => {
+                let anys = std::mem::take(&mut r.resources);
+                let converted = futures::future::join_all(
+                    anys.into_iter()
+                        .zip(tokens)
+                        .map(|(a, t)| self.convert_unless(a, t)),
+                )
+                .await;
+                if converted.iter().any(Option::is_none) {
+                    tracing::info!(nonce = %r.nonce, version = %r.version_info, "ECDS response superseded by a newer one before its Wasm modules were fetched; not forwarded");
+                    Converted::Superseded
+                } else {
+                    r.resources = converted.into_iter().flatten().collect::<Result<_, _>>()?;
+                    Converted::Forward(r.encode_to_vec())
+                }
+            }
         };
         self.metrics
             .conversion_duration_ms
@@ -550,13 +790,47 @@ pub fn sotw_response(version: &str, nonce: &str, resources: Vec<Any>) -> Vec<u8>
     .encode_to_vec()
 }
 
-/// Test/bench helper: an ECDS resource of a remote HTTP Wasm filter.
+/// Test helper: a Delta ECDS response of these named resources and removals.
+pub fn delta_response(nonce: &str, resources: Vec<(String, Any)>, removed: Vec<String>) -> Vec<u8> {
+    use meshagent_proto::envoy::pb::envoy::service::discovery::v3::Resource;
+    DeltaDiscoveryResponse {
+        system_version_info: nonce.into(),
+        resources: resources
+            .into_iter()
+            .map(|(name, a)| Resource {
+                name,
+                resource: Some(a),
+                ..Default::default()
+            })
+            .collect(),
+        removed_resources: removed,
+        type_url: meshagent_proto::type_url::EXTENSION_CONFIG.into(),
+        nonce: nonce.into(),
+        ..Default::default()
+    }
+    .encode_to_vec()
+}
+
+/// Test/bench helper: an ECDS resource of a remote HTTP Wasm filter (`http_uri.timeout` 30 s,
+/// what istiod sets).
 pub fn remote_wasm_resource(
     name: &str,
     url: &str,
     sha256: &str,
     env: BTreeMap<String, String>,
     fail_open: bool,
+) -> Any {
+    remote_wasm_resource_with_timeout(name, url, sha256, env, fail_open, Duration::from_secs(30))
+}
+
+/// [`remote_wasm_resource`] with another `http_uri.timeout`.
+pub fn remote_wasm_resource_with_timeout(
+    name: &str,
+    url: &str,
+    sha256: &str,
+    env: BTreeMap<String, String>,
+    fail_open: bool,
+    timeout: Duration,
 ) -> Any {
     use meshagent_proto::envoy::pb::envoy::config::core::v3::{
         HttpUri, RemoteDataSource, http_uri,
@@ -572,8 +846,8 @@ pub fn remote_wasm_resource(
                         http_uri: Some(HttpUri {
                             uri: url.into(),
                             timeout: Some(meshagent_proto::envoy::pb::google::protobuf::Duration {
-                                seconds: 30,
-                                nanos: 0,
+                                seconds: i64::try_from(timeout.as_secs()).unwrap_or(i64::MAX),
+                                nanos: i32::try_from(timeout.subsec_nanos()).unwrap_or(0),
                             }),
                             http_upstream_type: Some(http_uri::HttpUpstreamType::Cluster(
                                 url.into(),

@@ -92,8 +92,11 @@ pub async fn http(
             tokio::time::sleep(backoff).await;
             backoff = backoff.mul_f64(1.5);
         }
-        let resp = match tokio::time::timeout_at(deadline, client.get(url, &HeaderMap::new(), None))
-            .await
+        let resp = match tokio::time::timeout_at(
+            deadline,
+            client.get(url, &HeaderMap::new(), None, deadline),
+        )
+        .await
         {
             Err(_) => {
                 last = format!("{url}: timed out");
@@ -118,7 +121,7 @@ pub async fn http(
                 .await;
         }
         last = format!("wasm module download request failed: {url}: status code {status}");
-        resp.discard().await;
+        resp.discard();
         if !retryable(status) {
             break;
         }
@@ -155,6 +158,7 @@ pub(crate) async fn unpack_blocking(
     member: TarMember,
 ) -> Result<Module, FetchError> {
     let dir: PathBuf = tmp_dir.to_owned();
+    let shown = dir.display().to_string();
     tokio::task::spawn_blocking(move || unpack::unpack(file, sha256, &dir, max, member))
         .await
         .map_err(|e| FetchError::new(FetchResult::FetchFailure, e.to_string()))?
@@ -162,6 +166,11 @@ pub(crate) async fn unpack_blocking(
             unpack::UnpackError::TooLarge { .. } => {
                 FetchError::new(FetchResult::DownloadFailure, e.to_string())
             }
+            // Disk full, read-only cache: say where (the temp file is already removed).
+            unpack::UnpackError::Io(e) => FetchError::new(
+                FetchResult::FetchFailure,
+                format!("unpacking the module in {shown}: {e}"),
+            ),
             e => FetchError::new(FetchResult::FetchFailure, e.to_string()),
         })
 }

@@ -194,6 +194,8 @@ struct Session<'a> {
     reference: &'a Reference,
     creds: Option<Credentials>,
     auth: Option<String>,
+    /// The fetch's overall deadline (`http_uri.timeout`), for every request of the pull.
+    deadline: Instant,
 }
 
 pub async fn pull(
@@ -219,6 +221,7 @@ pub async fn pull(
             reference: r,
             creds,
             auth: None,
+            deadline,
         };
         let mut i = 0;
         // A failed HTTPS attempt is part of the error of the plain-HTTP one that follows
@@ -289,7 +292,10 @@ impl Session<'_> {
         headers: &HeaderMap,
     ) -> Result<super::client::Fetched, Failure> {
         let url = format!("{}{path}", self.base);
-        let resp = self.client.get(&url, headers, self.auth.as_deref()).await?;
+        let resp = self
+            .client
+            .get(&url, headers, self.auth.as_deref(), self.deadline)
+            .await?;
         if resp.status != StatusCode::UNAUTHORIZED {
             return Ok(resp);
         }
@@ -299,7 +305,7 @@ impl Session<'_> {
             .iter()
             .filter_map(|v| v.to_str().ok().map(str::to_owned))
             .collect();
-        resp.discard().await;
+        resp.discard();
         // Istio `ssrfProtectionTransport`: every realm of every Bearer challenge is checked
         // before any is used. A Basic realm is a protection-space label, never dialled
         // (htpasswd registries send e.g. `Basic realm="Registry Realm"`), so it is not a URL
@@ -343,9 +349,12 @@ impl Session<'_> {
                 )));
             }
         });
-        let resp = self.client.get(&url, headers, self.auth.as_deref()).await?;
+        let resp = self
+            .client
+            .get(&url, headers, self.auth.as_deref(), self.deadline)
+            .await?;
         if resp.status == StatusCode::UNAUTHORIZED {
-            resp.discard().await;
+            resp.discard();
             return Err(Failure::Other(format!("{url}: unauthorized")));
         }
         Ok(resp)
@@ -372,11 +381,11 @@ impl Session<'_> {
         let auth = self.creds.as_ref().map(basic);
         let resp = self
             .client
-            .get(&url, &HeaderMap::new(), auth.as_deref())
+            .get(&url, &HeaderMap::new(), auth.as_deref(), self.deadline)
             .await?;
         if resp.status != StatusCode::OK {
             let st = resp.status;
-            resp.discard().await;
+            resp.discard();
             let why = match (st, &self.creds) {
                 (StatusCode::UNAUTHORIZED | StatusCode::FORBIDDEN, Some(_)) => {
                     " (the credentials were refused)"
@@ -410,7 +419,7 @@ impl Session<'_> {
         if resp.status != StatusCode::OK {
             let st = resp.status;
             let u = resp.url_text().to_owned();
-            resp.discard().await;
+            resp.discard();
             return Err(Failure::Other(format!("{u}: status {st}")));
         }
         let ct = resp
@@ -480,7 +489,7 @@ impl Session<'_> {
             .map_err(|e| e.into_fetch(FetchResult::DownloadFailure))?;
         if resp.status != StatusCode::OK {
             let msg = format!("{}: status {}", resp.url_text(), resp.status);
-            resp.discard().await;
+            resp.discard();
             return Err(FetchError::new(FetchResult::DownloadFailure, msg));
         }
         let (file, got) = fetch::body_to_temp(resp, tmp_dir, limits.max_bytes, deadline)

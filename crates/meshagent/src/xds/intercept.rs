@@ -276,17 +276,30 @@ impl Interceptor for Pcds {
 
 /// The hook the Wasm module fills: rewrite an ECDS response before it reaches Envoy (it may
 /// download first), or refuse it (the proxy NACKs upstream and Envoy sees nothing).
+/// `rewrite` is called as each response arrives, in order, and the futures' results are
+/// handed on in that order, so an implementation must let a newer response release an
+/// older one it makes unwanted rather than wait for it (`wasm::convert`).
 pub trait EcdsRewrite: Send + Sync {
-    /// `Ok(bytes)` is forwarded to Envoy; `Err` is NACKed upstream.
-    fn rewrite(&self, api: Api, msg: Bytes) -> BoxFuture<'static, Result<Bytes, InterceptError>>;
+    /// `Ok(Some(bytes))` is forwarded to Envoy; `Ok(None)`: superseded by a newer response
+    /// of the stream, dropped (neither forwarded nor ACKed; Envoy ACKs the newer one);
+    /// `Err` is NACKed upstream.
+    fn rewrite(
+        &self,
+        api: Api,
+        msg: Bytes,
+    ) -> BoxFuture<'static, Result<Option<Bytes>, InterceptError>>;
 }
 
 /// The default: ECDS passes through untouched (no decode).
 pub struct PassThrough;
 
 impl EcdsRewrite for PassThrough {
-    fn rewrite(&self, _api: Api, msg: Bytes) -> BoxFuture<'static, Result<Bytes, InterceptError>> {
-        Box::pin(std::future::ready(Ok(msg)))
+    fn rewrite(
+        &self,
+        _api: Api,
+        msg: Bytes,
+    ) -> BoxFuture<'static, Result<Option<Bytes>, InterceptError>> {
+        Box::pin(std::future::ready(Ok(Some(msg))))
     }
 }
 
@@ -301,7 +314,11 @@ impl Interceptor for Ecds {
     fn on_response(&self, api: Api, msg: Bytes, meta: Meta) -> Outcome {
         let rewrite = self.0.rewrite(api, msg);
         Box::pin(async move {
-            rewrite.await.map(Verdict::Forward).inspect_err(|e| {
+            let v = rewrite.await.map(|b| match b {
+                Some(b) => Verdict::Forward(b),
+                None => Verdict::Consume(None),
+            });
+            v.inspect_err(|e| {
                 tracing::error!(nonce = %meta.nonce, error = %e, "ECDS rewrite failed; NACK upstream");
             })
         })
@@ -540,7 +557,7 @@ mod tests {
                 &self,
                 _: Api,
                 _: Bytes,
-            ) -> BoxFuture<'static, Result<Bytes, InterceptError>> {
+            ) -> BoxFuture<'static, Result<Option<Bytes>, InterceptError>> {
                 Box::pin(async { Err(InterceptError::Rejected("wasm fetch failed".into())) })
             }
         }

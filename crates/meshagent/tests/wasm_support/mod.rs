@@ -735,3 +735,183 @@ pub fn htpasswd(path: &Path, user: &str, password: &str) {
     assert!(out.status.success());
     std::fs::write(path, out.stdout).unwrap();
 }
+
+// === hostile module server ===
+
+/// A raw TCP server that answers every request with `status`, `Content-Length: 1000` and
+/// only 10 body bytes, then holds the socket open (until the server is dropped or 10 min
+/// pass). With `challenge`, requests not for `/token` get a registry 401 whose Bearer realm
+/// is this server's `/token`, so the stall is in the token exchange. It answers the first
+/// bytes it reads, whatever they are, so a TLS ClientHello gets plain HTTP (an OCI client
+/// then falls back to plain HTTP, as against a real plain-HTTP registry).
+pub struct StallServer {
+    pub addr: SocketAddr,
+    conns: Arc<std::sync::atomic::AtomicU32>,
+    open: Arc<std::sync::atomic::AtomicU32>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl StallServer {
+    pub async fn start(status: u16) -> StallServer {
+        Self::start_with(status, false).await
+    }
+
+    pub async fn start_with(status: u16, challenge: bool) -> StallServer {
+        use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = l.local_addr().unwrap();
+        let conns = Arc::new(std::sync::atomic::AtomicU32::new(0));
+        let open = Arc::new(std::sync::atomic::AtomicU32::new(0));
+        let c = conns.clone();
+        let o = open.clone();
+        let task = tokio::spawn(async move {
+            let mut held = tokio::task::JoinSet::new();
+            loop {
+                let Ok((mut s, _)) = l.accept().await else {
+                    return;
+                };
+                c.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                o.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                let o = o.clone();
+                held.spawn(async move {
+                    let mut buf = vec![0u8; 8192];
+                    let n = s.read(&mut buf).await.unwrap_or(0);
+                    let req = String::from_utf8_lossy(&buf[..n]).into_owned();
+                    let head = if challenge && !req.contains("/token") {
+                        format!(
+                            "HTTP/1.1 401 Unauthorized\r\nWWW-Authenticate: Bearer realm=\"http://{addr}/token\",service=\"stall\"\r\nContent-Length: 0\r\n\r\n"
+                        )
+                    } else {
+                        format!(
+                            "HTTP/1.1 {status} Stalled\r\nContent-Type: application/octet-stream\r\nContent-Length: 1000\r\n\r\n0123456789"
+                        )
+                    };
+                    let _ = s.write_all(head.as_bytes()).await;
+                    let _ = s.flush().await;
+                    // Hold it: read (and ignore) until the client closes, or 10 minutes.
+                    let _ = tokio::time::timeout(Duration::from_secs(600), async {
+                        while s.read(&mut buf).await.is_ok_and(|n| n > 0) {}
+                    })
+                    .await;
+                    o.fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
+                });
+            }
+        });
+        StallServer {
+            addr,
+            conns,
+            open,
+            task,
+        }
+    }
+
+    pub fn url(&self, path: &str) -> String {
+        format!("http://{}{path}", self.addr)
+    }
+
+    /// Connections accepted so far.
+    pub fn connections(&self) -> u32 {
+        self.conns.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    /// Connections the client has not closed yet.
+    pub fn open(&self) -> u32 {
+        self.open.load(std::sync::atomic::Ordering::SeqCst)
+    }
+}
+
+impl Drop for StallServer {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// A valid module of at least `size` bytes: `module` with a custom section of padding.
+pub fn padded_module(module: &[u8], size: usize) -> Vec<u8> {
+    let payload = size.saturating_sub(module.len());
+    let name = b"pad";
+    let mut body = vec![name.len() as u8];
+    body.extend_from_slice(name);
+    body.extend(std::iter::repeat_n(0u8, payload));
+    let mut m = module.to_vec();
+    m.push(0); // custom section
+    let mut n = body.len();
+    loop {
+        let b = (n & 0x7f) as u8;
+        n >>= 7;
+        if n == 0 {
+            m.push(b);
+            break;
+        }
+        m.push(b | 0x80);
+    }
+    m.extend_from_slice(&body);
+    m
+}
+
+// === small filesystems ===
+
+/// A tmpfs of `size` mounted on a fresh temp directory (tests run as root), unmounted on
+/// drop even when the test fails.
+pub struct Tmpfs {
+    pub dir: tempfile::TempDir,
+}
+
+impl Tmpfs {
+    pub fn mount(size: &str) -> Tmpfs {
+        let dir = tempfile::tempdir().unwrap();
+        let st = Command::new("mount")
+            .args([
+                "-t",
+                "tmpfs",
+                "-o",
+                &format!("size={size},mode=0755"),
+                "tmpfs",
+            ])
+            .arg(dir.path())
+            .status()
+            .expect("mount (tests run as root)");
+        assert!(st.success(), "mount tmpfs on {}", dir.path().display());
+        Tmpfs { dir }
+    }
+
+    pub fn path(&self) -> &Path {
+        self.dir.path()
+    }
+
+    /// `mount -o remount,<opts>` (e.g. `ro`, `rw`, `size=4m`).
+    pub fn remount(&self, opts: &str) {
+        let st = Command::new("mount")
+            .args(["-o", &format!("remount,{opts}")])
+            .arg(self.dir.path())
+            .status()
+            .unwrap();
+        assert!(st.success(), "remount {opts}");
+    }
+
+    /// Every regular file below the mount.
+    pub fn files(&self) -> Vec<PathBuf> {
+        fn walk(d: &Path, out: &mut Vec<PathBuf>) {
+            for e in std::fs::read_dir(d).into_iter().flatten().flatten() {
+                let p = e.path();
+                match e.file_type() {
+                    Ok(t) if t.is_dir() => walk(&p, out),
+                    Ok(_) => out.push(p),
+                    Err(_) => {}
+                }
+            }
+        }
+        let mut out = Vec::new();
+        walk(self.dir.path(), &mut out);
+        out
+    }
+}
+
+impl Drop for Tmpfs {
+    fn drop(&mut self) {
+        let _ = Command::new("umount")
+            .arg("-l")
+            .arg(self.dir.path())
+            .status();
+    }
+}
