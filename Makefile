@@ -110,10 +110,11 @@ ISTIO_BUILD_VERSION := 1.31-dev
 PILOT_AGENT := $(TOOLS)/istio/pilot-agent
 export PILOT_AGENT
 GOENV := GOMODCACHE=$(TOOLS)/go/mod GOCACHE=$(TOOLS)/go/cache GOFLAGS=-mod=readonly GOTOOLCHAIN=local CGO_ENABLED=0
+GO ?= $(shell command -v go 2>/dev/null || echo /usr/local/go/bin/go)
 pilot-agent: $(PILOT_AGENT)
 $(PILOT_AGENT): compat/go.mod compat/go.sum
-	@command -v go >/dev/null || { echo "go is needed to build the real pilot-agent (compat/)" >&2; exit 1; }
-	cd compat && $(GOENV) go build -trimpath -tags agent,disable_pgv,grpcnotrace,retrynotrace \
+	@[ -x "$(GO)" ] || { echo "Go is needed to build the real pilot-agent (compat/): $(GO) not found" >&2; exit 1; }
+	cd compat && $(GOENV) $(GO) build -trimpath -tags agent,disable_pgv,grpcnotrace,retrynotrace \
 	  -ldflags "-s -w -X istio.io/istio/pkg/version.buildVersion=$(ISTIO_BUILD_VERSION)" \
 	  -o $(PILOT_AGENT) istio.io/istio/pilot/cmd/pilot-agent
 	@$(PILOT_AGENT) version --short 2>/dev/null || true
