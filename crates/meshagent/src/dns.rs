@@ -298,21 +298,29 @@ pub async fn start(
 }
 
 async fn bind(a: SocketAddr) -> Result<(UdpSocket, TcpListener), DnsError> {
-    let udp = UdpSocket::bind(a).await.map_err(|source| DnsError::Bind {
-        proto: "udp",
-        addr: a,
-        source,
-    })?;
-    // Port 0 (tests): TCP takes the port UDP got.
-    let a = udp.local_addr().unwrap_or(a);
-    let tcp = TcpListener::bind(a)
-        .await
-        .map_err(|source| DnsError::Bind {
-            proto: "tcp",
+    // Port 0 (tests): TCP takes the port UDP got, which a TCP socket may already hold (an
+    // outgoing connection's ephemeral port): then another port is drawn, a few times.
+    let mut attempts = if a.port() == 0 { 16 } else { 1 };
+    loop {
+        attempts -= 1;
+        let udp = UdpSocket::bind(a).await.map_err(|source| DnsError::Bind {
+            proto: "udp",
             addr: a,
             source,
         })?;
-    Ok((udp, tcp))
+        let at = udp.local_addr().unwrap_or(a);
+        match TcpListener::bind(at).await {
+            Ok(tcp) => return Ok((udp, tcp)),
+            Err(e) if e.kind() == std::io::ErrorKind::AddrInUse && attempts > 0 => continue,
+            Err(source) => {
+                return Err(DnsError::Bind {
+                    proto: "tcp",
+                    addr: at,
+                    source,
+                });
+            }
+        }
+    }
 }
 
 /// Istio's listen rule: with host `localhost` and servers in resolv.conf, `127.0.0.1` if any

@@ -74,12 +74,23 @@ async fn r4_tcp_peers_that_never_read_release_their_slots() {
     for _ in 0..300 {
         let sock = tokio::net::TcpSocket::new_v4().unwrap();
         sock.set_recv_buffer_size(4096).unwrap();
+        // A small MSS keeps the proxy's send buffer small too: the kernel sizes it from
+        // the segment size (loopback's is 64 KiB, and ~2 MiB of buffer would absorb every
+        // reply).
+        nix::sys::socket::setsockopt(&sock, nix::sys::socket::sockopt::TcpMaxSeg, &536).unwrap();
         let mut s = sock.connect(addr).await.unwrap();
         // Small enough to sit in the socket buffers at once: the peer never blocks.
         let _ = s.write_all(&framed).await;
         peers.push(s);
     }
     let stalled = Instant::now();
+    // Whether the slots are all taken now (informational: the first stalls began while the
+    // later peers connected).
+    let probe = tcp_once(addr, &query("productpage.", RecordType::A, None)).await;
+    eprintln!(
+        "a TCP client right after the peers connected: answered: {}",
+        probe.is_some()
+    );
     // UDP is served whatever TCP does.
     let (m, _) = udp(addr, &query("productpage.", RecordType::A, None)).await;
     assert_eq!(answers(&m), ["productpage. A 10.0.0.1"]);
@@ -123,6 +134,20 @@ async fn tcp_once(addr: std::net::SocketAddr, q: &[u8]) -> Option<Message> {
     Message::from_vec(&buf).ok()
 }
 
+/// One exchange on an open TCP connection.
+async fn tcp_on(s: &mut tokio::net::TcpStream, q: &[u8]) -> Message {
+    let mut out = (q.len() as u16).to_be_bytes().to_vec();
+    out.extend_from_slice(q);
+    s.write_all(&out).await.unwrap();
+    let n = tokio::time::timeout(Duration::from_secs(10), s.read_u16())
+        .await
+        .expect("a reply within 10 s")
+        .unwrap();
+    let mut buf = vec![0u8; n as usize];
+    s.read_exact(&mut buf).await.unwrap();
+    Message::from_vec(&buf).unwrap()
+}
+
 /// 150 short TXT records: more names than hickory compresses (120), ~3.5 KB as a
 /// compressing upstream sends it.
 fn many_txt() -> Vec<Rr> {
@@ -145,7 +170,7 @@ fn upstream_zone(name: &str, ty: RecordType) -> Vec<Rr> {
 }
 
 /// R5: a cache hit is the upstream's reply — the same size and answers as the miss, over
-/// UDP and TCP — so it fits wherever the first reply fitted (re-encoding made it ~420 bytes
+/// UDP and TCP — so it fits wherever the first reply fitted (re-encoding made it 284 bytes
 /// larger here, and truncated it at a limit the miss fitted).
 #[tokio::test(flavor = "multi_thread")]
 async fn r5_cache_hits_are_the_size_of_the_miss() {
@@ -154,8 +179,16 @@ async fn r5_cache_hits_are_the_size_of_the_miss() {
     let proxy = Proxy::start("nameserver 127.0.54.1\n", tables, |_| {}).await;
     let _dump = OnFailure(&proxy);
     // TCP first: the miss, then the hit.
-    let (miss, miss_len) = tcp(proxy.addr, &query("many.test.", RecordType::TXT, Some(4096))).await;
-    let (hit, hit_len) = tcp(proxy.addr, &query("MANY.test.", RecordType::TXT, Some(4096))).await;
+    let (miss, miss_len) = tcp(
+        proxy.addr,
+        &query("many.test.", RecordType::TXT, Some(4096)),
+    )
+    .await;
+    let (hit, hit_len) = tcp(
+        proxy.addr,
+        &query("MANY.test.", RecordType::TXT, Some(4096)),
+    )
+    .await;
     assert_eq!(miss.answers.len(), 150);
     assert_eq!(hit_len, miss_len, "hit {hit_len} bytes, miss {miss_len}");
     assert_eq!(answers(&hit).len(), 150);
@@ -170,12 +203,23 @@ async fn r5_cache_hits_are_the_size_of_the_miss() {
     assert_eq!(up.queries_for("many.test."), 1);
     // UDP: the miss with EDNS 4096, then the hit with exactly the miss's size as the EDNS
     // limit: it fits, not truncated.
-    let (umiss, umiss_len) = udp(proxy.addr, &query("udp.many.test.", RecordType::TXT, Some(4096))).await;
+    let (umiss, umiss_len) = udp(
+        proxy.addr,
+        &query("udp.many.test.", RecordType::TXT, Some(4096)),
+    )
+    .await;
     assert!(!umiss.metadata.truncation, "{umiss_len}");
     assert_eq!(umiss.answers.len(), 150);
     let limit = u16::try_from(umiss_len).unwrap();
-    let (uhit, uhit_len) = udp(proxy.addr, &query("udp.many.test.", RecordType::TXT, Some(limit))).await;
-    assert!(!uhit.metadata.truncation, "hit truncated at {limit}: {uhit_len} bytes");
+    let (uhit, uhit_len) = udp(
+        proxy.addr,
+        &query("udp.many.test.", RecordType::TXT, Some(limit)),
+    )
+    .await;
+    assert!(
+        !uhit.metadata.truncation,
+        "hit truncated at {limit}: {uhit_len} bytes"
+    );
     assert_eq!(uhit_len, umiss_len);
     assert_eq!(answers(&uhit), answers(&umiss));
     assert_eq!(up.queries_for("udp.many.test."), 1);
@@ -193,10 +237,9 @@ async fn r5_cache_is_bounded_in_bytes() {
         Arc::new(|name: &str, ty| match ty {
             RecordType::TXT if name.ends_with(".big.test.") => big_txt(300),
             // ~6 KiB: 24 strings of 250 bytes.
-            RecordType::TXT if name.ends_with(".mid.test.") => big_txt(300)
-                .into_iter()
-                .take(24)
-                .collect(),
+            RecordType::TXT if name.ends_with(".mid.test.") => {
+                big_txt(300).into_iter().take(24).collect()
+            }
             _ => vec![],
         }),
     )
@@ -210,15 +253,22 @@ async fn r5_cache_is_bounded_in_bytes() {
     .await;
     let _dump = OnFailure(&proxy);
     let cache = proxy.handle.core.cache.as_ref().unwrap();
+    // The proxy's log (upstream failures) in the test's output.
+    let _ = tracing_subscriber::fmt()
+        .with_max_level(tracing::Level::INFO)
+        .with_test_writer()
+        .try_init();
     let budget = dns::cache::DEFAULT_BYTES as u64;
     let addr = proxy.addr;
     let rss0 = rss_kib();
     let run = |zone: &'static str| async move {
         let workers = (0..8).map(|w| {
             tokio::spawn(async move {
+                // One connection per worker, one query after the other on it.
+                let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
                 for i in (w..4096).step_by(8) {
                     let name = format!("n{i}.{zone}.");
-                    let (m, _) = tcp(addr, &query(&name, RecordType::TXT, Some(4096))).await;
+                    let m = tcp_on(&mut s, &query(&name, RecordType::TXT, Some(4096))).await;
                     assert_eq!(m.metadata.response_code, ResponseCode::NoError, "{name}");
                     assert!(!m.answers.is_empty(), "{name}");
                 }
@@ -238,7 +288,11 @@ async fn r5_cache_is_bounded_in_bytes() {
         rss_big
     );
     assert!(cache.weight() <= budget, "{}", cache.weight());
-    assert_eq!(cache.len(), 0, "answers over the per-entry cap are not cached");
+    assert_eq!(
+        cache.len(),
+        0,
+        "answers over the per-entry cap are not cached"
+    );
     run("mid.test").await;
     eprintln!(
         "4096 x 6 KiB answers: cache {} entries, {} bytes, {} evictions; RSS {} KiB",
@@ -302,10 +356,14 @@ async fn l2_edns_version_above_zero_gets_badvers() {
             assert!(out.contains("ANSWER: 0"), "{args:?}: {out}");
         }
         // Version 0 is answered as usual.
-        let out = dig(proxy.addr, &["+edns=0", ty, name]);
+        let out = dig(proxy.addr, &["+tcp", "+edns=0", ty, name]);
         assert!(out.contains("status: NOERROR"), "{out}");
     }
-    assert_eq!(up.queries_for("many.test."), 1, "only the version-0 query went upstream");
+    assert_eq!(
+        up.queries_for("many.test."),
+        1,
+        "only the version-0 query went upstream"
+    );
 }
 
 /// L3: a listen address that is not loopback is refused at startup with an error naming
@@ -325,7 +383,10 @@ async fn l3_non_loopback_listen_address_needs_the_opt_in() {
             tokio_util::sync::CancellationToken::new(),
         )
         .await;
-        let e = r.err().expect("a non-loopback address is refused").to_string();
+        let e = r
+            .err()
+            .expect("a non-loopback address is refused")
+            .to_string();
         for want in [
             "DNS_PROXY_ADDR",
             &format!("{addr:?}"),
@@ -360,18 +421,26 @@ fn l3_the_explicit_opt_in_starts_on_a_non_loopback_address() {
     // The variable reaches the options.
     let dir = tempfile::tempdir().unwrap();
     let load = |env: &[(&str, &str)]| {
-        let mut pairs = vec![("POD_NAMESPACE", "default"), ("ISTIO_META_DNS_CAPTURE", "true")];
+        let mut pairs = vec![
+            ("POD_NAMESPACE", "default"),
+            ("ISTIO_META_DNS_CAPTURE", "true"),
+        ];
         pairs.extend_from_slice(env);
         let flags = ProxyFlags {
             proxy_type: ProxyType::Sidecar,
             ..Default::default()
         };
-        dns::Options::from_config(&config::load(&flags, &MapEnv::from_pairs(pairs), dir.path()).unwrap())
+        dns::Options::from_config(
+            &config::load(&flags, &MapEnv::from_pairs(pairs), dir.path()).unwrap(),
+        )
     };
     assert!(!load(&[]).allow_non_loopback);
     assert!(load(&[("MESHAGENT_DNS_ALLOW_NON_LOOPBACK", "true")]).allow_non_loopback);
     assert_eq!(load(&[]).cache_bytes, dns::cache::DEFAULT_BYTES);
-    assert_eq!(load(&[("MESHAGENT_DNS_CACHE_BYTES", "65536")]).cache_bytes, 65536);
+    assert_eq!(
+        load(&[("MESHAGENT_DNS_CACHE_BYTES", "65536")]).cache_bytes,
+        65536
+    );
 
     let resolv = dir.path().join("resolv.conf");
     std::fs::write(&resolv, "nameserver 127.0.54.254\n").unwrap();

@@ -97,7 +97,8 @@ impl quick_cache::Lifecycle<Key, Item> for Evictions {
     }
 }
 
-type Store = quick_cache::unsync::Cache<Key, Item, Weigher, quick_cache::DefaultHashBuilder, Evictions>;
+type Store =
+    quick_cache::unsync::Cache<Key, Item, Weigher, quick_cache::DefaultHashBuilder, Evictions>;
 
 pub struct Cache {
     inner: Mutex<Store>,
@@ -313,7 +314,9 @@ mod tests {
         q.add_query(Query::query(n.clone(), RecordType::TXT));
         let mut m = reply(ResponseCode::NoError);
         m.queries = q.queries.clone();
-        let chunks = (0..txt_bytes.div_ceil(200)).map(|_| "x".repeat(200)).collect::<Vec<_>>();
+        let chunks = (0..txt_bytes.div_ceil(200))
+            .map(|_| "x".repeat(200))
+            .collect::<Vec<_>>();
         m.add_answer(Record::from_rdata(n, 60, RData::TXT(TXT::new(chunks))));
         let wire = m.to_vec().unwrap();
         (m, wire, q.to_vec().unwrap())
@@ -321,7 +324,12 @@ mod tests {
 
     fn cache(entries: usize, bytes: usize) -> Cache {
         let limits = Limits { entries, bytes };
-        Cache::new(limits, Counter::default(), Counter::default(), Counter::default())
+        Cache::new(
+            limits,
+            Counter::default(),
+            Counter::default(),
+            Counter::default(),
+        )
     }
 
     #[test]

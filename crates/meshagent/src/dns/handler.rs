@@ -26,9 +26,9 @@ use tokio::sync::watch;
 
 use super::cache::{Cache, Key};
 use super::forward;
-use super::wire;
 use super::metrics::Metrics;
 use super::table::{Addrs, Lookup, LookupTable, TTL};
+use super::wire;
 
 /// Largest message over TCP (two-byte length prefix).
 pub const TCP_MAX: usize = 65535;

@@ -2,7 +2,7 @@
 //! as the upstream encoded them (TTLs clamped or aged in place, ID and question case patched)
 //! instead of being re-encoded: hickory's encoder compresses only the first 120 names of a
 //! message (`COMPRESSED_NAME_LIMIT`, a guard against quadratic work), so a re-encoded answer
-//! with many records is larger than the upstream's — ~1.1 KB for a 60 KiB TXT answer — and
+//! with many records is larger than the upstream's (by the length of every later owner name) and
 //! can be truncated where the upstream's reply was not.
 //!
 //! Every read is bounds-checked; a message that does not walk cleanly gives `None`.
@@ -122,10 +122,10 @@ mod tests {
     use hickory_proto::rr::rdata::{A, TXT};
     use hickory_proto::rr::{Name, RData, Record, RecordType};
 
-fn u32_at(msg: &[u8], at: usize) -> Option<u32> {
-    let b = msg.get(at..at + 4)?;
-    Some(u32::from_be_bytes([b[0], b[1], b[2], b[3]]))
-}
+    fn u32_at(msg: &[u8], at: usize) -> Option<u32> {
+        let b = msg.get(at..at + 4)?;
+        Some(u32::from_be_bytes([b[0], b[1], b[2], b[3]]))
+    }
 
     fn txt_reply(n: usize) -> Message {
         let name = Name::from_ascii("x.big.test.").unwrap();

@@ -318,7 +318,16 @@ impl Upstream {
         });
         let (a, c) = (answer, counts.clone());
         let t = tokio::spawn(async move {
-            while let Ok((mut s, _)) = tcp.accept().await {
+            loop {
+                let mut s = match tcp.accept().await {
+                    Ok((s, _)) => s,
+                    // A connection reset before it was accepted, or descriptors short for a
+                    // moment: the listener stays.
+                    Err(_) => {
+                        tokio::time::sleep(Duration::from_millis(10)).await;
+                        continue;
+                    }
+                };
                 let (a, c) = (a.clone(), c.clone());
                 tokio::spawn(async move {
                     loop {
@@ -347,12 +356,7 @@ impl Upstream {
     }
 
     pub fn queries_for(&self, name: &str) -> usize {
-        self.counts
-            .lock()
-            .unwrap()
-            .get(name)
-            .copied()
-            .unwrap_or(0)
+        self.counts.lock().unwrap().get(name).copied().unwrap_or(0)
     }
 }
 
@@ -376,6 +380,7 @@ fn upstream_reply(
     *counts.lock().unwrap().entry(name.clone()).or_default() += 1;
     let rrs = answer(&name, query.query_type());
     // The question exactly as asked: header, then the question's bytes.
+    use hickory_proto::serialize::binary::BinEncodable as _;
     let qend = 12 + query.name().to_bytes().ok()?.len() + 4;
     let mut out = q.get(..qend)?.to_vec();
     out[2] |= 0x84; // QR, AA
