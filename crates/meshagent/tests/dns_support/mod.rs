@@ -412,7 +412,7 @@ fn upstream_reply(
     }
     let edns = m.edns.as_ref().map(|e| e.max_payload());
     let opt: [u8; 11] = {
-        let size = edns.unwrap_or(512).max(512).min(4096);
+        let size = edns.unwrap_or(512).clamp(512, 4096);
         let s = size.to_be_bytes();
         [0, 0, 41, s[0], s[1], 0, 0, 0, 0, 0, 0]
     };
