@@ -218,7 +218,10 @@ impl Cache {
             tracing::debug!(bytes = wire.len(), "DNS answer too large to cache");
             return;
         }
-        let Some(layout) = wire::layout(wire) else {
+        // Only a reply whose question section is the one plain question a hit patches.
+        let Some(layout) = wire::layout(wire)
+            .filter(|l| wire::question(wire).is_some_and(|q| 12 + q.len() == l.question_end))
+        else {
             return;
         };
         let now = Instant::now();
