@@ -116,6 +116,43 @@ async fn r4_tcp_peers_that_never_read_release_their_slots() {
     drop(peers);
 }
 
+/// R4: 300 TCP peers that connect and send nothing hold their slots only for the first
+/// request's read timeout (2 s), not the 10 s idle timeout between requests.
+#[tokio::test(flavor = "multi_thread")]
+async fn r4_silent_tcp_peers_release_their_slots_after_the_read_timeout() {
+    let (_tx, tables) = fixed_table(mesh_table());
+    let proxy = Proxy::start(
+        "nameserver 127.0.54.254
+",
+        tables,
+        |_| {},
+    )
+    .await;
+    let _dump = OnFailure(&proxy);
+    let addr = proxy.addr;
+    let mut peers = Vec::new();
+    for _ in 0..300 {
+        peers.push(tokio::net::TcpStream::connect(addr).await.unwrap());
+    }
+    let held = Instant::now();
+    let deadline = dns::server::TCP_IO + Duration::from_secs(3);
+    let q = query("productpage.", RecordType::A, None);
+    let answered = loop {
+        if let Some(m) = tcp_once(addr, &q).await {
+            break m;
+        }
+        assert!(
+            held.elapsed() < deadline,
+            "no TCP answer {:?} after 300 silent peers connected",
+            held.elapsed()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert_eq!(answers(&answered), ["productpage. A 10.0.0.1"]);
+    eprintln!("fresh TCP client answered after {:?}", held.elapsed());
+    drop(peers);
+}
+
 /// One TCP exchange that may fail (connection closed at accept, no reply within 1 s).
 async fn tcp_once(addr: std::net::SocketAddr, q: &[u8]) -> Option<Message> {
     let mut s = tokio::net::TcpStream::connect(addr).await.ok()?;

@@ -5,7 +5,7 @@
 //!   Istio sends RA=0 and no OPT.
 //! * Malformed requests: FORMERR when the header is readable, dropped when it is not or when
 //!   the packet is a response (never answer a response: that is how reflection loops start).
-//!   Other opcodes get NOTIMP.
+//!   Other opcodes get NOTIMP; an EDNS version other than 0 gets BADVERS (RFC 6891).
 //! * Replies larger than the client's limit (UDP: its EDNS size, at least 512; TCP: 65535) are
 //!   truncated with TC=1 — for forwarded answers too, so a large upstream answer reaches the
 //!   client over TCP instead of becoming SERVFAIL (istio#61371).

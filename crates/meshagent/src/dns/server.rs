@@ -24,13 +24,13 @@ use super::handler::{Action, Core, Proto};
 const MAX_FORWARDS: usize = 4096;
 /// TCP connections served at once per listener.
 const MAX_TCP: usize = 256;
-/// A TCP connection with no request started for this long is closed.
+/// A TCP connection with no request started for this long after its last reply is closed.
 const TCP_IDLE: Duration = Duration::from_secs(10);
-/// A started request must arrive whole, and its reply be written whole, within this each
-/// (miekg/dns's `ReadTimeout`/`WriteTimeout`, which Istio's `pkg/dns/client` server uses):
-/// a peer that sends queries and never reads the replies holds its connection slot, and a
-/// reply buffer, for at most this long after the socket's buffers fill. Forwarding in
-/// between is bounded by `DNS_FORWARD_TIMEOUT`.
+/// Within this each: the first request after the connect, a started request whole, and its
+/// reply written whole (miekg/dns's `ReadTimeout`/`WriteTimeout`, which Istio's
+/// `pkg/dns/client` server uses). A peer that sends queries and never reads the replies
+/// holds its connection slot, and a reply buffer, for at most this long after the socket's
+/// buffers fill. Forwarding in between is bounded by `DNS_FORWARD_TIMEOUT`.
 pub const TCP_IO: Duration = Duration::from_secs(2);
 
 /// Datagrams read per `recvmmsg(2)` by default ([`serve_udp`]).
@@ -309,13 +309,17 @@ pub async fn serve_tcp(listener: TcpListener, core: Arc<Core>) -> Result<(), Str
 
 async fn connection(mut s: TcpStream, core: &Core) -> std::io::Result<()> {
     let _ = s.set_nodelay(true);
+    // miekg's server: the first request within its read timeout of the connect, later ones
+    // within the idle timeout of the last reply.
+    let mut wait = TCP_IO;
     loop {
-        let len = match tokio::time::timeout(TCP_IDLE, s.read_u16()).await {
+        let len = match tokio::time::timeout(wait, s.read_u16()).await {
             Ok(Ok(n)) => n as usize,
             Ok(Err(e)) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(()),
             Ok(Err(e)) => return Err(e),
             Err(_) => return Ok(()),
         };
+        wait = TCP_IDLE;
         let mut buf = vec![0u8; len];
         match tokio::time::timeout(TCP_IO, s.read_exact(&mut buf)).await {
             Ok(r) => r?,
