@@ -216,6 +216,8 @@ fn proxy(
                 parallel: false,
                 timeout: Duration::from_secs(5),
                 cache_size: cache,
+                cache_bytes: dns::cache::DEFAULT_BYTES,
+                allow_non_loopback: false,
                 forward_before_table: false,
                 servers: meshagent::supervise::Servers::new(),
                 // `DNS_BENCH_BATCH=1`: one recv per datagram, for comparison.

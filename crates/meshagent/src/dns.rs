@@ -8,7 +8,8 @@
 //! | [`table`] | NDS table → lookup table: Istio's short names, search-domain CNAMEs, wildcards; renders `/debug/ndsz` |
 //! | [`handler`] | one request → reply / forward / drop; truncation; RA and EDNS echo; the lean path for lower-case A/AAAA table names |
 //! | [`forward`] | upstream exchanges (UDP with a 64 KiB buffer, TCP), sequential or parallel |
-//! | [`cache`] | bounded TTL cache of forwarded answers (Istio has none) |
+//! | [`cache`] | TTL cache of forwarded answers, bounded in bytes (Istio has none) |
+//! | [`wire`] | where TTLs and the question are in a message: forwarded replies patched, not re-encoded |
 //! | [`server`] | the UDP (recvmmsg batches) and TCP loops |
 //! | [`resolv`] | resolv.conf servers and search list |
 //!
@@ -23,6 +24,7 @@ pub mod metrics;
 pub mod resolv;
 pub mod server;
 pub mod table;
+pub mod wire;
 
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::path::{Path, PathBuf};
@@ -85,6 +87,8 @@ pub fn enabled(cfg: &Config) -> bool {
 /// (Istio's `pilot/cmd/pilot-agent/options`: the original pod resolv.conf saved there).
 const ROOT_RESOLV_CONF: &str = "/var/lib/istio/resolv.conf";
 const DEFAULT_ADDR: &str = "localhost:15053";
+/// The opt-in for a listen address that is not loopback ([`DnsError::NonLoopback`]).
+pub const ALLOW_NON_LOOPBACK_VAR: &str = "MESHAGENT_DNS_ALLOW_NON_LOOPBACK";
 
 #[derive(Debug, thiserror::Error)]
 pub enum DnsError {
@@ -101,6 +105,13 @@ pub enum DnsError {
         #[source]
         source: std::io::Error,
     },
+    #[error(
+        "DNS_PROXY_ADDR {value:?} listens on {addr}, which is not a loopback address: the DNS \
+         proxy answers and forwards queries for anyone who can reach it, an amplifier for \
+         spoofed queries (expected localhost, 127.0.0.0/8 or ::1; set \
+         {ALLOW_NON_LOOPBACK_VAR}=true to listen there anyway)"
+    )]
+    NonLoopback { value: String, addr: SocketAddr },
     #[error(transparent)]
     Metrics(#[from] crate::metrics::MetricsError),
 }
@@ -113,6 +124,10 @@ pub struct Options {
     pub parallel: bool,
     pub timeout: Duration,
     pub cache_size: usize,
+    /// The cache's byte budget ([`cache::DEFAULT_BYTES`]).
+    pub cache_bytes: usize,
+    /// Listen on an address that is not loopback (`MESHAGENT_DNS_ALLOW_NON_LOOPBACK`).
+    pub allow_non_loopback: bool,
     /// `:53` root mode: forward before the first table instead of SERVFAIL.
     pub forward_before_table: bool,
     /// Where the supervisor reports the servers down.
@@ -144,6 +159,8 @@ impl Options {
             parallel: cfg.dns.forward_parallel,
             timeout: cfg.dns.forward_timeout,
             cache_size: cfg.dns.cache_size,
+            cache_bytes: cfg.dns.cache_bytes,
+            allow_non_loopback: cfg.dns.allow_non_loopback,
             forward_before_table,
             servers: supervise::Servers::new(),
             udp_batch: server::UDP_BATCH,
@@ -178,6 +195,19 @@ pub async fn start(
         .map_err(DnsError::ResolvConf)?;
     let resolv = ResolvConf::parse(&String::from_utf8_lossy(&text));
     let addrs = listen_addrs(&opts.addr, &resolv)?;
+    // What Istio binds by default (`localhost`) is loopback; any other address serves, and
+    // forwards for, whoever can reach it: a reflector and amplifier for queries with a
+    // spoofed source (a 40-byte query for a large TXT answer returns 100 times its size, and
+    // each forwarded one costs the cluster DNS too). Istio (`pkg/dns/client/dns.go`) binds
+    // whatever `DNS_PROXY_ADDR` says; here it takes an explicit opt-in.
+    if !opts.allow_non_loopback
+        && let Some(a) = addrs.iter().find(|a| !a.ip().is_loopback())
+    {
+        return Err(DnsError::NonLoopback {
+            value: opts.addr.clone(),
+            addr: *a,
+        });
+    }
     let mut bound = Vec::new();
     for a in &addrs {
         bound.push(bind(*a).await?);
@@ -188,11 +218,15 @@ pub async fn start(
         .collect();
 
     let metrics = metrics::Metrics::new(registry)?;
-    let cache = (opts.cache_size > 0).then(|| {
+    let cache = (opts.cache_size > 0 && opts.cache_bytes > 0).then(|| {
         cache::Cache::new(
-            opts.cache_size,
+            cache::Limits {
+                entries: opts.cache_size,
+                bytes: opts.cache_bytes,
+            },
             metrics.cache_hits.clone(),
             metrics.cache_misses.clone(),
+            metrics.cache_evictions.clone(),
         )
     });
     // The first search domain, for the derived CNAMEs (`LookupTable::lookup`).
@@ -264,21 +298,29 @@ pub async fn start(
 }
 
 async fn bind(a: SocketAddr) -> Result<(UdpSocket, TcpListener), DnsError> {
-    let udp = UdpSocket::bind(a).await.map_err(|source| DnsError::Bind {
-        proto: "udp",
-        addr: a,
-        source,
-    })?;
-    // Port 0 (tests): TCP takes the port UDP got.
-    let a = udp.local_addr().unwrap_or(a);
-    let tcp = TcpListener::bind(a)
-        .await
-        .map_err(|source| DnsError::Bind {
-            proto: "tcp",
+    // Port 0 (tests): TCP takes the port UDP got, which a TCP socket may already hold (an
+    // outgoing connection's ephemeral port): then another port is drawn, a few times.
+    let mut attempts = if a.port() == 0 { 16 } else { 1 };
+    loop {
+        attempts -= 1;
+        let udp = UdpSocket::bind(a).await.map_err(|source| DnsError::Bind {
+            proto: "udp",
             addr: a,
             source,
         })?;
-    Ok((udp, tcp))
+        let at = udp.local_addr().unwrap_or(a);
+        match TcpListener::bind(at).await {
+            Ok(tcp) => return Ok((udp, tcp)),
+            Err(e) if e.kind() == std::io::ErrorKind::AddrInUse && attempts > 0 => continue,
+            Err(source) => {
+                return Err(DnsError::Bind {
+                    proto: "tcp",
+                    addr: at,
+                    source,
+                });
+            }
+        }
+    }
 }
 
 /// Istio's listen rule: with host `localhost` and servers in resolv.conf, `127.0.0.1` if any

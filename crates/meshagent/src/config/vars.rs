@@ -288,6 +288,12 @@ pub struct DnsConfig {
     /// `MESHAGENT_DNS_CACHE_SIZE` (default 4096, 0 turns it off): entries in the cache of
     /// forwarded answers. Istio has no cache (istio#58806); this is meshagent's own knob.
     pub cache_size: usize,
+    /// `MESHAGENT_DNS_CACHE_BYTES` (default 4 MiB, 0 turns the cache off): the cache's byte
+    /// budget; answers over 16 KiB are not cached.
+    pub cache_bytes: usize,
+    /// `MESHAGENT_DNS_ALLOW_NON_LOOPBACK` (default false): let `DNS_PROXY_ADDR` be an
+    /// address that is not loopback (the proxy then answers, and amplifies, for anyone).
+    pub allow_non_loopback: bool,
 }
 
 impl DnsConfig {
@@ -318,6 +324,8 @@ impl DnsConfig {
             auto_allocate: r.bool("ISTIO_META_DNS_AUTO_ALLOCATE", false),
             resolv_conf: std::path::PathBuf::from("/etc/resolv.conf"),
             cache_size: r.int("MESHAGENT_DNS_CACHE_SIZE", 4096, 0, 1 << 20),
+            cache_bytes: r.int("MESHAGENT_DNS_CACHE_BYTES", 4 << 20, 0, 1 << 30),
+            allow_non_loopback: r.bool("MESHAGENT_DNS_ALLOW_NON_LOOPBACK", false),
         }
     }
 }

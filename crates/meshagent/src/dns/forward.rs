@@ -11,6 +11,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpStream, UdpSocket};
 
 use super::handler::Proto;
+use super::wire::question;
 
 /// The upstream's reply as it sent it, and decoded.
 type Reply = (Vec<u8>, Message);
@@ -94,28 +95,6 @@ fn check(reply: &[u8], query: &[u8]) -> Result<Message, String> {
         return Err("reply question does not match the query".to_owned());
     }
     Ok(m)
-}
-
-/// The raw first question (name, type, class) of a message whose question count is 1 and
-/// whose name is not compressed (true of every query, and of the question section of
-/// replies from common servers); `None` otherwise.
-fn question(msg: &[u8]) -> Option<&[u8]> {
-    if msg.len() < 12 || msg[4..6] != [0, 1] {
-        return None;
-    }
-    let mut i = 12;
-    loop {
-        let len = *msg.get(i)? as usize;
-        if len == 0 {
-            i += 1;
-            break;
-        }
-        if len & 0xc0 != 0 {
-            return None;
-        }
-        i += 1 + len;
-    }
-    msg.get(12..i + 4)
 }
 
 /// Connected UDP sockets to upstreams, kept for reuse: creating, binding and connecting a

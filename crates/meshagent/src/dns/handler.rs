@@ -5,7 +5,7 @@
 //!   Istio sends RA=0 and no OPT.
 //! * Malformed requests: FORMERR when the header is readable, dropped when it is not or when
 //!   the packet is a response (never answer a response: that is how reflection loops start).
-//!   Other opcodes get NOTIMP.
+//!   Other opcodes get NOTIMP; an EDNS version other than 0 gets BADVERS (RFC 6891).
 //! * Replies larger than the client's limit (UDP: its EDNS size, at least 512; TCP: 65535) are
 //!   truncated with TC=1 — for forwarded answers too, so a large upstream answer reaches the
 //!   client over TCP instead of becoming SERVFAIL (istio#61371).
@@ -28,6 +28,7 @@ use super::cache::{Cache, Key};
 use super::forward;
 use super::metrics::Metrics;
 use super::table::{Addrs, Lookup, LookupTable, TTL};
+use super::wire;
 
 /// Largest message over TCP (two-byte length prefix).
 pub const TCP_MAX: usize = 65535;
@@ -145,6 +146,10 @@ impl Core {
         } else {
             None
         };
+        // An EDNS version we do not speak: BADVERS, from the general path.
+        if edns.as_ref().is_some_and(|e| e.version() != 0) {
+            return None;
+        }
         let table = self.table.borrow();
         let table = table.as_ref()?;
         let addrs = table.lookup_addrs(qtype, key, &self.search0);
@@ -242,6 +247,12 @@ impl Core {
             return Action::Drop;
         }
         let limit = limit(&req, proto);
+        // RFC 6891 §6.1.3: a version above ours (0) gets BADVERS (extended RCODE 16: 0 in the
+        // header, 1 in the OPT) and an OPT of version 0, before anything else is looked at.
+        // Istio (miekg's server) answers such queries as if they were version 0.
+        if req.edns.as_ref().is_some_and(|e| e.version() != 0) {
+            return reply(&mut answer(&req, ResponseCode::BADVERS), limit);
+        }
         if req.metadata.op_code != OpCode::Query {
             return reply(&mut answer(&req, ResponseCode::NotImp), limit);
         }
@@ -273,9 +284,9 @@ impl Core {
     fn to_upstream(&self, req: Message, raw: &[u8], limit: usize) -> Action {
         let key = self.cache.as_ref().and_then(|_| Key::of(&req));
         if let (Some(cache), Some(k)) = (&self.cache, &key)
-            && let Some(mut m) = cache.get(k, &req)
+            && let Some(hit) = cache.get(k, &req, raw)
         {
-            return reply(&mut m, limit);
+            return Action::Reply(fit(hit, limit));
         }
         Action::Forward(Forward {
             req,
@@ -305,14 +316,29 @@ impl Core {
             .upstream_duration
             .observe(start.elapsed().as_secs_f64());
         match result {
-            Ok((bytes, msg)) => {
+            Ok((mut bytes, mut msg)) => {
+                // RFC 2181 §8: a TTL with the high bit set means 0 — in what is served (the
+                // upstream's bytes, relayed) as in what is cached (nothing, then).
+                for r in msg
+                    .answers
+                    .iter_mut()
+                    .chain(msg.authorities.iter_mut())
+                    .chain(msg.additionals.iter_mut())
+                {
+                    r.ttl = wire::clamp_ttl(r.ttl);
+                }
+                match wire::layout(&bytes) {
+                    Some(l) => wire::map_ttls(&mut bytes, &l, wire::clamp_ttl),
+                    // hickory decoded it, but it does not walk cleanly: serve hickory's
+                    // encoding of what was decoded (clamped), and do not cache it.
+                    None => return encode_limited(&mut msg, f.limit),
+                }
                 if let (Some(cache), Some(k)) = (&self.cache, f.key) {
-                    cache.insert(k, &msg);
+                    cache.insert(k, &bytes, &msg);
                 }
                 if bytes.len() <= f.limit {
                     bytes
                 } else {
-                    let mut msg = msg;
                     encode_limited(&mut msg, f.limit)
                 }
             }
@@ -407,6 +433,26 @@ fn answer(req: &Message, rcode: ResponseCode) -> Message {
         m.set_edns(o);
     }
     m
+}
+
+/// `b` if it fits `limit`, else its decoding re-encoded within it ([`encode_limited`]).
+fn fit(b: Vec<u8>, limit: usize) -> Vec<u8> {
+    if b.len() <= limit {
+        return b;
+    }
+    match Message::from_vec(&b) {
+        Ok(mut m) => encode_limited(&mut m, limit),
+        // Cached bytes decoded when they were stored; should they not now: the header, as
+        // SERVFAIL with no sections.
+        Err(_) => {
+            let mut h = b;
+            h.truncate(12);
+            h.resize(12, 0);
+            h[3] = (h[3] & 0xf0) | 0x02;
+            h[4..].fill(0);
+            h
+        }
+    }
 }
 
 fn reply(m: &mut Message, limit: usize) -> Action {
@@ -585,5 +631,36 @@ mod tests {
                 .iter()
                 .all(|r| r.ttl == TTL && r.name.to_ascii() == "big.example.com.")
         );
+    }
+
+    /// L2: EDNS version 1 gets BADVERS (extended RCODE 16: header 0, OPT high bits 1) and
+    /// an OPT of version 0, from both paths: the lean one declines, the general one answers.
+    #[test]
+    fn l2_edns_version_one_is_badvers_extended_rcode_16() {
+        let core = dns_core();
+        for (name, ty) in [
+            ("a.default.svc.cluster.local.", RecordType::A),
+            ("nope.example.", RecordType::TXT),
+        ] {
+            let mut m = Message::from_vec(&query(name, ty, Some(1232))).unwrap();
+            if let Some(e) = m.edns.as_mut() {
+                e.set_version(1);
+            }
+            let raw = m.to_vec().unwrap();
+            for proto in [Proto::Udp, Proto::Tcp] {
+                assert!(!core.answer_table(&raw, proto, &mut Vec::new()), "{name}");
+                let Action::Reply(b) = core.handle(&raw, proto) else {
+                    panic!("{name}: no reply");
+                };
+                assert_eq!(b[3] & 0x0f, 0, "{name}: header RCODE");
+                let opt = &b[b.len() - 11..];
+                assert_eq!(&opt[..3], &[0, 0, 41], "{name}: OPT last");
+                assert_eq!(opt[5], 1, "{name}: extended RCODE high bits");
+                assert_eq!(opt[6], 0, "{name}: version");
+                let d = Message::from_vec(&b).unwrap();
+                assert!(d.answers.is_empty());
+                assert_eq!(u16::from(d.metadata.response_code), 16);
+            }
+        }
     }
 }

@@ -11,6 +11,7 @@ pub struct Metrics {
     pub upstream_duration: Histogram,
     pub cache_hits: Counter,
     pub cache_misses: Counter,
+    pub cache_evictions: Counter,
 }
 
 impl Metrics {
@@ -37,6 +38,10 @@ impl Metrics {
             cache_misses: r.counter(
                 "dns_cache_misses_total",
                 "Forwarded DNS requests not found in the agent's cache.",
+            )?,
+            cache_evictions: r.counter(
+                "dns_cache_evictions_total",
+                "Answers evicted from the agent's DNS cache to stay within its byte and entry bounds.",
             )?,
         })
     }

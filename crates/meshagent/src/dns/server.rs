@@ -24,8 +24,14 @@ use super::handler::{Action, Core, Proto};
 const MAX_FORWARDS: usize = 4096;
 /// TCP connections served at once per listener.
 const MAX_TCP: usize = 256;
-/// A TCP connection with no complete request for this long is closed.
+/// A TCP connection with no request started for this long after its last reply is closed.
 const TCP_IDLE: Duration = Duration::from_secs(10);
+/// Within this each: the first request after the connect, a started request whole, and its
+/// reply written whole (miekg/dns's `ReadTimeout`/`WriteTimeout`, which Istio's
+/// `pkg/dns/client` server uses). A peer that sends queries and never reads the replies
+/// holds its connection slot, and a reply buffer, for at most this long after the socket's
+/// buffers fill. Forwarding in between is bounded by `DNS_FORWARD_TIMEOUT`.
+pub const TCP_IO: Duration = Duration::from_secs(2);
 
 /// Datagrams read per `recvmmsg(2)` by default ([`serve_udp`]).
 pub const UDP_BATCH: usize = 16;
@@ -303,17 +309,21 @@ pub async fn serve_tcp(listener: TcpListener, core: Arc<Core>) -> Result<(), Str
 
 async fn connection(mut s: TcpStream, core: &Core) -> std::io::Result<()> {
     let _ = s.set_nodelay(true);
+    // miekg's server: the first request within its read timeout of the connect, later ones
+    // within the idle timeout of the last reply.
+    let mut wait = TCP_IO;
     loop {
-        let len = match tokio::time::timeout(TCP_IDLE, s.read_u16()).await {
+        let len = match tokio::time::timeout(wait, s.read_u16()).await {
             Ok(Ok(n)) => n as usize,
             Ok(Err(e)) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(()),
             Ok(Err(e)) => return Err(e),
             Err(_) => return Ok(()),
         };
+        wait = TCP_IDLE;
         let mut buf = vec![0u8; len];
-        match tokio::time::timeout(TCP_IDLE, s.read_exact(&mut buf)).await {
+        match tokio::time::timeout(TCP_IO, s.read_exact(&mut buf)).await {
             Ok(r) => r?,
-            Err(_) => return Ok(()),
+            Err(_) => return Err(timed_out("reading a request")),
         };
         let reply = match core.handle(&buf, Proto::Tcp) {
             Action::Reply(b) => b,
@@ -326,6 +336,17 @@ async fn connection(mut s: TcpStream, core: &Core) -> std::io::Result<()> {
         let mut out = Vec::with_capacity(reply.len() + 2);
         out.extend_from_slice(&n.to_be_bytes());
         out.extend_from_slice(&reply);
-        s.write_all(&out).await?;
+        match tokio::time::timeout(TCP_IO, s.write_all(&out)).await {
+            Ok(r) => r?,
+            // The peer does not read: the connection is closed (dropped) and its slot freed.
+            Err(_) => return Err(timed_out("writing a reply")),
+        }
     }
+}
+
+fn timed_out(what: &str) -> std::io::Error {
+    std::io::Error::new(
+        std::io::ErrorKind::TimedOut,
+        format!("{what} took over {TCP_IO:?}"),
+    )
 }

@@ -206,6 +206,8 @@ pub fn options(resolv: &Path) -> dns::Options {
         parallel: false,
         timeout: Duration::from_secs(5),
         cache_size: 1024,
+        cache_bytes: dns::cache::DEFAULT_BYTES,
+        allow_non_loopback: false,
         forward_before_table: false,
         servers: meshagent::supervise::Servers::new(),
         udp_batch: dns::server::UDP_BATCH,
@@ -275,4 +277,170 @@ pub fn fixed_table(
         domain: "default.svc.cluster.local".into(),
     };
     watch::channel(Some(Arc::new(dns::LookupTable::build(&t, &scope))))
+}
+
+/// A small authoritative upstream of the test's own on `ip:53` (UDP and TCP), for answers
+/// dnsmasq cannot give: every name's answer comes from `answer(name lower-case, qtype)` as
+/// (TTL, TXT strings or an A address). It encodes replies as a compressing server does —
+/// every owner name a pointer to the question — so their size is what a real upstream
+/// sends. UDP replies larger than the client's limit (EDNS size, or 512) are TC=1 with no
+/// records, as authoritative servers answer them. Counts the queries per lower-case name.
+pub struct Upstream {
+    pub ip: String,
+    counts: Arc<std::sync::Mutex<std::collections::HashMap<String, usize>>>,
+    tasks: Vec<tokio::task::JoinHandle<()>>,
+}
+
+/// What [`Upstream`] answers for a name.
+#[derive(Clone, Debug)]
+pub enum Rr {
+    Txt(u32, Vec<Vec<u8>>),
+    A(u32, [u8; 4]),
+}
+
+pub type AnswerFn = Arc<dyn Fn(&str, RecordType) -> Vec<Rr> + Send + Sync>;
+
+impl Upstream {
+    pub async fn start(ip: &str, answer: AnswerFn) -> Upstream {
+        let counts = Arc::new(std::sync::Mutex::new(std::collections::HashMap::new()));
+        let udp = Arc::new(UdpSocket::bind(format!("{ip}:53")).await.unwrap());
+        let tcp = tokio::net::TcpListener::bind(format!("{ip}:53"))
+            .await
+            .unwrap();
+        let (a, c) = (answer.clone(), counts.clone());
+        let u = tokio::spawn(async move {
+            let mut buf = vec![0u8; 65535];
+            while let Ok((n, peer)) = udp.recv_from(&mut buf).await {
+                if let Some(r) = upstream_reply(&buf[..n], &a, &c, false) {
+                    let _ = udp.send_to(&r, peer).await;
+                }
+            }
+        });
+        let (a, c) = (answer, counts.clone());
+        let t = tokio::spawn(async move {
+            loop {
+                let mut s = match tcp.accept().await {
+                    Ok((s, _)) => s,
+                    // A connection reset before it was accepted, or descriptors short for a
+                    // moment: the listener stays.
+                    Err(_) => {
+                        tokio::time::sleep(Duration::from_millis(10)).await;
+                        continue;
+                    }
+                };
+                let (a, c) = (a.clone(), c.clone());
+                tokio::spawn(async move {
+                    loop {
+                        let Ok(n) = s.read_u16().await else { return };
+                        let mut q = vec![0u8; n as usize];
+                        if s.read_exact(&mut q).await.is_err() {
+                            return;
+                        }
+                        let Some(r) = upstream_reply(&q, &a, &c, true) else {
+                            return;
+                        };
+                        let mut out = (r.len() as u16).to_be_bytes().to_vec();
+                        out.extend_from_slice(&r);
+                        if s.write_all(&out).await.is_err() {
+                            return;
+                        }
+                    }
+                });
+            }
+        });
+        Upstream {
+            ip: ip.to_owned(),
+            counts,
+            tasks: vec![u, t],
+        }
+    }
+
+    pub fn queries_for(&self, name: &str) -> usize {
+        self.counts.lock().unwrap().get(name).copied().unwrap_or(0)
+    }
+}
+
+impl Drop for Upstream {
+    fn drop(&mut self) {
+        for t in &self.tasks {
+            t.abort();
+        }
+    }
+}
+
+fn upstream_reply(
+    q: &[u8],
+    answer: &AnswerFn,
+    counts: &std::sync::Mutex<std::collections::HashMap<String, usize>>,
+    tcp: bool,
+) -> Option<Vec<u8>> {
+    let m = Message::from_vec(q).ok()?;
+    let query = m.queries.first()?;
+    let name = query.name().to_lowercase().to_ascii();
+    *counts.lock().unwrap().entry(name.clone()).or_default() += 1;
+    let rrs = answer(&name, query.query_type());
+    // The question exactly as asked: header, then the question's bytes.
+    use hickory_proto::serialize::binary::BinEncodable as _;
+    let qend = 12 + query.name().to_bytes().ok()?.len() + 4;
+    let mut out = q.get(..qend)?.to_vec();
+    out[2] |= 0x84; // QR, AA
+    out[3] = 0x80; // RA, NOERROR
+    out[6..12].fill(0);
+    let mut body = Vec::new();
+    for rr in &rrs {
+        body.extend_from_slice(&[0xc0, 12]);
+        match rr {
+            Rr::Txt(ttl, strings) => {
+                body.extend_from_slice(&16u16.to_be_bytes());
+                body.extend_from_slice(&1u16.to_be_bytes());
+                body.extend_from_slice(&ttl.to_be_bytes());
+                let len: usize = strings.iter().map(|s| 1 + s.len()).sum();
+                body.extend_from_slice(&(len as u16).to_be_bytes());
+                for s in strings {
+                    body.push(s.len() as u8);
+                    body.extend_from_slice(s);
+                }
+            }
+            Rr::A(ttl, ip) => {
+                body.extend_from_slice(&1u16.to_be_bytes());
+                body.extend_from_slice(&1u16.to_be_bytes());
+                body.extend_from_slice(&ttl.to_be_bytes());
+                body.extend_from_slice(&4u16.to_be_bytes());
+                body.extend_from_slice(ip);
+            }
+        }
+    }
+    let edns = m.edns.as_ref().map(|e| e.max_payload());
+    let opt: [u8; 11] = {
+        let size = edns.unwrap_or(512).clamp(512, 4096);
+        let s = size.to_be_bytes();
+        [0, 0, 41, s[0], s[1], 0, 0, 0, 0, 0, 0]
+    };
+    let limit = if tcp {
+        65535
+    } else {
+        edns.map_or(512, |e| e.max(512) as usize)
+    };
+    let opt_len = if edns.is_some() { 11 } else { 0 };
+    if out.len() + body.len() + opt_len > limit {
+        out[2] |= 0x02; // TC, no records
+    } else {
+        out[6..8].copy_from_slice(&(rrs.len() as u16).to_be_bytes());
+        out.extend_from_slice(&body);
+    }
+    if edns.is_some() {
+        out[10..12].copy_from_slice(&1u16.to_be_bytes());
+        out.extend_from_slice(&opt);
+    }
+    Some(out)
+}
+
+/// The process's resident set, in KiB (`VmRSS`).
+pub fn rss_kib() -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .unwrap_or_default()
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap_or(0)
 }
