@@ -708,6 +708,7 @@ mod tests {
         names.sort();
         let mut want: Vec<String> = [
             "cert_expiry_seconds",
+            "dns_cache_evictions_total",
             "dns_cache_hits_total",
             "dns_cache_misses_total",
             "dns_requests_total",
@@ -725,6 +726,8 @@ mod tests {
             "num_outgoing_requests",
             "num_outgoing_retries",
             "outgoing_latency",
+            "output_certs_write_failures_total",
+            "output_certs_writes_total",
             "pilot_xds_recv_max",
             "process_cpu_seconds_total",
             "process_max_fds",

@@ -456,6 +456,22 @@ impl SecretManager {
                         })),
                     );
                     self.publish_root(&root);
+                    // Served from here on: the expiry metric says so before the files are
+                    // written (their write can take a while, and may fail and be retried).
+                    *self
+                        .metrics
+                        .expiry
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner()) = Some(expire);
+                    // Where Envoy is the consumer (SDS), the certificate is in use from here
+                    // on; where the files are (DISABLE_ENVOY), only once they are written.
+                    if !self.output_gates_readiness {
+                        self.set_status(|s| {
+                            s.not_ready = None;
+                            s.last_error = None;
+                            s.cert_expiry = Some(expire);
+                        });
+                    }
                     if self.output.is_some() {
                         export = Some(Export {
                             contents: [k.pem().to_owned(), chain_pem.clone(), root.clone()],
@@ -465,11 +481,6 @@ impl SecretManager {
                         });
                         self.export(&mut export).await;
                     }
-                    *self
-                        .metrics
-                        .expiry
-                        .lock()
-                        .unwrap_or_else(|e| e.into_inner()) = Some(expire);
                     self.backoff.reset();
                     if logged_error.take().is_some() {
                         tracing::info!("CA recovered; workload certificate issued");
