@@ -9,7 +9,7 @@ export ENVOY_BIN
 
 NEXTEST := $(shell cargo nextest --version >/dev/null 2>&1 && echo yes)
 
-.PHONY: all build agent test lint unit envoy peers netpeers dnspeers wasmpeers bench demo fuzz fuzz-tools clean-tools \
+.PHONY: all build agent test lint unit envoy peers netpeers dnspeers wasmpeers metricspeers bench demo fuzz fuzz-tools clean-tools \
 	deploytools deploy-validate imagetools image image-test orderfile
 
 all: build
@@ -101,11 +101,23 @@ wasmpeers:
 	else echo "installing wabt docker-registry skopeo apache2-utils"; \
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq wabt docker-registry skopeo apache2-utils >/dev/null; fi
 
+# A strict Prometheus text-format parser for the status merge tests: a small Go program on
+# github.com/prometheus/common/expfmt (the parser of Prometheus' Go client libraries; it
+# rejects a repeated HELP/TYPE line, invalid UTF-8 and malformed samples), built from
+# crates/meshagent/tests/status_support/expfmt_check with the Go toolchain and the Go module
+# proxy. Built only when missing; the tests find it at $(EXPFMT_CHECK).
+EXPFMT_CHECK := $(TOOLS)/bin/expfmt-check
+metricspeers:
+	@if [ -x "$(EXPFMT_CHECK)" ]; then :; \
+	else echo "building expfmt-check into $(TOOLS)/bin"; mkdir -p "$(TOOLS)/bin" && \
+	  cd crates/meshagent/tests/status_support/expfmt_check && \
+	  PATH="$$PATH:/usr/local/go/bin" go build -mod=readonly -o "$(EXPFMT_CHECK)" . ; fi
+
 lint:
 	cargo fmt --all -- --check
 	cargo clippy --workspace --all-targets -- -D warnings
 
-test: envoy peers netpeers dnspeers wasmpeers deploy-validate lint build
+test: envoy peers netpeers dnspeers wasmpeers metricspeers deploy-validate lint build
 ifeq ($(NEXTEST),yes)
 	cargo nextest run --workspace --no-fail-fast
 	# nextest does not run doctests (metrics: a label-count mismatch must not compile).
