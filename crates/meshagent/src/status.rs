@@ -130,10 +130,12 @@ pub async fn serve_with_cap(
     stop: CancellationToken,
     cap: usize,
 ) -> std::io::Result<()> {
-    use hyper_util::rt::{TokioIo, TokioTimer};
     let app = router(state);
     let table = conns::ConnTable::new(cap);
-    tracing::debug!(max_connections = table.cap(), "status server connection table");
+    tracing::debug!(
+        max_connections = table.cap(),
+        "status server connection table"
+    );
     let tasks = tokio_util::task::TaskTracker::new();
     let mut accept_failing = false;
     loop {
@@ -161,43 +163,75 @@ pub async fn serve_with_cap(
         accept_failing = false;
         let handle = Arc::new(table.register(peer));
         let _ = tcp.set_nodelay(true);
-        let router = app.clone().layer(axum::Extension(ConnectInfo(peer)));
-        let busy_handle = handle.clone();
-        // Each request marks the connection busy until its response body is done (or dropped),
-        // so eviction can prefer connections with nothing in flight.
-        let svc = hyper::service::service_fn(move |req: axum::http::Request<hyper::body::Incoming>| {
-            let busy = busy_handle.busy();
-            let router = router.clone();
-            async move {
-                let resp = tower::ServiceExt::oneshot(router, req).await?;
-                Ok::<_, std::convert::Infallible>(resp.map(|body| BusyBody { body, _busy: busy }))
-            }
-        });
+        let app = app.clone();
         let stop = stop.clone();
-        tasks.spawn(async move {
-            let conn = hyper::server::conn::http1::Builder::new()
-                .timer(TokioTimer::new())
-                .header_read_timeout(HEADER_TIMEOUT)
-                .serve_connection(TokioIo::new(tcp), svc);
-            tokio::pin!(conn);
+        let fut = async move {
+            // Until its first byte a connection costs only this wait, not hyper's buffers: a
+            // peer holding thousands of silent connections holds little memory.
+            let started = tokio::time::Instant::now();
             tokio::select! {
-                _ = conn.as_mut() => {}
-                // Closed to make room: dropping the connection closes the socket.
-                () = handle.evicted().cancelled() => {}
-                () = stop.cancelled() => {
-                    conn.as_mut().graceful_shutdown();
-                    tokio::select! {
-                        _ = tokio::time::timeout(Duration::from_secs(5), conn) => {}
-                        () = handle.evicted().cancelled() => {}
+                r = tokio::time::timeout(HEADER_TIMEOUT, tcp.readable()) => {
+                    if !matches!(r, Ok(Ok(()))) {
+                        return;
                     }
                 }
+                () = handle.evicted().cancelled() => return,
+                () = stop.cancelled() => return,
             }
-            drop(handle);
-        });
+            // Boxed: the task's own size stays that of the wait above while a peer only
+            // holds the connection open.
+            Box::pin(serve_connection(tcp, peer, app, handle, stop, started)).await;
+        };
+        tasks.spawn(fut);
     }
     tasks.close();
     let _ = tokio::time::timeout(Duration::from_secs(5), tasks.wait()).await;
     Ok(())
+}
+
+/// One accepted connection after its first byte arrived.
+async fn serve_connection(
+    tcp: tokio::net::TcpStream,
+    peer: SocketAddr,
+    app: axum::Router,
+    handle: Arc<conns::ConnHandle>,
+    stop: CancellationToken,
+    started: tokio::time::Instant,
+) {
+    use hyper_util::rt::{TokioIo, TokioTimer};
+    // The header timeout counts from accept, as before the wait.
+    let header_timeout = HEADER_TIMEOUT
+        .saturating_sub(started.elapsed())
+        .max(Duration::from_millis(100));
+    let router = app.layer(axum::Extension(ConnectInfo(peer)));
+    let busy_handle = handle.clone();
+    // Each request marks the connection busy until its response body is done (or dropped),
+    // so eviction can prefer connections with nothing in flight.
+    let svc = hyper::service::service_fn(move |req: axum::http::Request<hyper::body::Incoming>| {
+        let busy = busy_handle.busy();
+        let router = router.clone();
+        async move {
+            let resp = tower::ServiceExt::oneshot(router, req).await?;
+            Ok::<_, std::convert::Infallible>(resp.map(|body| BusyBody { body, _busy: busy }))
+        }
+    });
+    let conn = hyper::server::conn::http1::Builder::new()
+        .timer(TokioTimer::new())
+        .header_read_timeout(header_timeout)
+        .serve_connection(TokioIo::new(tcp), svc);
+    tokio::pin!(conn);
+    tokio::select! {
+        _ = conn.as_mut() => {}
+        // Closed to make room: dropping the connection closes the socket.
+        () = handle.evicted().cancelled() => {}
+        () = stop.cancelled() => {
+            conn.as_mut().graceful_shutdown();
+            tokio::select! {
+                _ = tokio::time::timeout(Duration::from_secs(5), conn) => {}
+                () = handle.evicted().cancelled() => {}
+            }
+        }
+    }
 }
 
 /// A response body that keeps its connection marked busy until it is written or dropped.
