@@ -12,7 +12,9 @@ use std::path::Path;
 use std::process::Command;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::time::{Duration, Instant};
+use std::time::Duration;
+
+use tokio::time::Instant;
 
 use meshagent_testkit::{DEADLINE, Proc, free_port, wait_for};
 use serde_json::json;
