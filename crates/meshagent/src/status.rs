@@ -169,9 +169,12 @@ pub async fn serve_with_cap(
             // Until its first byte a connection costs only this wait, not hyper's buffers: a
             // peer holding thousands of silent connections holds little memory.
             let started = tokio::time::Instant::now();
+            // `peek`, not `readable()`: tokio reports a new socket readable before any data.
+            let mut first = [0u8; 1];
             tokio::select! {
-                r = tokio::time::timeout(HEADER_TIMEOUT, tcp.readable()) => {
-                    if !matches!(r, Ok(Ok(()))) {
+                r = tokio::time::timeout(HEADER_TIMEOUT, tcp.peek(&mut first)) => {
+                    // Closed before a byte (Ok(0)), an error, or silent for HEADER_TIMEOUT.
+                    if !matches!(r, Ok(Ok(n)) if n > 0) {
                         return;
                     }
                 }

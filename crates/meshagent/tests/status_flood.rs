@@ -324,6 +324,7 @@ async fn flood_and_probe(tag: &str, subnet: u8, held: usize, nofile: Option<u64>
                 failures.push(format!("{who} {url}: {raw}"));
             }
         }
+        eprintln!("{tag} round {round}: {}", report(&stats));
         tokio::time::sleep(Duration::from_millis(300)).await;
     }
     let summary = report(&stats);
@@ -336,6 +337,13 @@ async fn flood_and_probe(tag: &str, subnet: u8, held: usize, nofile: Option<u64>
         agent.log_text()
     );
     eprintln!("{tag}: {summary}");
+    for l in agent
+        .log_text()
+        .lines()
+        .filter(|l| l.contains("status server"))
+    {
+        eprintln!("{tag}: agent: {l}");
+    }
 }
 
 /// A peer holding 1,100 idle connections (more than the old fixed cap of 1,024) and

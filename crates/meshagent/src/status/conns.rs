@@ -27,9 +27,11 @@ use tokio::time::Instant;
 
 use tokio_util::sync::CancellationToken;
 
-/// Upper bound of the cap whatever the open-files limit: a silent connection costs about
-/// 25 KiB of heap in the agent (measured with a debug build), so the table stays near
-/// 100 MiB even while a peer floods it; beyond it, old idle connections are closed.
+/// Upper bound of the cap whatever the open-files limit. A connection that has not sent a
+/// byte costs about 1.5 KiB of heap (its task waits outside hyper), one that has sent part of
+/// a request about 25 KiB (hyper's buffers; debug build), so even a peer trickling bytes on
+/// every connection keeps the table near 100 MiB; beyond the cap, old idle connections are
+/// closed.
 pub const MAX_CONNECTIONS: usize = 4096;
 /// Lower bound of the cap: enough for kubelet, Envoy and a scraper whatever the limit.
 pub const MIN_CONNECTIONS: usize = 16;
