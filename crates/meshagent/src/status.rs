@@ -82,9 +82,11 @@ pub fn router(state: StatusState) -> axum::Router {
 /// A client must send its request headers within this time, and an idle keep-alive
 /// connection is closed after it (Istio's status server sets no timeouts at all).
 pub const HEADER_TIMEOUT: Duration = Duration::from_secs(10);
-/// Pause after a failed accept: out of file descriptors (after closing a connection to free
-/// one) or a transient error; keeps the loop from spinning while the condition lasts.
+/// Pause after a failed accept that closing connections cannot help (nothing left to close, or
+/// not a descriptor shortage); keeps the loop from spinning while the condition lasts.
 const ACCEPT_RETRY: Duration = Duration::from_millis(10);
+/// Connections closed at once when `accept` runs out of file descriptors.
+const FD_EVICT_BATCH: usize = 8;
 
 /// Binds the status port on every address of both families when the host has IPv6 (a
 /// dual-stack `[::]` socket, like Go's `net.Listen("tcp", ":port")` in Istio's
@@ -113,8 +115,9 @@ fn bind_dual_stack(port: u16) -> std::io::Result<tokio::net::TcpListener> {
 /// Serves until `stop`, HTTP/1.1 only (kubelet, Prometheus and Envoy speak it), with
 /// [`HEADER_TIMEOUT`] and a connection table sized from the open-files limit
 /// ([`conns::cap_from_rlimit`]) that closes an old idle connection to serve each new one
-/// once full ([`conns`]). Accept errors are never fatal: out of file descriptors, a
-/// connection is closed to free one; every error pauses the loop for [`ACCEPT_RETRY`].
+/// once full ([`conns`]). Accept errors are never fatal: out of file descriptors, the oldest
+/// idle connections are closed to free some; when nothing can be freed the loop pauses for
+/// [`ACCEPT_RETRY`].
 pub async fn serve(
     listener: tokio::net::TcpListener,
     state: StatusState,
@@ -148,14 +151,23 @@ pub async fn serve_with_cap(
                         e.raw_os_error(),
                         Some(libc::EMFILE | libc::ENFILE | libc::ENOBUFS | libc::ENOMEM)
                     );
-                    // The pending connection stays in the backlog: closing one of ours frees
-                    // the descriptor the next accept needs.
-                    let freed = out_of_fds && table.evict_for_fd();
+                    // The pending connections stay in the backlog: closing a few of ours (the
+                    // oldest idle first) frees the descriptors the next accepts need.
+                    let freed = if out_of_fds {
+                        (0..FD_EVICT_BATCH).take_while(|_| table.evict_for_fd()).count()
+                    } else {
+                        0
+                    };
                     if !accept_failing {
                         tracing::warn!(error = %e, open = table.len(), freed, "status server: accept failed");
                         accept_failing = true;
                     }
-                    tokio::time::sleep(ACCEPT_RETRY).await;
+                    if freed > 0 {
+                        // Let the closed connections' tasks drop their sockets, then accept.
+                        tokio::task::yield_now().await;
+                    } else {
+                        tokio::time::sleep(ACCEPT_RETRY).await;
+                    }
                     continue;
                 }
             },
