@@ -9,7 +9,7 @@ export ENVOY_BIN
 
 NEXTEST := $(shell cargo nextest --version >/dev/null 2>&1 && echo yes)
 
-.PHONY: all build agent pilot-agent test test-loaded lint unit envoy peers netpeers dnspeers wasmpeers bench demo fuzz fuzz-tools clean-tools \
+.PHONY: all build agent pilot-agent test test-loaded lint unit envoy peers netpeers dnspeers wasmpeers metricspeers bench demo fuzz fuzz-tools clean-tools \
 	deploytools deploy-validate imagetools image image-test orderfile
 
 all: build
@@ -119,11 +119,23 @@ $(PILOT_AGENT): compat/go.mod compat/go.sum
 	  -o $(PILOT_AGENT) istio.io/istio/pilot/cmd/pilot-agent
 	@$(PILOT_AGENT) version --short 2>/dev/null || true
 
+# A strict Prometheus text-format parser for the status merge tests: a small Go program on
+# github.com/prometheus/common/expfmt (the parser of Prometheus' Go client libraries; it
+# rejects a repeated HELP/TYPE line, invalid UTF-8 and malformed samples), built from
+# crates/meshagent/tests/status_support/expfmt_check with the Go toolchain (caches in
+# .tools/go). Built only when missing; the tests find it at $(EXPFMT_CHECK).
+EXPFMT_CHECK := $(TOOLS)/bin/expfmt-check
+metricspeers:
+	@if [ -x "$(EXPFMT_CHECK)" ]; then :; \
+	else echo "building expfmt-check into $(TOOLS)/bin"; mkdir -p "$(TOOLS)/bin" && \
+	  cd crates/meshagent/tests/status_support/expfmt_check && \
+	  $(GOENV) $(GO) build -o "$(EXPFMT_CHECK)" . ; fi
+
 lint:
 	cargo fmt --all -- --check
 	cargo clippy --workspace --all-targets -- -D warnings
 
-test: envoy peers netpeers dnspeers wasmpeers pilot-agent deploy-validate lint build
+test: envoy peers netpeers dnspeers wasmpeers metricspeers pilot-agent deploy-validate lint build
 ifeq ($(NEXTEST),yes)
 	cargo nextest run --workspace --no-fail-fast
 	# nextest does not run doctests (metrics: a label-count mismatch must not compile).

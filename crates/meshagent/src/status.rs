@@ -14,6 +14,7 @@
 //! place as the "what is this process doing" endpoint, and the pprof paths answer 404.
 //! Every response is gzip-compressed when the client accepts it, as Istio wraps its mux.
 
+pub mod conns;
 pub mod lines;
 pub mod merge;
 pub mod probes;
@@ -78,12 +79,14 @@ pub fn router(state: StatusState) -> axum::Router {
         .layer(tower_http::compression::CompressionLayer::new().gzip(true))
 }
 
-/// Connections served at once; more are closed at accept (kubelet probes and Prometheus
-/// scrapes need a handful, so this only stops a flood from taking every file descriptor).
-pub const MAX_CONNECTIONS: usize = 1024;
 /// A client must send its request headers within this time, and an idle keep-alive
 /// connection is closed after it (Istio's status server sets no timeouts at all).
 pub const HEADER_TIMEOUT: Duration = Duration::from_secs(10);
+/// Pause after a failed accept that closing connections cannot help (nothing left to close, or
+/// not a descriptor shortage); keeps the loop from spinning while the condition lasts.
+const ACCEPT_RETRY: Duration = Duration::from_millis(10);
+/// Connections closed at once when `accept` runs out of file descriptors.
+const FD_EVICT_BATCH: usize = 8;
 
 /// Binds the status port on every address of both families when the host has IPv6 (a
 /// dual-stack `[::]` socket, like Go's `net.Listen("tcp", ":port")` in Istio's
@@ -110,66 +113,166 @@ fn bind_dual_stack(port: u16) -> std::io::Result<tokio::net::TcpListener> {
 }
 
 /// Serves until `stop`, HTTP/1.1 only (kubelet, Prometheus and Envoy speak it), with
-/// [`HEADER_TIMEOUT`] and at most [`MAX_CONNECTIONS`] connections; accept errors such as
-/// running out of file descriptors are logged and retried, never fatal.
+/// [`HEADER_TIMEOUT`] and a connection table sized from the open-files limit
+/// ([`conns::cap_from_rlimit`]) that closes an old idle connection to serve each new one
+/// once full ([`conns`]). Accept errors are never fatal: out of file descriptors, the oldest
+/// idle connections are closed to free some; when nothing can be freed the loop pauses for
+/// [`ACCEPT_RETRY`].
 pub async fn serve(
     listener: tokio::net::TcpListener,
     state: StatusState,
     stop: CancellationToken,
 ) -> std::io::Result<()> {
-    use hyper_util::rt::{TokioIo, TokioTimer};
+    serve_with_cap(listener, state, stop, conns::cap_from_rlimit()).await
+}
+
+/// [`serve`] with an explicit connection cap.
+pub async fn serve_with_cap(
+    listener: tokio::net::TcpListener,
+    state: StatusState,
+    stop: CancellationToken,
+    cap: usize,
+) -> std::io::Result<()> {
     let app = router(state);
-    let slots = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
-    let conns = tokio_util::task::TaskTracker::new();
-    let mut refused_logged = false;
+    let table = conns::ConnTable::new(cap);
+    tracing::debug!(
+        max_connections = table.cap(),
+        "status server connection table"
+    );
+    let tasks = tokio_util::task::TaskTracker::new();
+    let mut accept_failing = false;
     loop {
         let (tcp, peer) = tokio::select! {
             () = stop.cancelled() => break,
             r = listener.accept() => match r {
                 Ok(c) => c,
                 Err(e) => {
-                    // EMFILE/ENFILE/ECONNABORTED: wait a little instead of spinning.
-                    tracing::warn!(error = %e, "status server: accept failed");
-                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    let out_of_fds = matches!(
+                        e.raw_os_error(),
+                        Some(libc::EMFILE | libc::ENFILE | libc::ENOBUFS | libc::ENOMEM)
+                    );
+                    // The pending connections stay in the backlog: closing a few of ours (the
+                    // oldest idle first) frees the descriptors the next accepts need.
+                    let freed = if out_of_fds {
+                        (0..FD_EVICT_BATCH).take_while(|_| table.evict_for_fd()).count()
+                    } else {
+                        0
+                    };
+                    if !accept_failing {
+                        tracing::warn!(error = %e, open = table.len(), freed, "status server: accept failed");
+                        accept_failing = true;
+                    }
+                    if freed > 0 {
+                        // Let the closed connections' tasks drop their sockets, then accept.
+                        tokio::task::yield_now().await;
+                    } else {
+                        tokio::time::sleep(ACCEPT_RETRY).await;
+                    }
                     continue;
                 }
             },
         };
-        let Ok(slot) = slots.clone().try_acquire_owned() else {
-            if !refused_logged {
-                tracing::warn!(
-                    max = MAX_CONNECTIONS,
-                    "status server at its connection limit; closing new connections"
-                );
-                refused_logged = true;
-            }
-            drop(tcp);
-            continue;
-        };
-        refused_logged = false;
+        accept_failing = false;
+        let handle = Arc::new(table.register(peer));
         let _ = tcp.set_nodelay(true);
-        let svc = app.clone().layer(axum::Extension(ConnectInfo(peer)));
-        let svc = hyper_util::service::TowerToHyperService::new(svc);
+        let app = app.clone();
         let stop = stop.clone();
-        conns.spawn(async move {
-            let _slot = slot;
-            let conn = hyper::server::conn::http1::Builder::new()
-                .timer(TokioTimer::new())
-                .header_read_timeout(HEADER_TIMEOUT)
-                .serve_connection(TokioIo::new(tcp), svc);
-            tokio::pin!(conn);
+        let fut = async move {
+            // Until its first byte a connection costs only this wait, not hyper's buffers: a
+            // peer holding thousands of silent connections holds little memory.
+            let started = tokio::time::Instant::now();
+            // `peek`, not `readable()`: tokio reports a new socket readable before any data.
+            let mut first = [0u8; 1];
             tokio::select! {
-                _ = conn.as_mut() => {}
-                () = stop.cancelled() => {
-                    conn.as_mut().graceful_shutdown();
-                    let _ = tokio::time::timeout(Duration::from_secs(5), conn).await;
+                r = tokio::time::timeout(HEADER_TIMEOUT, tcp.peek(&mut first)) => {
+                    // Closed before a byte (Ok(0)), an error, or silent for HEADER_TIMEOUT.
+                    if !matches!(r, Ok(Ok(n)) if n > 0) {
+                        return;
+                    }
                 }
+                () = handle.evicted().cancelled() => return,
+                () = stop.cancelled() => return,
             }
-        });
+            // Boxed: the task's own size stays that of the wait above while a peer only
+            // holds the connection open.
+            Box::pin(serve_connection(tcp, peer, app, handle, stop, started)).await;
+        };
+        tasks.spawn(fut);
     }
-    conns.close();
-    let _ = tokio::time::timeout(Duration::from_secs(5), conns.wait()).await;
+    tasks.close();
+    let _ = tokio::time::timeout(Duration::from_secs(5), tasks.wait()).await;
     Ok(())
+}
+
+/// One accepted connection after its first byte arrived.
+async fn serve_connection(
+    tcp: tokio::net::TcpStream,
+    peer: SocketAddr,
+    app: axum::Router,
+    handle: Arc<conns::ConnHandle>,
+    stop: CancellationToken,
+    started: tokio::time::Instant,
+) {
+    use hyper_util::rt::{TokioIo, TokioTimer};
+    // The header timeout counts from accept, as before the wait.
+    let header_timeout = HEADER_TIMEOUT
+        .saturating_sub(started.elapsed())
+        .max(Duration::from_millis(100));
+    let router = app.layer(axum::Extension(ConnectInfo(peer)));
+    let busy_handle = handle.clone();
+    // Each request marks the connection busy until its response body is done (or dropped),
+    // so eviction can prefer connections with nothing in flight.
+    let svc = hyper::service::service_fn(move |req: axum::http::Request<hyper::body::Incoming>| {
+        let busy = busy_handle.busy();
+        let router = router.clone();
+        async move {
+            let resp = tower::ServiceExt::oneshot(router, req).await?;
+            Ok::<_, std::convert::Infallible>(resp.map(|body| BusyBody { body, _busy: busy }))
+        }
+    });
+    let conn = hyper::server::conn::http1::Builder::new()
+        .timer(TokioTimer::new())
+        .header_read_timeout(header_timeout)
+        .serve_connection(TokioIo::new(tcp), svc);
+    tokio::pin!(conn);
+    tokio::select! {
+        _ = conn.as_mut() => {}
+        // Closed to make room: dropping the connection closes the socket.
+        () = handle.evicted().cancelled() => {}
+        () = stop.cancelled() => {
+            conn.as_mut().graceful_shutdown();
+            tokio::select! {
+                _ = tokio::time::timeout(Duration::from_secs(5), conn) => {}
+                () = handle.evicted().cancelled() => {}
+            }
+        }
+    }
+}
+
+/// A response body that keeps its connection marked busy until it is written or dropped.
+struct BusyBody {
+    body: axum::body::Body,
+    _busy: conns::BusyGuard,
+}
+
+impl http_body::Body for BusyBody {
+    type Data = bytes::Bytes;
+    type Error = axum::Error;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<http_body::Frame<Self::Data>, Self::Error>>> {
+        std::pin::Pin::new(&mut self.body).poll_frame(cx)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.body.is_end_stream()
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        self.body.size_hint()
+    }
 }
 
 async fn ready(State(s): State<StatusState>) -> Response {

@@ -4,9 +4,17 @@
 //! them export the same family, or Envoy emits the same series twice (#52221, #54986), the
 //! whole scrape is rejected. This filter sees every line once, in output order, and drops:
 //! * a family block (`# HELP`/`# TYPE`/`# UNIT` + samples) whose name an earlier block already
-//!   used — the first source wins, so one bad source cannot break the others;
+//!   used — the first source wins, so one bad source cannot break the others. A block repeated
+//!   inside one source counts too: a second `# HELP`, `# TYPE` or `# UNIT` line for the family
+//!   being written, or one after its samples, starts a new block of the same name, dropped
+//!   whole (Prometheus rejects "second TYPE line for metric name");
 //! * a series (`name{labels}`) already written in the current family block;
 //! * `# EOF` (re-added once at the end for OpenMetrics), blank lines and free comments.
+//!
+//! A line that is not valid UTF-8, has control characters, or names a metric with characters
+//! the text format does not allow fails its source ([`SourceFilter::failure`]): nothing more
+//! of it is read and the caller cuts it at the last family boundary with
+//! [`SourceFilter::abort`], so what goes out always parses.
 //!
 //! Memory stays bounded: family names and series keys are kept as 64-bit hashes only; series
 //! hashes are reset at every family block (duplicates within one source are adjacent, because
@@ -69,6 +77,14 @@ pub struct SourceFilter {
     skipping_long_line: bool,
     family: Vec<u8>,
     keep: bool,
+    /// What the current block has had so far: `# HELP`, `# TYPE`, `# UNIT`, samples.
+    had_help: bool,
+    had_type: bool,
+    had_unit: bool,
+    had_samples: bool,
+    /// Family blocks of this source dropped whole (duplicates of earlier blocks).
+    pub dropped_families: u64,
+    failure: Option<&'static str>,
     series: HashSet64,
     out: BytesMut,
     /// Offset in `out` where the current family block starts.
@@ -82,6 +98,12 @@ impl Default for SourceFilter {
             skipping_long_line: false,
             family: Vec::new(),
             keep: true,
+            had_help: false,
+            had_type: false,
+            had_unit: false,
+            had_samples: false,
+            dropped_families: 0,
+            failure: None,
             series: HashSet64::default(),
             out: BytesMut::with_capacity(FLUSH_AT + 1024),
             boundary: 0,
@@ -141,23 +163,69 @@ fn series_key(line: &[u8]) -> Option<(&[u8], &[u8])> {
     None
 }
 
-/// The metric name of a `# HELP|TYPE|UNIT name ...` line.
-fn meta_name(line: &[u8]) -> Option<&[u8]> {
+#[derive(Clone, Copy)]
+enum Meta {
+    Help,
+    Type,
+    Unit,
+}
+
+/// The kind and metric name of a `# HELP|TYPE|UNIT name ...` line.
+fn meta_name(line: &[u8]) -> Option<(Meta, &[u8])> {
     let rest = line.strip_prefix(b"# ")?;
-    let rest = rest
-        .strip_prefix(b"HELP ")
-        .or_else(|| rest.strip_prefix(b"TYPE "))
-        .or_else(|| rest.strip_prefix(b"UNIT "))?;
+    let (kind, rest) = if let Some(r) = rest.strip_prefix(b"HELP ") {
+        (Meta::Help, r)
+    } else if let Some(r) = rest.strip_prefix(b"TYPE ") {
+        (Meta::Type, r)
+    } else {
+        (Meta::Unit, rest.strip_prefix(b"UNIT ")?)
+    };
     let end = rest
         .iter()
         .position(|b| *b == b' ' || *b == b'\t')
         .unwrap_or(rest.len());
-    (end > 0).then(|| &rest[..end])
+    (end > 0).then(|| (kind, &rest[..end]))
+}
+
+/// A metric name of the text format (`[a-zA-Z_:][a-zA-Z0-9_:]*`, the legacy names every
+/// Prometheus parser accepts unquoted).
+fn valid_name(name: &[u8]) -> bool {
+    match name.split_first() {
+        Some((first, rest)) => {
+            (first.is_ascii_alphabetic() || *first == b'_' || *first == b':')
+                && rest
+                    .iter()
+                    .all(|b| b.is_ascii_alphanumeric() || *b == b'_' || *b == b':')
+        }
+        None => false,
+    }
+}
+
+/// Why a line cannot go into the text output, if it cannot.
+fn invalid_line(line: &[u8]) -> Option<&'static str> {
+    if line
+        .iter()
+        .any(|b| (*b < 0x20 && *b != b'\t') || *b == 0x7f)
+    {
+        return Some("a line has control characters");
+    }
+    if !line.is_ascii() && std::str::from_utf8(line).is_err() {
+        return Some("a line is not valid UTF-8");
+    }
+    None
 }
 
 impl SourceFilter {
+    /// Why this source failed (a line that cannot be written); nothing after it was taken.
+    pub fn failure(&self) -> Option<&'static str> {
+        self.failure
+    }
+
     /// Feeds a chunk; returns chunks ready to be written.
     pub fn push(&mut self, seen: &mut Seen, mut chunk: &[u8], ready: &mut Vec<Bytes>) {
+        if self.failure.is_some() {
+            return;
+        }
         while let Some(nl) = chunk.iter().position(|b| *b == b'\n') {
             let (head, rest) = chunk.split_at(nl);
             chunk = &rest[1..];
@@ -171,6 +239,9 @@ impl SourceFilter {
                 self.partial.extend_from_slice(head);
                 let line = self.partial.split().freeze();
                 self.line(seen, &line);
+            }
+            if self.failure.is_some() {
+                return;
             }
             self.maybe_flush(ready);
         }
@@ -186,10 +257,14 @@ impl SourceFilter {
     }
 
     /// End of a source that completed: the last line may lack a newline.
+    /// Check [`SourceFilter::failure`] after it: the last line may fail the source.
     pub fn finish(&mut self, seen: &mut Seen, ready: &mut Vec<Bytes>) {
-        if !self.partial.is_empty() && !self.skipping_long_line {
+        if !self.partial.is_empty() && !self.skipping_long_line && self.failure.is_none() {
             let line = self.partial.split().freeze();
             self.line(seen, &line);
+        }
+        if self.failure.is_some() {
+            return;
         }
         if !self.out.is_empty() {
             ready.push(self.out.split().freeze());
@@ -219,8 +294,13 @@ impl SourceFilter {
         }
     }
 
-    fn start_block(&mut self, seen: &mut Seen, name: &[u8]) {
+    /// A new family block; `repeated` when it repeats the block just written (same name).
+    fn start_block(&mut self, seen: &mut Seen, name: &[u8], repeated: bool) {
         self.boundary = self.out.len();
+        self.had_help = false;
+        self.had_type = false;
+        self.had_unit = false;
+        self.had_samples = false;
         self.family.clear();
         self.family.extend_from_slice(name);
         if self.series.capacity() > 4096 {
@@ -229,15 +309,18 @@ impl SourceFilter {
         } else {
             self.series.clear();
         }
-        self.keep = if seen.families.len() >= MAX_FAMILIES {
+        self.keep = if repeated {
+            false
+        } else if seen.families.len() >= MAX_FAMILIES {
             true
         } else {
             seen.families.insert(hash(name))
         };
         if !self.keep {
+            self.dropped_families += 1;
             tracing::debug!(
                 family = %String::from_utf8_lossy(name),
-                "dropping a family already written by an earlier source"
+                "dropping a family block already written (by an earlier source or this one)"
             );
         }
     }
@@ -247,13 +330,43 @@ impl SourceFilter {
         if line.iter().all(|b| b.is_ascii_whitespace()) {
             return;
         }
+        if let Some(why) = invalid_line(line) {
+            // Cut before this line when it starts another family (the block being written is
+            // complete), else before the block it belongs to.
+            let new_block = if line[0] == b'#' {
+                meta_name(line).is_some_and(|(_, n)| n != self.family.as_slice())
+            } else {
+                series_key(line).is_some_and(|(n, _)| !belongs(n, &self.family))
+            };
+            self.fail(why, new_block);
+            return;
+        }
         if line[0] == b'#' {
-            let Some(name) = meta_name(line) else {
+            let Some((kind, name)) = meta_name(line) else {
                 // `# EOF` and free-form comments.
                 return;
             };
+            if !valid_name(name) {
+                let new_block = name != self.family.as_slice();
+                self.fail("a HELP/TYPE/UNIT line names an invalid metric", new_block);
+                return;
+            }
             if name != self.family.as_slice() {
-                self.start_block(seen, name);
+                self.start_block(seen, name, false);
+            } else {
+                let again = match kind {
+                    Meta::Help => self.had_help,
+                    Meta::Type => self.had_type,
+                    Meta::Unit => self.had_unit,
+                };
+                if again || self.had_samples {
+                    self.start_block(seen, name, true);
+                }
+            }
+            match kind {
+                Meta::Help => self.had_help = true,
+                Meta::Type => self.had_type = true,
+                Meta::Unit => self.had_unit = true,
             }
             if self.keep {
                 self.emit(line);
@@ -266,14 +379,29 @@ impl SourceFilter {
             seen.dropped += 1;
             return;
         };
-        if !belongs(name, &self.family) {
-            self.start_block(seen, name);
+        if !valid_name(name) {
+            let new_block = !belongs(name, &self.family);
+            self.fail("a sample has an invalid metric name", new_block);
+            return;
         }
+        if !belongs(name, &self.family) {
+            self.start_block(seen, name, false);
+        }
+        self.had_samples = true;
         if !self.keep || !self.series.insert(hash(key)) {
             seen.dropped += 1;
             return;
         }
         self.emit(line);
+    }
+
+    /// Ends the source at a family boundary: the end of the output when the bad line starts
+    /// a new family, else the start of the current block.
+    fn fail(&mut self, why: &'static str, new_block: bool) {
+        if new_block {
+            self.boundary = self.out.len();
+        }
+        self.failure = Some(why);
     }
 
     fn emit(&mut self, line: &[u8]) {
@@ -334,5 +462,77 @@ mod tests {
     fn untyped_samples_form_families() {
         let out = run(&["x 1\ny 2\n", "y 3\nz 4"], 2);
         assert_eq!(out, "x 1\ny 2\nz 4\n");
+    }
+
+    #[test]
+    fn a_family_repeated_in_one_source_is_dropped_whole() {
+        let agent = "# TYPE a counter\na 1\n";
+        let app = "# HELP app_dup first\n# TYPE app_dup counter\napp_dup 1\n\
+                   # HELP app_dup second\n# TYPE app_dup gauge\napp_dup 2\n\
+                   # TYPE b gauge\n# TYPE b gauge\nb 1\n\
+                   c 1\n# TYPE c gauge\nc 2\n# TYPE d gauge\nd 1\n";
+        for chunk in [1, 5, 4096] {
+            let mut seen = Seen::default();
+            let mut out = Vec::new();
+            let mut a = SourceFilter::default();
+            a.push(&mut seen, agent.as_bytes(), &mut out);
+            a.finish(&mut seen, &mut out);
+            let mut f = SourceFilter::default();
+            for c in app.as_bytes().chunks(chunk) {
+                f.push(&mut seen, c, &mut out);
+            }
+            f.finish(&mut seen, &mut out);
+            assert_eq!(f.failure(), None);
+            assert_eq!(
+                String::from_utf8(out.concat()).unwrap(),
+                "# TYPE a counter\na 1\n# HELP app_dup first\n# TYPE app_dup counter\napp_dup 1\n\
+                 # TYPE b gauge\nc 1\n# TYPE d gauge\nd 1\n",
+                "chunk {chunk}"
+            );
+            // app_dup's second block, b's second TYPE (and its sample), c's TYPE after samples.
+            assert_eq!(f.dropped_families, 3, "chunk {chunk}");
+        }
+    }
+
+    #[test]
+    fn invalid_lines_fail_the_source_at_a_family_boundary() {
+        let a = "# TYPE a gauge\na 1\n";
+        let ab = "# TYPE a gauge\na 1\n# TYPE b gauge\nb 1\n";
+        let cases: &[(&[u8], &str)] = &[
+            // Inside b's block: b goes.
+            (
+                b"# TYPE a gauge\na 1\n# TYPE b gauge\nb{x=\"\xff\"} 1\nb 2\n",
+                a,
+            ),
+            (
+                b"# TYPE a gauge\na 1\n# TYPE b gauge\nb 1\nb{x=\"\x01\"} 2\n",
+                a,
+            ),
+            // Starting another family: b is complete and stays.
+            (
+                b"# TYPE a gauge\na 1\n# TYPE b gauge\nb 1\n\x0a\x08\x12\x01b 1\n",
+                ab,
+            ),
+            (b"# TYPE a gauge\na 1\n# TYPE b gauge\nb 1\nb-c 2\n", ab),
+            (
+                b"# TYPE a gauge\na 1\n# TYPE b gauge\nb 1\n# TYPE \xc3\x28 gauge\n",
+                ab,
+            ),
+        ];
+        for (body, want) in cases {
+            let mut seen = Seen::default();
+            let mut out = Vec::new();
+            let mut f = SourceFilter::default();
+            f.push(&mut seen, body, &mut out);
+            f.finish(&mut seen, &mut out);
+            assert!(f.failure().is_some(), "{}", String::from_utf8_lossy(body));
+            f.abort(&mut out);
+            assert_eq!(
+                String::from_utf8(out.concat()).unwrap(),
+                *want,
+                "{}",
+                String::from_utf8_lossy(body)
+            );
+        }
     }
 }

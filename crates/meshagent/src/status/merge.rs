@@ -6,8 +6,12 @@
 //! requested at once (so a slow target does not delay the others' connection setup), each
 //! behind a small bounded channel, and the writer drains them in order. A source that is not
 //! being written yet is held back by TCP flow control, not by our memory. A failing source
-//! (transport error, non-200, over the 10 MiB cap, past the scrape deadline) is counted in
-//! `scrape_failures_total{type}` and cut at a family boundary; the response is still 200.
+//! (transport error, non-200, over the 10 MiB cap, past the scrape deadline, a Content-Type
+//! that is not a text exposition format, a line that is not valid UTF-8 or not a metric line:
+//! see [`super::lines`]) is counted in `scrape_failures_total{type}` as Istio counts its
+//! scrape errors (`pilot/cmd/pilot-agent/status/server.go` `handleStats`) and cut at a family
+//! boundary; the response is still 200. Family blocks dropped as duplicates are counted in
+//! `merge_dropped_families_total{type}`.
 
 use std::net::SocketAddr;
 use std::time::Duration;
@@ -48,6 +52,29 @@ pub enum ScrapeError {
     TooLarge,
     #[error("scrape timeout reached")]
     Timeout,
+    #[error("answered Content-Type {0:?}, not a text exposition format")]
+    ContentType(String),
+    #[error("invalid body: {0}")]
+    Invalid(&'static str),
+}
+
+/// Whether a source's Content-Type can be merged into text output: Prometheus text,
+/// OpenMetrics text, or none or `application/octet-stream` (static file servers; Prometheus 2
+/// parses unknown types as text too). Protobuf, JSON, HTML and the rest are refused: their
+/// bytes are not exposition lines.
+pub fn mergeable_content_type(ct: Option<&str>) -> bool {
+    let Some(ct) = ct else {
+        return true;
+    };
+    let media = ct.split(';').next().unwrap_or("").trim();
+    [
+        "text/plain",
+        "application/openmetrics-text",
+        "application/octet-stream",
+        "",
+    ]
+    .iter()
+    .any(|m| media.eq_ignore_ascii_case(m))
 }
 
 /// `scrapes_total` and `scrape_failures_total{type}`, registered by their owner.
@@ -55,6 +82,7 @@ pub enum ScrapeError {
 pub struct MergeMetrics {
     pub scrapes: Counter,
     failures: CounterVec<1>,
+    dropped_families: CounterVec<1>,
 }
 
 impl MergeMetrics {
@@ -64,17 +92,28 @@ impl MergeMetrics {
             "The total number of failed scrapes.",
             &["type"],
         )?;
+        let dropped_families = registry.counter_vec(
+            "merge_dropped_families_total",
+            "Metric family blocks left out of the merged scrape because an earlier block (of any source, or of the same one) had the same name.",
+            &["type"],
+        )?;
         for t in ["envoy", "application", "agent"] {
             failures.with(&[t]);
+            dropped_families.with(&[t]);
         }
         Ok(MergeMetrics {
             scrapes: registry.counter("scrapes_total", "The total number of scrapes.")?,
             failures,
+            dropped_families,
         })
     }
 
     pub fn failures(&self, kind: &str) -> u64 {
         self.failures.with(&[kind]).get()
+    }
+
+    pub fn dropped_families(&self, kind: &str) -> u64 {
+        self.dropped_families.with(&[kind]).get()
     }
 }
 
@@ -207,6 +246,11 @@ impl Merger {
                 .filter(|s| s.kind == Kind::Application)
                 .map(|s| async move {
                     match tokio::time::timeout_at(head_deadline, s.rx.recv()).await {
+                        Ok(Some(Msg::Head(ct))) if !mergeable_content_type(ct.as_deref()) => {
+                            s.early_failure =
+                                Some(ScrapeError::ContentType(ct.unwrap_or_default()));
+                            None
+                        }
                         Ok(Some(Msg::Head(ct))) => {
                             s.head = Some(ct.clone());
                             Some(ct)
@@ -356,6 +400,9 @@ async fn write_all(
         if failed.is_none() && s.head.is_none() {
             // Heads of Envoy (and of applications that were late) are read here.
             match tokio::time::timeout_at(deadline, s.rx.recv()).await {
+                Ok(Some(Msg::Head(ct))) if !mergeable_content_type(ct.as_deref()) => {
+                    failed = Some(ScrapeError::ContentType(ct.unwrap_or_default()))
+                }
                 Ok(Some(Msg::Head(ct))) => s.head = Some(ct),
                 Ok(Some(Msg::Failed(e))) => failed = Some(e),
                 Ok(Some(Msg::Data(_))) | Ok(None) => {
@@ -368,6 +415,9 @@ async fn write_all(
             match tokio::time::timeout_at(deadline, s.rx.recv()).await {
                 Ok(Some(Msg::Data(d))) => {
                     filter.push(&mut seen, &d, &mut ready);
+                    if let Some(why) = filter.failure() {
+                        failed = Some(ScrapeError::Invalid(why));
+                    }
                     if !send(&tx, &mut ready).await {
                         return;
                     }
@@ -378,8 +428,18 @@ async fn write_all(
                 Err(_) => failed = Some(ScrapeError::Timeout),
             }
         }
+        if failed.is_none() {
+            filter.finish(&mut seen, &mut ready);
+            failed = filter.failure().map(ScrapeError::Invalid);
+        }
+        if filter.dropped_families > 0 {
+            metrics
+                .dropped_families
+                .with(&[s.kind.label()])
+                .add(filter.dropped_families);
+        }
         match failed {
-            None => filter.finish(&mut seen, &mut ready),
+            None => {}
             Some(e) => {
                 metrics.failures.with(&[s.kind.label()]).inc();
                 tracing::warn!(source = %s.what, error = %e, "failed scraping {} metrics", s.kind.label());
