@@ -418,4 +418,13 @@ pub const TARGETS: &[(&str, Target)] = &[
     ("sds", sds),
     ("metrics_dedupe", metrics_dedupe),
     ("dns_request", dns_request),
+    ("xds_authority", xds_authority),
 ];
+
+/// Fuzz target `xds_authority`: the input is what a local client writes to the xDS socket
+/// (the HTTP/2 preface is added when missing), through the `:authority` shim
+/// ([`crate::xds::authority`]) that HPACK-decodes every header block with a bounded table.
+/// It must never panic: malformed input is an error that closes the connection.
+pub fn xds_authority(data: &[u8]) {
+    let _ = crate::xds::authority::rewrite_bytes(data);
+}

@@ -32,9 +32,11 @@
 //!   (`PROXY_CONFIG_XDS_AGENT`), health replay, and ECDS via [`intercept::EcdsRewrite`]
 //!   ([`intercept::PassThrough`] by default; the Wasm module supplies its own through
 //!   [`XdsOptions::ecds`]).
-//! * **No agent-side limits or timeouts** beyond Envoy's own: message sizes are limited only
-//!   by gRPC framing (4 GiB); memory per pair is one in-flight response plus a bounded request
-//!   queue (istio#52815, istio#28192, PR #31167).
+//! * **No agent-side limits** on message sizes beyond gRPC framing (4 GiB, istio#52815);
+//!   memory per pair is the response being written, a byte-bounded response queue
+//!   ([`stream::MAX_QUEUED`]) and a bounded request queue. A client that stops reading is cut
+//!   off after [`stream::STALL`] with its queue full (Istio has no push timeout, PR #31167,
+//!   but its one connection per stream cannot starve others; shared connections can).
 //! * Not served: gRPC server reflection on the socket (Istio registers it; nothing in the
 //!   data path uses it).
 
@@ -111,6 +113,8 @@ pub struct Metrics {
     /// Bytes of responses received from the control plane. Not exported (Istio has no such
     /// metric); the benchmark reports CPU per MB from it.
     pub response_bytes: Counter,
+    /// Downstream clients cut off for not reading ([`stream::STALL`]; no Istio equivalent).
+    pub downstream_stalled: Counter,
 }
 
 impl Metrics {
@@ -154,6 +158,10 @@ impl Metrics {
                 "Largest message received from the control plane, in bytes.",
             )?,
             response_bytes: Counter::default(),
+            downstream_stalled: r.counter(
+                "xds_proxy_downstream_stalled",
+                "Downstream xDS clients whose connection was closed because they read no response for 10s with the agent's queue for them full.",
+            )?,
         })
     }
 }
@@ -461,6 +469,17 @@ impl tower::Service<http::Request<Body>> for AdsServer {
 impl AdsServer {
     /// Starts the owner task of a new stream pair and answers with its response body.
     fn open(&self, api: Api, req: http::Request<Body>) -> http::Response<Body> {
+        let conn = match req.extensions().get::<authority::ConnInfo>() {
+            Some(c) => stream::Downstream {
+                conn: c.id,
+                cut: c.cut.clone(),
+            },
+            // Not served through `AuthorityFix` (never in the agent): a connection of its own.
+            None => stream::Downstream {
+                conn: authority::next_conn_id(),
+                cut: CancellationToken::new(),
+            },
+        };
         // Envoy does not compress ADS; a compressed request would fail decoding below with a
         // clear status rather than being silently misread.
         let downstream = Streaming::new_request(
@@ -474,11 +493,11 @@ impl AdsServer {
             .ids
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed)
             .wrapping_add(1);
-        // The one-slot buffer toward Envoy (spec §5.2).
+        // The hand-over slot toward the client (spec §5.2); the pair queues the rest.
         let (tx, rx) = mpsc::channel(1);
         let span = tracing::info_span!("xds_stream", id, api = ?api);
         tokio::spawn(tracing::Instrument::instrument(
-            stream::run(self.shared.clone(), api, id, downstream, tx, stop),
+            stream::run(self.shared.clone(), api, id, conn, downstream, tx, stop),
             span,
         ));
         let mut resp = http::Response::new(Body::new(codec::ResponseBody::new(rx)));

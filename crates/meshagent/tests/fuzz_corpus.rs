@@ -99,3 +99,8 @@ fn fuzz_corpus_metrics_dedupe() {
 fn fuzz_corpus_dns_request() {
     replay("dns_request");
 }
+
+#[test]
+fn fuzz_corpus_xds_authority() {
+    replay("xds_authority");
+}
