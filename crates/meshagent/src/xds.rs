@@ -90,6 +90,10 @@ pub enum XdsError {
         #[source]
         source: std::io::Error,
     },
+    #[error(
+        "the xDS socket {path} is in use by a live process (another agent with this working directory and configPath?); stop that agent, or give this one another working directory"
+    )]
+    InUse { path: PathBuf },
     #[error("cannot listen on the xDS socket {path}: {source}")]
     Listen {
         path: PathBuf,
@@ -407,6 +411,13 @@ pub fn start_with(
 /// Creates the directory (0750), removes a stale socket, binds, and opens the socket to every
 /// local user (0666) as Istio does: Envoy may run as another uid; file permissions of the
 /// directory are the only access control (spec §5.1).
+///
+/// A socket that still accepts connections belongs to a live process (a second agent started
+/// in the same working directory) and is left alone: taking it over made both agents'
+/// supervisors rebind in turn forever, each seeing its socket replaced, with readiness
+/// flapping on both. At startup that is an error ([`XdsError::InUse`], the agent exits); for
+/// a supervisor restart it keeps the server down (and the agent unready) with that reason
+/// rather than stealing the socket back.
 fn bind(path: &Path) -> Result<tokio::net::UnixListener, XdsError> {
     use std::os::unix::fs::DirBuilderExt;
     if let Some(dir) = path.parent() {
@@ -418,6 +429,11 @@ fn bind(path: &Path) -> Result<tokio::net::UnixListener, XdsError> {
                 path: dir.to_path_buf(),
                 source,
             })?;
+    }
+    if crate::uds::accepts_connections(path) {
+        return Err(XdsError::InUse {
+            path: path.to_path_buf(),
+        });
     }
     // Relative to the working directory, as Istio binds it (SUN_LEN: see `uds::bind_path`).
     crate::uds::bind_once(path, "xDS").map_err(|source| XdsError::Listen {
@@ -523,9 +539,13 @@ mod tests {
         let mode = |p: &Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
         assert_eq!(mode(&path), 0o666);
         assert_eq!(mode(path.parent().unwrap()) & 0o750, 0o750);
-        // A socket left behind by a previous agent (still bound here) is replaced.
-        let _second = bind(&path).unwrap();
+        // A live socket (another agent's) is left alone, with an error naming it.
+        let e = bind(&path).expect_err("a live socket is not taken over");
+        assert!(matches!(e, XdsError::InUse { .. }), "{e}");
+        assert!(e.to_string().contains(&path.display().to_string()), "{e}");
+        // A socket left behind by a previous agent that is gone is replaced.
         drop(first);
+        let _second = bind(&path).unwrap();
         assert!(tokio::net::UnixStream::connect(&path).await.is_ok());
     }
 
