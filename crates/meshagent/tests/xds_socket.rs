@@ -69,7 +69,11 @@ async fn q2_second_agent_leaves_a_live_xds_socket_alone_and_fails_clearly() {
         log2.contains("XDS") && log2.contains("in use by a live process"),
         "the second agent's error names the socket and the cause:\n{log2}"
     );
-    assert_eq!(inode(&socket), Some(inode0), "the first agent's socket is untouched");
+    assert_eq!(
+        inode(&socket),
+        Some(inode0),
+        "the first agent's socket is untouched"
+    );
     // And the first agent still serves on it.
     assert!(meshagent::uds::accepts_connections(&socket));
 }

@@ -291,7 +291,8 @@ fn decoder() -> loona_hpack::Decoder<'static> {
 pub fn rewrite_bytes(data: &[u8]) -> io::Result<Vec<u8>> {
     let mut fix = AuthorityFix::new(tokio::io::empty());
     if !data.starts_with(b"PRI * HTTP/2.0") {
-        fix.raw.extend_from_slice(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n");
+        fix.raw
+            .extend_from_slice(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n");
     }
     fix.raw.extend_from_slice(data);
     fix.process()?;
@@ -559,7 +560,11 @@ mod tests {
     fn hpack_indexed_literals_cannot_grow_the_table_or_the_decoded_list() {
         let mut input = Vec::new();
         for i in 0..2_000u32 {
-            let mut b = if i == 0 { size_update(1 << 30) } else { Vec::new() };
+            let mut b = if i == 0 {
+                size_update(1 << 30)
+            } else {
+                Vec::new()
+            };
             b.extend(literal(format!("x-big-{i}").as_bytes(), &[b'v'; 1000]));
             input.extend(headers(2 * i + 1, &b));
         }
