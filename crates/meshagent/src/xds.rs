@@ -25,8 +25,9 @@
 //!   stream (istio#27877 was about leaking them, which per-pair ownership prevents), and **any
 //!   number of live pairs**: Istio keeps one and closes the previous ("registered overlapping
 //!   stream", `xds_proxy.go` `registerStream`), which breaks proxyless gRPC with one xDS client
-//!   per target (istio#53532). Live pairs share one upstream connection
-//!   ([`stream::Upstream`]); interceptors (NDS, PCDS, health, ECDS) run per pair.
+//!   per target (istio#53532). Live pairs of one downstream connection share an upstream
+//!   connection, pairs of different clients never do ([`stream::Upstream`]: HTTP/2 flow
+//!   control is per connection); interceptors (NDS, PCDS, health, ECDS) run per pair.
 //! * **Interception** through [`intercept::Interceptor`], asynchronous (a pending rewrite
 //!   holds back only later responses of its own type): NDS (when the DNS proxy is on), PCDS
 //!   (`PROXY_CONFIG_XDS_AGENT`), health replay, and ECDS via [`intercept::EcdsRewrite`]
