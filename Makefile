@@ -170,7 +170,7 @@ bench: envoy agent netpeers dnspeers wasmpeers
 # New inputs go to fuzz/corpus-run/<target> (gitignored); crashes to fuzz/artifacts/<target>.
 # A crash is a defect: fix it and commit the input under fuzz/corpus/<target>/.
 CARGO_FUZZ_VERSION := 0.13.2
-FUZZ_TARGETS := config_env proxy_config probers xds_wire xds_framing sds metrics_dedupe dns_request nft_render
+FUZZ_TARGETS := config_env proxy_config probers xds_wire xds_framing sds metrics_dedupe dns_request nft_render xds_authority
 FUZZ_SECONDS ?= 30
 fuzz-tools:
 	@if cargo fuzz --version 2>/dev/null | grep -q "$(CARGO_FUZZ_VERSION)"; then :; \

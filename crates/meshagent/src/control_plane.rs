@@ -288,6 +288,16 @@ fn error_chain(e: &dyn std::error::Error) -> String {
     out
 }
 
+/// HTTP/2 receive windows of control-plane connections (hyper's defaults are 2 MiB per
+/// stream and 5 MiB per connection). The xDS proxy reads every upstream stream promptly into a
+/// bounded queue (`xds::stream::MAX_QUEUED`) and stops reading only a stream whose client does
+/// not read; such a stream then holds at most one stream window of the connection's. A
+/// connection window of eight stream windows keeps the other streams of a client flowing
+/// while a few of its streams are stuck, until the stuck ones are cut off (`xds::stream::STALL`).
+/// Windows are credit, not allocations: memory is only what the peer actually sends unread.
+pub const STREAM_WINDOW: u32 = 2 << 20;
+pub const CONNECTION_WINDOW: u32 = 8 * STREAM_WINDOW;
+
 fn endpoint(target: &Target, keepalive: Keepalive) -> Result<Endpoint, DialError> {
     Ok(Endpoint::from_shared(format!("http://{}", target.addr))
         .map_err(|e| DialError::Address {
@@ -298,6 +308,8 @@ fn endpoint(target: &Target, keepalive: Keepalive) -> Result<Endpoint, DialError
         .http2_keep_alive_interval(keepalive.interval)
         .keep_alive_timeout(keepalive.timeout)
         .keep_alive_while_idle(true)
+        .initial_stream_window_size(STREAM_WINDOW)
+        .initial_connection_window_size(CONNECTION_WINDOW)
         .tcp_nodelay(true))
 }
 

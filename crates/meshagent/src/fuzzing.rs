@@ -419,6 +419,7 @@ pub const TARGETS: &[(&str, Target)] = &[
     ("metrics_dedupe", metrics_dedupe),
     ("dns_request", dns_request),
     ("nft_render", nft_render),
+    ("xds_authority", xds_authority),
 ];
 
 /// How [`nft_render_checked`] uses the real `nft`.
@@ -867,4 +868,12 @@ pub fn nft_load_check(text: &str) -> Result<(), String> {
     } else {
         Err(format!("nft -c exited with {status}: {err}"))
     }
+}
+
+/// Fuzz target `xds_authority`: the input is what a local client writes to the xDS socket
+/// (the HTTP/2 preface is added when missing), through the `:authority` shim
+/// ([`crate::xds::authority`]) that HPACK-decodes every header block with a bounded table.
+/// It must never panic: malformed input is an error that closes the connection.
+pub fn xds_authority(data: &[u8]) {
+    let _ = crate::xds::authority::rewrite_bytes(data);
 }

@@ -218,12 +218,7 @@ async fn external_socket_healthy(path: &Path) -> Result<bool, IdentityError> {
     if meta.is_file() {
         return Ok(false);
     }
-    let connected = tokio::time::timeout(
-        Duration::from_secs(1),
-        tokio::net::UnixStream::connect(path),
-    )
-    .await;
-    if matches!(connected, Ok(Ok(_))) {
+    if crate::uds::accepts_connections(path) {
         return Ok(true);
     }
     tracing::warn!(path = %path.display(), "removing unhealthy SDS socket");

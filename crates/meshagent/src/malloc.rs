@@ -14,7 +14,9 @@
 //!   `MALLOC_MMAP_THRESHOLD_`, glibc's tunables): their value wins.
 //! * [`trim`] (`malloc_trim(0)`): returns free pages — also those inside the heap, which the
 //!   top-of-heap trim cannot reach — after transient work; [`trim_soon`] asks the
-//!   [`trimmer`] task to do so once a burst is over (a quiet second), on the blocking pool,
+//!   [`trimmer`] task to do so once a burst is over (a quiet second), on the blocking pool
+//!   (after large xDS responses, and after every xDS stream ends: churn of small streams left
+//!   their freed buffers resident too, several MiB after 5,000),
 //!   together with [`crate::code_pages::release`] (the code that ran during the burst, or
 //!   during start-up: the agent asks for a trim when it first becomes ready).
 //!

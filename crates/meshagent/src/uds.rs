@@ -23,6 +23,31 @@ pub fn bind_path(path: &Path) -> PathBuf {
     path.to_path_buf()
 }
 
+/// Whether a live server listens at `path`: a connect succeeds, or the listener's backlog is
+/// full (still a live listener). Non-blocking, so it never waits on the runtime thread; a
+/// missing path, a stale socket left by a dead process (`ECONNREFUSED`) or a non-socket is
+/// not live. Istio's `checkSocket` (`pkg/istio-agent/agent.go`) dials the same way.
+pub fn accepts_connections(path: &Path) -> bool {
+    use nix::errno::Errno;
+    use nix::sys::socket::{AddressFamily, SockFlag, SockType, UnixAddr, connect, socket};
+    use std::os::fd::AsRawFd as _;
+    let Ok(addr) = UnixAddr::new(&bind_path(path)) else {
+        return false;
+    };
+    let Ok(fd) = socket(
+        AddressFamily::Unix,
+        SockType::Stream,
+        SockFlag::SOCK_NONBLOCK | SockFlag::SOCK_CLOEXEC,
+        None,
+    ) else {
+        return false;
+    };
+    matches!(
+        connect(fd.as_raw_fd(), &addr),
+        Ok(()) | Err(Errno::EAGAIN | Errno::EINPROGRESS)
+    )
+}
+
 /// Binds `path` once (its directory must exist): a stale socket is removed first and the new
 /// one made 0666. `what` names the socket in logs ("SDS", "xDS").
 ///

@@ -25,16 +25,19 @@
 //!   stream (istio#27877 was about leaking them, which per-pair ownership prevents), and **any
 //!   number of live pairs**: Istio keeps one and closes the previous ("registered overlapping
 //!   stream", `xds_proxy.go` `registerStream`), which breaks proxyless gRPC with one xDS client
-//!   per target (istio#53532). Live pairs share one upstream connection
-//!   ([`stream::Upstream`]); interceptors (NDS, PCDS, health, ECDS) run per pair.
+//!   per target (istio#53532). Live pairs of one downstream connection share an upstream
+//!   connection, pairs of different clients never do ([`stream::Upstream`]: HTTP/2 flow
+//!   control is per connection); interceptors (NDS, PCDS, health, ECDS) run per pair.
 //! * **Interception** through [`intercept::Interceptor`], asynchronous (a pending rewrite
 //!   holds back only later responses of its own type): NDS (when the DNS proxy is on), PCDS
 //!   (`PROXY_CONFIG_XDS_AGENT`), health replay, and ECDS via [`intercept::EcdsRewrite`]
 //!   ([`intercept::PassThrough`] by default; the Wasm module supplies its own through
 //!   [`XdsOptions::ecds`]).
-//! * **No agent-side limits or timeouts** beyond Envoy's own: message sizes are limited only
-//!   by gRPC framing (4 GiB); memory per pair is one in-flight response plus a bounded request
-//!   queue (istio#52815, istio#28192, PR #31167).
+//! * **No agent-side limits** on message sizes beyond gRPC framing (4 GiB, istio#52815);
+//!   memory per pair is the response being written, a byte-bounded response queue
+//!   ([`stream::MAX_QUEUED`]) and a bounded request queue. A client that stops reading is cut
+//!   off after [`stream::STALL`] with its queue full (Istio has no push timeout, PR #31167,
+//!   but its one connection per stream cannot starve others; shared connections can).
 //! * Not served: gRPC server reflection on the socket (Istio registers it; nothing in the
 //!   data path uses it).
 
@@ -88,6 +91,10 @@ pub enum XdsError {
         #[source]
         source: std::io::Error,
     },
+    #[error(
+        "the xDS socket {path} is in use by a live process (another agent with this working directory and configPath?); stop that agent, or give this one another working directory"
+    )]
+    InUse { path: PathBuf },
     #[error("cannot listen on the xDS socket {path}: {source}")]
     Listen {
         path: PathBuf,
@@ -111,6 +118,8 @@ pub struct Metrics {
     /// Bytes of responses received from the control plane. Not exported (Istio has no such
     /// metric); the benchmark reports CPU per MB from it.
     pub response_bytes: Counter,
+    /// Downstream clients cut off for not reading ([`stream::STALL`]; no Istio equivalent).
+    pub downstream_stalled: Counter,
 }
 
 impl Metrics {
@@ -154,6 +163,10 @@ impl Metrics {
                 "Largest message received from the control plane, in bytes.",
             )?,
             response_bytes: Counter::default(),
+            downstream_stalled: r.counter(
+                "xds_proxy_downstream_stalled",
+                "Downstream xDS clients whose connection was closed because they read no response for 10s with the agent's queue for them full.",
+            )?,
         })
     }
 }
@@ -399,6 +412,13 @@ pub fn start_with(
 /// Creates the directory (0750), removes a stale socket, binds, and opens the socket to every
 /// local user (0666) as Istio does: Envoy may run as another uid; file permissions of the
 /// directory are the only access control (spec §5.1).
+///
+/// A socket that still accepts connections belongs to a live process (a second agent started
+/// in the same working directory) and is left alone: taking it over made both agents'
+/// supervisors rebind in turn forever, each seeing its socket replaced, with readiness
+/// flapping on both. At startup that is an error ([`XdsError::InUse`], the agent exits); for
+/// a supervisor restart it keeps the server down (and the agent unready) with that reason
+/// rather than stealing the socket back.
 fn bind(path: &Path) -> Result<tokio::net::UnixListener, XdsError> {
     use std::os::unix::fs::DirBuilderExt;
     if let Some(dir) = path.parent() {
@@ -410,6 +430,11 @@ fn bind(path: &Path) -> Result<tokio::net::UnixListener, XdsError> {
                 path: dir.to_path_buf(),
                 source,
             })?;
+    }
+    if crate::uds::accepts_connections(path) {
+        return Err(XdsError::InUse {
+            path: path.to_path_buf(),
+        });
     }
     // Relative to the working directory, as Istio binds it (SUN_LEN: see `uds::bind_path`).
     crate::uds::bind_once(path, "xDS").map_err(|source| XdsError::Listen {
@@ -461,6 +486,17 @@ impl tower::Service<http::Request<Body>> for AdsServer {
 impl AdsServer {
     /// Starts the owner task of a new stream pair and answers with its response body.
     fn open(&self, api: Api, req: http::Request<Body>) -> http::Response<Body> {
+        let conn = match req.extensions().get::<authority::ConnInfo>() {
+            Some(c) => stream::Downstream {
+                conn: c.id,
+                cut: c.cut.clone(),
+            },
+            // Not served through `AuthorityFix` (never in the agent): a connection of its own.
+            None => stream::Downstream {
+                conn: authority::next_conn_id(),
+                cut: CancellationToken::new(),
+            },
+        };
         // Envoy does not compress ADS; a compressed request would fail decoding below with a
         // clear status rather than being silently misread.
         let downstream = Streaming::new_request(
@@ -474,11 +510,11 @@ impl AdsServer {
             .ids
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed)
             .wrapping_add(1);
-        // The one-slot buffer toward Envoy (spec §5.2).
+        // The hand-over slot toward the client (spec §5.2); the pair queues the rest.
         let (tx, rx) = mpsc::channel(1);
         let span = tracing::info_span!("xds_stream", id, api = ?api);
         tokio::spawn(tracing::Instrument::instrument(
-            stream::run(self.shared.clone(), api, id, downstream, tx, stop),
+            stream::run(self.shared.clone(), api, id, conn, downstream, tx, stop),
             span,
         ));
         let mut resp = http::Response::new(Body::new(codec::ResponseBody::new(rx)));
@@ -504,9 +540,13 @@ mod tests {
         let mode = |p: &Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
         assert_eq!(mode(&path), 0o666);
         assert_eq!(mode(path.parent().unwrap()) & 0o750, 0o750);
-        // A socket left behind by a previous agent (still bound here) is replaced.
-        let _second = bind(&path).unwrap();
+        // A live socket (another agent's) is left alone, with an error naming it.
+        let e = bind(&path).expect_err("a live socket is not taken over");
+        assert!(matches!(e, XdsError::InUse { .. }), "{e}");
+        assert!(e.to_string().contains(&path.display().to_string()), "{e}");
+        // A socket left behind by a previous agent that is gone is replaced.
         drop(first);
+        let _second = bind(&path).unwrap();
         assert!(tokio::net::UnixStream::connect(&path).await.is_ok());
     }
 

@@ -317,3 +317,8 @@ fn r1_generated_hostile_configs_keep_every_verdict() {
         "{rendered} rendered, {rejected} rejected: the generator no longer covers both"
     );
 }
+
+#[test]
+fn fuzz_corpus_xds_authority() {
+    replay("xds_authority");
+}

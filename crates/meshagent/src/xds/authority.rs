@@ -17,8 +17,11 @@ use std::io;
 use std::pin::Pin;
 use std::task::{Context, Poll};
 
+use std::sync::atomic::{AtomicU64, Ordering};
+
 use bytes::{Buf, BufMut, BytesMut};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio_util::sync::{CancellationToken, WaitForCancellationFutureOwned};
 
 const PREFACE_LEN: usize = 24;
 const FRAME_HEADER: usize = 9;
@@ -32,6 +35,33 @@ const PRIORITY: u8 = 0x20;
 const MAX_FRAME: usize = 16_384;
 /// Largest header block accepted (gRPC requests carry a few hundred bytes of headers).
 const MAX_BLOCK: usize = 1024 * 1024;
+/// The HPACK dynamic table the decoder keeps: the HTTP/2 default SETTINGS_HEADER_TABLE_SIZE
+/// (RFC 9113 §6.5.2), which the agent's server (h2) advertises by not setting it, so a
+/// conforming client's encoder never uses more. A table size update above it is a
+/// COMPRESSION_ERROR (RFC 7541 §4.2) and closes the connection, as h2 itself would.
+pub const HEADER_TABLE_SIZE: usize = 4096;
+/// Largest decoded header list re-encoded. Indexed fields expand (one byte may name a 4 KiB
+/// table entry), so the decoded size is bounded on its own; 4 times the 16 KiB
+/// SETTINGS_MAX_HEADER_LIST_SIZE the server (hyper) advertises, so every list the server
+/// could accept still reaches it and its own error answers the rest.
+pub const MAX_DECODED: usize = 64 * 1024;
+
+static CONN_IDS: AtomicU64 = AtomicU64::new(1);
+
+/// A fresh downstream connection number.
+pub fn next_conn_id() -> u64 {
+    CONN_IDS.fetch_add(1, Ordering::Relaxed)
+}
+
+/// What the xDS server learns of a request's connection (a request extension, through
+/// tonic's `Connected`): its number, so streams of one client share an upstream connection
+/// and no other client's, and a token that closes it (a client that stopped reading).
+#[derive(Clone, Debug)]
+pub struct ConnInfo {
+    pub id: u64,
+    pub cut: CancellationToken,
+    pub uds: tonic::transport::server::UdsConnectInfo,
+}
 
 enum State {
     Preface,
@@ -53,19 +83,43 @@ pub struct AuthorityFix<S> {
     block: Option<(u32, bool, BytesMut)>,
     decoder: loona_hpack::Decoder<'static>,
     eof: bool,
+    id: u64,
+    cut: CancellationToken,
+    /// Resolves when `cut` is cancelled; then reads and writes fail and the server drops the
+    /// connection.
+    cut_wait: std::pin::Pin<Box<WaitForCancellationFutureOwned>>,
 }
 
 impl<S> AuthorityFix<S> {
     pub fn new(inner: S) -> AuthorityFix<S> {
+        let cut = CancellationToken::new();
         AuthorityFix {
             inner,
             state: State::Preface,
             raw: BytesMut::new(),
             out: BytesMut::new(),
             block: None,
-            decoder: loona_hpack::Decoder::new(),
+            decoder: decoder(),
             eof: false,
+            id: next_conn_id(),
+            cut_wait: Box::pin(cut.clone().cancelled_owned()),
+            cut,
         }
+    }
+
+    /// Closes the connection: the next read or write fails.
+    pub fn cut(&self) -> CancellationToken {
+        self.cut.clone()
+    }
+
+    fn poll_cut(&mut self, cx: &mut Context<'_>) -> io::Result<()> {
+        if self.cut_wait.as_mut().poll(cx).is_ready() {
+            return Err(io::Error::new(
+                io::ErrorKind::ConnectionAborted,
+                "xDS client closed by the agent: it stopped reading",
+            ));
+        }
+        Ok(())
     }
 
     pub fn get_ref(&self) -> &S {
@@ -170,23 +224,33 @@ impl<S> AuthorityFix<S> {
     }
 
     fn rewrite(&mut self, stream: u32, end_stream: bool, block: &[u8]) -> io::Result<()> {
-        let headers = self
-            .decoder
-            .decode(block)
-            .map_err(|e| bad(&format!("HPACK: {e}")))?;
-        let mut enc = BytesMut::with_capacity(block.len() + 64);
-        for (name, value) in &headers {
-            let value: &[u8] = if name.as_slice() == b":authority"
-                && http::uri::Authority::try_from(value.as_slice()).is_err()
-            {
-                b"localhost"
-            } else {
-                value
-            };
-            // Literal header field without indexing, new name (RFC 7541 §6.2.2).
-            enc.put_u8(0);
-            put_string(&mut enc, name);
-            put_string(&mut enc, value);
+        let mut enc = BytesMut::with_capacity(block.len().min(MAX_DECODED) + 64);
+        let mut too_large = false;
+        self.decoder
+            .decode_with_cb(block, |name, value| {
+                if too_large {
+                    return;
+                }
+                let value: &[u8] = if name.as_ref() == b":authority"
+                    && http::uri::Authority::try_from(value.as_ref()).is_err()
+                {
+                    b"localhost"
+                } else {
+                    &value
+                };
+                // Name, value and two length prefixes of at most 5 bytes each.
+                if enc.len() + 1 + name.len() + value.len() + 10 > MAX_DECODED {
+                    too_large = true;
+                    return;
+                }
+                // Literal header field without indexing, new name (RFC 7541 §6.2.2).
+                enc.put_u8(0);
+                put_string(&mut enc, &name);
+                put_string(&mut enc, value);
+            })
+            .map_err(|e| bad(&format!("HPACK: {e:?}")))?;
+        if too_large {
+            return Err(bad("HTTP/2 header list too large"));
         }
         let mut chunks = enc.chunks(MAX_FRAME).peekable();
         let mut first = true;
@@ -211,6 +275,31 @@ impl<S> AuthorityFix<S> {
         }
         Ok(())
     }
+}
+
+/// An HPACK decoder whose dynamic table cannot grow past [`HEADER_TABLE_SIZE`].
+fn decoder() -> loona_hpack::Decoder<'static> {
+    let mut d = loona_hpack::Decoder::new();
+    d.set_max_allowed_table_size(HEADER_TABLE_SIZE);
+    d.set_max_table_size(HEADER_TABLE_SIZE);
+    d
+}
+
+/// Feeds `data` to an [`AuthorityFix`] as one client connection (the preface is supplied when
+/// `data` lacks it) and returns what the server would read, or the error that closes the
+/// connection (the `xds_authority` fuzz target; never panics).
+pub fn rewrite_bytes(data: &[u8]) -> io::Result<Vec<u8>> {
+    let mut fix = AuthorityFix::new(tokio::io::empty());
+    if !data.starts_with(b"PRI * HTTP/2.0") {
+        fix.raw
+            .extend_from_slice(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n");
+    }
+    fix.raw.extend_from_slice(data);
+    fix.process()?;
+    fix.flush_block_raw();
+    let mut out = fix.out.to_vec();
+    out.extend_from_slice(&fix.raw);
+    Ok(out)
 }
 
 fn bad(msg: &str) -> io::Error {
@@ -257,6 +346,7 @@ impl<S: AsyncRead + Unpin> AsyncRead for AuthorityFix<S> {
         buf: &mut ReadBuf<'_>,
     ) -> Poll<io::Result<()>> {
         let this = &mut *self;
+        this.poll_cut(cx)?;
         loop {
             if !this.out.is_empty() {
                 let n = this.out.len().min(buf.remaining());
@@ -297,6 +387,7 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for AuthorityFix<S> {
         cx: &mut Context<'_>,
         buf: &[u8],
     ) -> Poll<io::Result<usize>> {
+        self.poll_cut(cx)?;
         Pin::new(&mut self.inner).poll_write(cx, buf)
     }
 
@@ -313,6 +404,7 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for AuthorityFix<S> {
         cx: &mut Context<'_>,
         bufs: &[io::IoSlice<'_>],
     ) -> Poll<io::Result<usize>> {
+        self.poll_cut(cx)?;
         Pin::new(&mut self.inner).poll_write_vectored(cx, bufs)
     }
 
@@ -322,10 +414,14 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for AuthorityFix<S> {
 }
 
 impl tonic::transport::server::Connected for AuthorityFix<tokio::net::UnixStream> {
-    type ConnectInfo = <tokio::net::UnixStream as tonic::transport::server::Connected>::ConnectInfo;
+    type ConnectInfo = ConnInfo;
 
-    fn connect_info(&self) -> Self::ConnectInfo {
-        self.inner.connect_info()
+    fn connect_info(&self) -> ConnInfo {
+        ConnInfo {
+            id: self.id,
+            cut: self.cut.clone(),
+            uds: self.inner.connect_info(),
+        }
     }
 }
 
@@ -425,6 +521,92 @@ mod tests {
         drop(a);
         let mut out = Vec::new();
         assert!(AuthorityFix::new(b).read_to_end(&mut out).await.is_err());
+    }
+
+    /// A HEADERS frame (END_HEADERS) of stream `id` carrying `block`.
+    fn headers(id: u32, block: &[u8]) -> Vec<u8> {
+        let mut v = Vec::new();
+        put_frame_vec(&mut v, HEADERS, END_HEADERS, id, block);
+        v
+    }
+
+    /// A dynamic table size update to `size` (RFC 7541 §6.3).
+    fn size_update(size: usize) -> Vec<u8> {
+        let mut b = BytesMut::new();
+        put_int(&mut b, 0x20, 5, size);
+        b.to_vec()
+    }
+
+    #[test]
+    fn hpack_table_size_update_above_the_limit_is_rejected() {
+        // Down to 0 and back up to the advertised 4096 is what a conforming client may do.
+        let mut ok = size_update(0);
+        ok.extend(size_update(HEADER_TABLE_SIZE));
+        ok.extend(literal(b":path", b"/x"));
+        assert!(rewrite_bytes(&headers(1, &ok)).is_ok());
+        for too_big in [HEADER_TABLE_SIZE + 1, 1 << 20, 1 << 30] {
+            let mut b = size_update(too_big);
+            b.extend(literal(b":path", b"/x"));
+            let e = rewrite_bytes(&headers(1, &b)).expect_err("a table larger than advertised");
+            assert_eq!(e.kind(), io::ErrorKind::InvalidData, "{e}");
+        }
+    }
+
+    /// A client that raises the table size and then indexes many large literals: the table
+    /// stays within 4 KiB (older entries are evicted), so memory does not grow with what the
+    /// client sends; and a block of one-byte references to a large entry cannot make the
+    /// decoded header list (re-encoded as literals) grow past [`MAX_DECODED`].
+    #[test]
+    fn hpack_indexed_literals_cannot_grow_the_table_or_the_decoded_list() {
+        let mut input = Vec::new();
+        for i in 0..2_000u32 {
+            let mut b = if i == 0 {
+                size_update(1 << 30)
+            } else {
+                Vec::new()
+            };
+            b.extend(literal(format!("x-big-{i}").as_bytes(), &[b'v'; 1000]));
+            input.extend(headers(2 * i + 1, &b));
+        }
+        // Four 1 KiB entries fit in 4096 bytes; the 5th newest was evicted. Unbounded, it
+        // (and all 2,000 entries, 2 MB) would still be there.
+        let probe = |index: u8| {
+            let mut v = input.clone();
+            v.extend(headers(9_999, &[0x80 | index]));
+            rewrite_bytes(&v)
+        };
+        match probe(62 + 4) {
+            Err(e) => assert_eq!(e.kind(), io::ErrorKind::InvalidData, "{e}"),
+            Ok(_) => panic!("an entry beyond the 4 KiB table is still indexed"),
+        }
+        // Without the size update the same literals are accepted and only the newest kept.
+        let mut plain = Vec::new();
+        for i in 0..2_000u32 {
+            plain.extend(headers(
+                2 * i + 1,
+                &literal(format!("x-big-{i}").as_bytes(), &[b'v'; 1000]),
+            ));
+        }
+        let mut newest = plain.clone();
+        newest.extend(headers(9_999, &[0x80 | 62]));
+        assert!(rewrite_bytes(&newest).is_ok());
+        plain.extend(headers(9_999, &[0x80 | (62 + 4)]));
+        assert!(rewrite_bytes(&plain).is_err());
+
+        // Amplification: one 4 KiB entry, then 60,000 one-byte references to it (240 MB
+        // decoded) in CONTINUATION frames within the 1 MiB block limit.
+        let mut amp = headers(1, &literal(b"x-amp", &[b'a'; 4000]));
+        let refs = vec![0x80 | 62u8; 60_000];
+        let mut chunks = refs.chunks(MAX_FRAME);
+        let first = chunks.next().unwrap();
+        put_frame_vec(&mut amp, HEADERS, 0, 3, first);
+        let rest: Vec<&[u8]> = chunks.collect();
+        for (i, c) in rest.iter().enumerate() {
+            let flags = if i + 1 == rest.len() { END_HEADERS } else { 0 };
+            put_frame_vec(&mut amp, CONTINUATION, flags, 3, c);
+        }
+        let e = rewrite_bytes(&amp).expect_err("a 240 MB header list");
+        assert!(e.to_string().contains("too large"), "{e}");
     }
 
     fn put_frame_vec(v: &mut Vec<u8>, kind: u8, flags: u8, stream: u32, payload: &[u8]) {

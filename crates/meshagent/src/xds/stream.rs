@@ -2,12 +2,21 @@
 //!
 //! Istio's behaviour (`pkg/istio-agent/xds_proxy.go`, `xds_proxy_delta.go`), kept: a **new** upstream stream per downstream stream
 //! (on one connection shared by the pairs that are live at the same time, see [`Upstream`]);
-//! Envoy's requests forwarded verbatim; responses through a one-slot buffer to Envoy, so a slow
-//! Envoy slows the upstream read (HTTP/2 flow control then pushes back on istiod) instead of
-//! growing memory — the slot is reserved before istiod's stream is read, so the task itself
-//! never holds a response it cannot hand over (test `paused_envoy_backpressures_upstream`); any failure on either side ends the pair; the agent never reconnects on its
-//! own — Envoy's backoff drives reconnection, so Envoy always restarts the full handshake and
-//! can never stay attached to a dead upstream.
+//! Envoy's requests forwarded verbatim; any failure on either side ends the pair; the agent never
+//! reconnects on its own — Envoy's backoff drives reconnection, so Envoy always restarts the
+//! full handshake and can never stay attached to a dead upstream.
+//!
+//! **Responses** are read from istiod promptly into a per-pair queue bounded in bytes
+//! ([`MAX_QUEUED`]) and handed to the downstream stream as it takes them. Reading promptly
+//! matters because upstream streams share an HTTP/2 connection: data a pair leaves unread holds
+//! the connection's flow-control window, and a few downstream clients that stopped reading
+//! used to freeze every other stream on it. Only a full queue stops the read (the backpressure
+//! then costs at most one stream window), and a downstream client whose queue stays full
+//! without taking anything for [`STALL`] is cut off (its connection closed, a warning and
+//! `xds_proxy_downstream_stalled`): it gets the whole state again when it reconnects. On top,
+//! each downstream *connection* gets its own upstream connection ([`Upstream`]), so Envoy's
+//! stream never shares flow control with a proxyless client (test
+//! `q1_stuck_clients_do_not_delay_envoy_or_fresh_clients`).
 //!
 //! **Termination status**: as Istio, the downstream stream ends with the upstream's gRPC status
 //! (OK for a graceful upstream end), so Envoy's logs and `control_plane.connected_state` show
@@ -53,6 +62,20 @@ const MAX_PENDING: usize = 32;
 /// Istio warns when a push to Envoy takes longer than this (it never times it out: PR #31167).
 const SLOW_PUSH: Duration = Duration::from_secs(10);
 
+/// Bytes of responses a pair queues for its downstream client beyond the one the HTTP/2
+/// layer is writing and the one in the hand-over slot. A message is queued whenever the queue
+/// holds less, so any single message fits (responses have no agent-side size limit,
+/// istio#52815); a 10,000-cluster CDS is ~5 MB, so a normal push burst (CDS, EDS, LDS, RDS)
+/// fits behind a busy Envoy without stopping the upstream read.
+pub const MAX_QUEUED: usize = 4 << 20;
+
+/// How long a pair's queue may stay full with nothing taken by the downstream client before
+/// the client is cut off. Istio never times out a push (PR #31167: slow Envoys with large
+/// configs), so this is well above what applying a large push takes (Istio warns at
+/// [`SLOW_PUSH`], the same 10 s), and a false positive costs a reconnect and a full resync,
+/// not lost config. Meanwhile a full queue stops only this pair's upstream read.
+pub const STALL: Duration = Duration::from_secs(10);
+
 pub const SOTW_PATH: &str =
     "/envoy.service.discovery.v3.AggregatedDiscoveryService/StreamAggregatedResources";
 pub const DELTA_PATH: &str =
@@ -84,108 +107,118 @@ impl Shared {
     }
 }
 
-/// The upstream connection of the pairs that are live at once. Istio's agent serves one
-/// downstream stream and dials a connection for it (`xds_proxy.go` `handleStream`); proxyless
-/// gRPC opens one xDS stream per target (grpc-go ≥ 1.66, istio#53532), so several pairs live
-/// side by side here, each with its own upstream *stream*, multiplexed on one HTTP/2
-/// connection instead of one connection each. When the last pair ends the connection is
-/// dropped (no idle connection lingers at istiod), and an upstream failure retires it so the
-/// next pair dials afresh, as a lone Envoy stream always did.
+/// The upstream connections of the pairs that are live at once, one per downstream
+/// connection. Istio's agent serves one downstream stream and dials a connection for it
+/// (`xds_proxy.go` `handleStream`); proxyless gRPC opens one xDS stream per target (grpc-go ≥
+/// 1.66, istio#53532), so several pairs live side by side here, each with its own upstream
+/// *stream*. Pairs whose downstream streams share a connection (one client) share an upstream
+/// connection; other clients never do: HTTP/2 flow control is per connection, so a client
+/// that stops reading can only ever slow its own streams, never Envoy's. When the last pair of
+/// a connection ends its upstream connection is dropped (no idle connection lingers at
+/// istiod), and an upstream failure retires it so the next pair dials afresh.
 #[derive(Default)]
-pub struct Upstream(std::sync::Mutex<Slot>);
+pub struct Upstream(std::sync::Mutex<Slots>);
 
 #[derive(Default)]
-struct Slot {
-    channel: Option<(u64, tonic::transport::Channel)>,
-    /// Pairs holding a [`Lease`] on the current channel.
-    live: usize,
+struct Slots {
+    by_conn: std::collections::HashMap<u64, Slot>,
     next: u64,
 }
 
-/// A pair's hold on the shared connection; released on drop.
+struct Slot {
+    generation: u64,
+    channel: tonic::transport::Channel,
+    /// Pairs holding a [`Lease`] on the channel.
+    live: usize,
+}
+
+/// A pair's hold on its connection's upstream channel; released on drop.
 pub struct Lease<'a> {
     upstream: &'a Upstream,
+    conn: u64,
     generation: u64,
 }
 
 impl Upstream {
-    fn lock(&self) -> std::sync::MutexGuard<'_, Slot> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Slots> {
         self.0.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// The live connection, if any, with a lease on it.
-    fn join(&self) -> Option<(tonic::transport::Channel, Lease<'_>)> {
-        let mut slot = self.lock();
-        let (generation, channel) = slot.channel.clone()?;
+    /// The live channel of downstream connection `conn`, if any, with a lease on it.
+    fn join(&self, conn: u64) -> Option<(tonic::transport::Channel, Lease<'_>)> {
+        let mut slots = self.lock();
+        let slot = slots.by_conn.get_mut(&conn)?;
         slot.live += 1;
         Some((
-            channel,
+            slot.channel.clone(),
             Lease {
                 upstream: self,
-                generation,
+                conn,
+                generation: slot.generation,
             },
         ))
     }
 
-    /// Installs `channel` (just dialled) unless another pair installed one meanwhile, which
-    /// is then used instead.
+    /// Installs `channel` (just dialled) for `conn` unless another pair of that connection
+    /// installed one meanwhile, which is then used instead.
     fn install(
         &self,
+        conn: u64,
         channel: tonic::transport::Channel,
     ) -> (tonic::transport::Channel, Lease<'_>) {
-        let mut slot = self.lock();
-        let (generation, channel) = match slot.channel.clone() {
-            Some(existing) => existing,
-            None => {
-                slot.next += 1;
-                slot.live = 0;
-                slot.channel = Some((slot.next, channel.clone()));
-                (slot.next, channel)
-            }
-        };
+        let mut slots = self.lock();
+        slots.next += 1;
+        let generation = slots.next;
+        let slot = slots.by_conn.entry(conn).or_insert(Slot {
+            generation,
+            channel,
+            live: 0,
+        });
         slot.live += 1;
         (
-            channel,
+            slot.channel.clone(),
             Lease {
                 upstream: self,
-                generation,
+                conn,
+                generation: slot.generation,
             },
         )
     }
 
-    /// Pairs currently holding the connection (tests, debugging).
+    /// Pairs currently holding an upstream connection (tests, debugging).
     pub fn live(&self) -> usize {
-        let slot = self.lock();
-        if slot.channel.is_some() { slot.live } else { 0 }
+        self.lock().by_conn.values().map(|s| s.live).sum()
+    }
+
+    /// Upstream connections currently held (tests, debugging).
+    pub fn connections(&self) -> usize {
+        self.lock().by_conn.len()
     }
 }
 
 impl Lease<'_> {
     /// The connection failed: later pairs dial a new one.
     fn retire(&self) {
-        let mut slot = self.upstream.lock();
-        if slot
-            .channel
-            .as_ref()
-            .is_some_and(|(g, _)| *g == self.generation)
+        let mut slots = self.upstream.lock();
+        if slots
+            .by_conn
+            .get(&self.conn)
+            .is_some_and(|s| s.generation == self.generation)
         {
-            slot.channel = None;
-            slot.live = 0;
+            slots.by_conn.remove(&self.conn);
         }
     }
 }
 
 impl Drop for Lease<'_> {
     fn drop(&mut self) {
-        let mut slot = self.upstream.lock();
-        if slot
-            .channel
-            .as_ref()
-            .is_some_and(|(g, _)| *g == self.generation)
+        let mut slots = self.upstream.lock();
+        if let Some(slot) = slots.by_conn.get_mut(&self.conn)
+            && slot.generation == self.generation
         {
             slot.live = slot.live.saturating_sub(1);
             if slot.live == 0 {
-                slot.channel = None;
+                slots.by_conn.remove(&self.conn);
             }
         }
     }
@@ -201,6 +234,8 @@ enum End {
     Upstream(Option<Status>),
     /// Upstream could not be dialled / the stream could not be created.
     Connect(Status),
+    /// The downstream client took nothing for [`STALL`] with its queue full.
+    Stalled,
 }
 
 /// Istio's `IsExpectedGRPCError`: graceful ends and cancellations are `cancelled`, anything
@@ -223,44 +258,71 @@ fn termination_type(s: Option<&Status>) -> &'static str {
     if expected { "cancelled" } else { "error" }
 }
 
+/// The downstream connection a pair's stream arrived on: pairs of one connection share an
+/// upstream connection ([`Upstream`]), and `cut` closes the connection (a stalled client).
+#[derive(Clone)]
+pub struct Downstream {
+    pub conn: u64,
+    pub cut: CancellationToken,
+}
+
 /// Runs one pair until either side ends; the downstream response channel `down` carries at
-/// most one message (the one-slot buffer).
+/// most one message (the hand-over slot), the pair's queue the rest ([`MAX_QUEUED`]).
 pub async fn run(
     shared: Arc<Shared>,
     api: Api,
     id: u64,
+    conn: Downstream,
     mut downstream: Streaming<Bytes>,
     down: mpsc::Sender<Result<Bytes, Status>>,
     stop: CancellationToken,
 ) {
     let addr = shared.target.addr.clone();
     let (up_tx, up_rx) = mpsc::channel::<Bytes>(UPSTREAM_QUEUE);
-    let mut connect = connect(&shared, api, up_rx).boxed();
+    let mut connect = connect(&shared, api, conn.conn, up_rx).boxed();
     let mut upstream: Option<Streaming<Bytes>> = None;
     let mut lease: Option<Lease<'_>> = None;
     let mut health = shared.health.clone();
     health.borrow_and_update();
     let mut seen_lds = false;
-    tracing::debug!(id, ?api, upstream = %addr, "Envoy stream connected");
+    tracing::debug!(id, ?api, upstream = %addr, "downstream stream connected");
 
-    // The slot toward Envoy is reserved *before* reading upstream, so the agent never holds a
-    // response it cannot hand over: while Envoy is slow, istiod's stream is simply not read.
+    // The hand-over slot toward the client, reserved whenever it is free.
     let mut permit: Option<mpsc::Permit<'_, Result<Bytes, Status>>> = None;
     // When the last response was handed over, to warn about slow pushes as Istio does.
     let mut handed_over: Option<Instant> = None;
+    // Responses read from upstream that the client has not taken yet, and their bytes.
+    let mut queue: std::collections::VecDeque<Bytes> = std::collections::VecDeque::new();
+    let mut queued = 0usize;
+    // Since when the queue has been full with nothing taken (the stall clock).
+    let mut full_since: Option<Instant> = None;
 
     let mut pending = Pending::default();
 
     let end = loop {
-        // Arm order: stop first; then the dial; then the slot toward Envoy; then finished
-        // interceptions before new upstream reads, so a verdict is handed over before more of
+        // Hand the oldest queued response over as soon as the slot is free.
+        if !queue.is_empty()
+            && let Some(p) = permit.take()
+            && let Some(msg) = queue.pop_front()
+        {
+            queued -= msg.len();
+            p.send(Ok(msg));
+            handed_over = Some(Instant::now());
+            // Progress restarts the stall clock.
+            full_since = (queued >= MAX_QUEUED).then(Instant::now);
+        }
+        let room = queued < MAX_QUEUED;
+        let stall_at = full_since.map(|t| t + STALL);
+        // Arm order: stop first; then the dial; then the slot toward the client; then finished
+        // interceptions before new upstream reads, so a verdict is queued before more of
         // istiod's stream is taken in.
         tokio::select! {
             biased;
             () = stop.cancelled() => break End::Stopped,
+            () = async { tokio::time::sleep_until(stall_at.unwrap_or_else(Instant::now)).await }, if stall_at.is_some() => break End::Stalled,
             r = &mut connect, if upstream.is_none() => match r {
                 Ok((s, l)) => {
-                    tracing::info!(id, upstream = %addr, "connected to upstream XDS server");
+                    tracing::debug!(id, upstream = %addr, "connected to upstream XDS server");
                     upstream = Some(s);
                     lease = Some(l);
                 }
@@ -277,22 +339,14 @@ pub async fn run(
                 }
                 Err(_) => break End::Downstream(Some(Status::cancelled("Envoy stream closed"))),
             },
-            (meta, verdict) = pending.next(), if !pending.is_empty() && permit.is_some() => {
-                if let Some(out) = apply_verdict(api, id, &meta, verdict, &up_tx)
-                    && let Some(p) = permit.take()
-                {
-                    p.send(Ok(out));
-                    handed_over = Some(Instant::now());
+            (meta, verdict) = pending.next(), if !pending.is_empty() && room => {
+                if let Some(out) = apply_verdict(api, id, &meta, verdict, &up_tx) {
+                    enqueue(&mut queue, &mut queued, &mut full_since, out);
                 }
             },
-            m = async { upstream.as_mut()?.message().await.transpose() }, if upstream.is_some() && permit.is_some() && pending.len() < MAX_PENDING => match m {
+            m = async { upstream.as_mut()?.message().await.transpose() }, if upstream.is_some() && room && pending.len() < MAX_PENDING => match m {
                 Some(Ok(msg)) => match on_response(&shared, api, id, msg, &mut pending) {
-                    Ok(Some(out)) => {
-                        if let Some(p) = permit.take() {
-                            p.send(Ok(out));
-                            handed_over = Some(Instant::now());
-                        }
-                    }
+                    Ok(Some(out)) => enqueue(&mut queue, &mut queued, &mut full_since, out),
                     Ok(None) => {}
                     Err(end) => break end,
                 },
@@ -314,6 +368,10 @@ pub async fn run(
             }
         }
     };
+    // What was queued for the client is not going to reach it.
+    drop(queue);
+    // Stream churn leaves freed buffers behind too, not only large responses (crate::malloc).
+    crate::malloc::trim_soon();
 
     // The final status goes through the reserved slot if the loop holds it (try_send would
     // find the slot taken by our own reservation).
@@ -357,7 +415,8 @@ pub async fn run(
                     tracing::warn!(id, upstream = %addr, code = ?s.code(), error = %s.message(), "upstream terminated with unexpected error")
                 }
                 s => {
-                    tracing::info!(id, upstream = %addr, status = ?s.as_ref().map(|s| s.code()), "upstream terminated")
+                    // DEBUG: one line per stream would flood the log under stream churn.
+                    tracing::debug!(id, upstream = %addr, status = ?s.as_ref().map(|s| s.code()), "upstream terminated")
                 }
             }
             // End Envoy's stream with istiod's status (Istio's choice); a graceful upstream end
@@ -376,6 +435,14 @@ pub async fn run(
                 }
             }
         }
+        End::Stalled => {
+            m.downstream_stalled.inc();
+            tracing::warn!(id, stall = ?STALL, queued_limit = MAX_QUEUED, "downstream xDS client took no response for {STALL:?} with its queue full; closing its connection");
+            // hyper offers no way to reset a stream whose send waits on the peer's flow
+            // control (the body is not polled then), so the client's connection is closed:
+            // that frees everything held for it, and the client reconnects and resyncs.
+            conn.cut.cancel();
+        }
         End::Downstream(s) => {
             let t = termination_type(s.as_ref());
             m.envoy_connection_terminations.with(&[t]).inc();
@@ -392,15 +459,31 @@ pub async fn run(
     }
 }
 
-/// Opens the upstream stream on the live pairs' connection, or on a new one (the pre-dialled
-/// one for the first pair). Runs concurrently with forwarding Envoy's first requests: a
-/// server may send its response headers only with its first response.
+/// Queues a response for the client and starts the stall clock when the queue is full.
+fn enqueue(
+    queue: &mut std::collections::VecDeque<Bytes>,
+    queued: &mut usize,
+    full_since: &mut Option<Instant>,
+    msg: Bytes,
+) {
+    *queued += msg.len();
+    queue.push_back(msg);
+    if *queued >= MAX_QUEUED && full_since.is_none() {
+        *full_since = Some(Instant::now());
+    }
+}
+
+/// Opens the upstream stream on the upstream connection of the pair's downstream connection,
+/// or on a new one (the pre-dialled one for the first pair). Runs concurrently with
+/// forwarding the client's first requests: a server may send its response headers only with
+/// its first response.
 async fn connect(
     shared: &Shared,
     api: Api,
+    conn: u64,
     up_rx: mpsc::Receiver<Bytes>,
 ) -> Result<(Streaming<Bytes>, Lease<'_>), Status> {
-    let (channel, lease) = match shared.upstream.join() {
+    let (channel, lease) = match shared.upstream.join(conn) {
         Some(joined) => joined,
         None => {
             // The pre-dialled connection if there is one; a failed pre-dial may be stale, so
@@ -421,7 +504,7 @@ async fn connect(
                 None => control_plane::channel(&shared.target, &shared.cwd, shared.keepalive)
                     .map_err(|e| Status::unavailable(e.to_string()))?,
             };
-            shared.upstream.install(channel)
+            shared.upstream.install(conn, channel)
         }
     };
     match open(shared, api, up_rx, channel).await {

@@ -262,6 +262,45 @@ pub fn big_cluster(name: &str, size: usize) -> Vec<u8> {
     .encode_to_vec()
 }
 
+/// A lazily-connecting channel to the agent's socket: streams opened on clones of it share
+/// one connection, as a proxyless client's xDS streams may.
+pub fn socket_channel(socket: &Path) -> tonic::transport::Channel {
+    let path = socket.to_path_buf();
+    tonic::transport::Endpoint::from_static("http://localhost").connect_with_connector_lazy(
+        tower::service_fn(move |_| {
+            let p = path.clone();
+            async move {
+                Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(
+                    tokio::net::UnixStream::connect(p).await?,
+                ))
+            }
+        }),
+    )
+}
+
+/// A raw SotW ADS stream on `channel` (see [`raw_sotw`]).
+pub async fn raw_sotw_on(
+    channel: tonic::transport::Channel,
+) -> (
+    tokio::sync::mpsc::Sender<bytes::Bytes>,
+    Result<tonic::Streaming<bytes::Bytes>, tonic::Status>,
+) {
+    let (tx, rx) = tokio::sync::mpsc::channel::<bytes::Bytes>(4);
+    let mut grpc = tonic::client::Grpc::new(channel)
+        .max_decoding_message_size(usize::MAX)
+        .max_encoding_message_size(usize::MAX);
+    grpc.ready().await.unwrap();
+    let stream = grpc
+        .streaming(
+            tonic::Request::new(tokio_stream::wrappers::ReceiverStream::new(rx)),
+            http::uri::PathAndQuery::from_static(meshagent::xds::stream::SOTW_PATH),
+            meshagent::xds::codec::RawCodec,
+        )
+        .await
+        .map(|r| r.into_inner());
+    (tx, stream)
+}
+
 /// A raw SotW ADS stream on a unix socket (the agent's `XDS`), as Envoy opens it: requests are
 /// encoded by the caller and sent through the returned sender; responses arrive undecoded.
 /// No client-side size limits, so only the agent's and devplane's apply.
