@@ -252,45 +252,48 @@ pub async fn start(
     let bind_addrs = addrs.clone();
     let udp_batch = opts.udp_batch;
     let task = tokio::spawn(tracing::Instrument::instrument(
-        supervise::run(
-            "dns",
-            opts.servers.clone(),
-            supervise::Backoff::default(),
-            stop,
-            move || {
-                let bound = first.take();
-                let (core, addrs) = (serve_core.clone(), bind_addrs.clone());
-                async move {
-                    let bound = match bound {
-                        Some(b) => b,
-                        None => {
-                            let mut v = Vec::new();
-                            for a in &addrs {
-                                v.push(bind(*a).await.map_err(|e| e.to_string())?);
+        crate::tasks::guarded(
+            "dns-server",
+            supervise::run(
+                "dns",
+                opts.servers.clone(),
+                supervise::Backoff::default(),
+                stop,
+                move || {
+                    let bound = first.take();
+                    let (core, addrs) = (serve_core.clone(), bind_addrs.clone());
+                    async move {
+                        let bound = match bound {
+                            Some(b) => b,
+                            None => {
+                                let mut v = Vec::new();
+                                for a in &addrs {
+                                    v.push(bind(*a).await.map_err(|e| e.to_string())?);
+                                }
+                                v
                             }
-                            v
+                        };
+                        let mut loops = Vec::new();
+                        for (udp, tcp) in bound {
+                            loops.push(futures::FutureExt::boxed(server::serve_udp(
+                                Arc::new(udp),
+                                core.clone(),
+                                udp_batch,
+                            )));
+                            loops.push(futures::FutureExt::boxed(server::serve_tcp(
+                                tcp,
+                                core.clone(),
+                            )));
                         }
-                    };
-                    let mut loops = Vec::new();
-                    for (udp, tcp) in bound {
-                        loops.push(futures::FutureExt::boxed(server::serve_udp(
-                            Arc::new(udp),
-                            core.clone(),
-                            udp_batch,
-                        )));
-                        loops.push(futures::FutureExt::boxed(server::serve_tcp(
-                            tcp,
-                            core.clone(),
-                        )));
+                        Ok(supervise::Serving {
+                            serve: Box::pin(async move {
+                                futures::future::try_join_all(loops).await.map(|_| ())
+                            }),
+                            socket: None,
+                        })
                     }
-                    Ok(supervise::Serving {
-                        serve: Box::pin(async move {
-                            futures::future::try_join_all(loops).await.map(|_| ())
-                        }),
-                        socket: None,
-                    })
-                }
-            },
+                },
+            ),
         ),
         tracing::info_span!("task", name = "dns"),
     ));

@@ -361,41 +361,44 @@ pub fn start_with(
     let (keepalive, max_streams) = (opts.keepalive, opts.max_streams);
     let stop = shutdown.clone();
     let task = tokio::spawn(tracing::Instrument::instrument(
-        supervise::run(
-            "xds-proxy",
-            opts.servers.clone(),
-            supervise::Backoff::default(),
-            shutdown,
-            move || {
-                let listener = first.take();
-                let (service, stop, path) = (service.clone(), stop.clone(), socket.clone());
-                async move {
-                    let listener = match listener {
-                        Some(l) => l,
-                        None => bind(&path).map_err(|e| e.to_string())?,
-                    };
-                    let server = tonic::transport::Server::builder()
-                        .http2_keepalive_interval(Some(keepalive.interval))
-                        .http2_keepalive_timeout(Some(keepalive.timeout))
-                        .max_concurrent_streams(Some(max_streams))
-                        .add_service(service);
-                    Ok(supervise::Serving {
-                        serve: Box::pin(async move {
-                            // gRPC clients' percent-encoded `:authority` made acceptable
-                            // (see `authority`).
-                            let incoming = tokio_stream::StreamExt::map(
-                                UnixListenerStream::new(listener),
-                                |r| r.map(authority::AuthorityFix::new),
-                            );
-                            server
-                                .serve_with_incoming_shutdown(incoming, stop.cancelled_owned())
-                                .await
-                                .map_err(|e| e.to_string())
-                        }),
-                        socket: Some(path),
-                    })
-                }
-            },
+        crate::tasks::guarded(
+            "xds-proxy-server",
+            supervise::run(
+                "xds-proxy",
+                opts.servers.clone(),
+                supervise::Backoff::default(),
+                shutdown,
+                move || {
+                    let listener = first.take();
+                    let (service, stop, path) = (service.clone(), stop.clone(), socket.clone());
+                    async move {
+                        let listener = match listener {
+                            Some(l) => l,
+                            None => bind(&path).map_err(|e| e.to_string())?,
+                        };
+                        let server = tonic::transport::Server::builder()
+                            .http2_keepalive_interval(Some(keepalive.interval))
+                            .http2_keepalive_timeout(Some(keepalive.timeout))
+                            .max_concurrent_streams(Some(max_streams))
+                            .add_service(service);
+                        Ok(supervise::Serving {
+                            serve: Box::pin(async move {
+                                // gRPC clients' percent-encoded `:authority` made acceptable
+                                // (see `authority`).
+                                let incoming = tokio_stream::StreamExt::map(
+                                    UnixListenerStream::new(listener),
+                                    |r| r.map(authority::AuthorityFix::new),
+                                );
+                                server
+                                    .serve_with_incoming_shutdown(incoming, stop.cancelled_owned())
+                                    .await
+                                    .map_err(|e| e.to_string())
+                            }),
+                            socket: Some(path),
+                        })
+                    }
+                },
+            ),
         ),
         tracing::info_span!("task", name = "xds-proxy"),
     ));
