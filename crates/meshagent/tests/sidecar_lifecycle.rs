@@ -632,17 +632,14 @@ async fn status_port_is_dual_stack_and_survives_an_idle_connection_flood() {
         .expect("SDS answered during the flood")
         .unwrap();
     assert_eq!(frame[3], 0x04, "a SETTINGS frame");
-    // The idle connections are closed after the header timeout, and readiness answers again.
-    wait_for("readiness after the flood", DEADLINE, || async move {
-        http_get(status, "/healthz/ready").await.ok()
-    })
-    .await;
+    // Readiness answers while they are held: the connection table, sized from the raised
+    // limit, has room, and a full one closes its oldest idle connection for a new one
+    // (`status_flood` holds floods beyond the table from another network namespace).
+    let t = tokio::time::Instant::now();
+    let (code, _) = http_get(status, "/healthz/ready").await.unwrap();
+    assert!(code == 200 || code == 503, "{code}");
+    assert!(t.elapsed() < Duration::from_secs(2), "{:?}", t.elapsed());
     drop(idle);
-    assert!(
-        a.proc.log_text().contains("connection limit"),
-        "{}",
-        a.proc.log_text()
-    );
 }
 
 /// An external SDS server (e.g. SPIRE's) owns the workload socket: the agent takes no
