@@ -225,8 +225,14 @@ async fn gets_default_and_rootca(env: &[(&str, &str)], key_header: &str) {
         (stat(&envoy, "sds.ROOTCA.update_success").await >= 1).then_some(())
     })
     .await;
-    // The exported key carries Istio's PEM type for the algorithm, mode 0600.
-    let key = std::fs::read_to_string(agent.path().join("out/key.pem")).unwrap();
+    // The exported key carries Istio's PEM type for the algorithm, mode 0600. The files are
+    // written after Envoy has the certificate over SDS (their fsyncs are not on Envoy's
+    // path), so they may lag behind it.
+    let key_path = agent.path().join("out/key.pem");
+    let key = poll("OUTPUT_CERTS written", Duration::from_secs(10), || async {
+        std::fs::read_to_string(&key_path).ok()
+    })
+    .await;
     assert!(
         key.starts_with(&format!("-----BEGIN {key_header}-----")),
         "{}",
@@ -279,8 +285,12 @@ async fn short_ttl_rotates_on_schedule_without_reconnecting() {
     let agent = start_agent(Some(&dp), &env, Options::default()).await;
     let envoy = start_envoy(&agent, "default", "ROOTCA");
     let mut h = wait_for_cert(&envoy, None, Duration::from_secs(30)).await;
-    let exported = || std::fs::read_to_string(agent.path().join("out/cert-chain.pem")).unwrap();
-    let first_export = exported();
+    // The files follow SDS (written after Envoy has the certificate), so they are polled.
+    let exported = || std::fs::read_to_string(agent.path().join("out/cert-chain.pem")).ok();
+    let first_export = poll("OUTPUT_CERTS written", Duration::from_secs(10), || async {
+        exported()
+    })
+    .await;
     let mut changed_at = Instant::now();
     for _ in 0..3 {
         let next = wait_for_cert(&envoy, Some(&h.serial), Duration::from_secs(10)).await;
@@ -302,7 +312,10 @@ async fn short_ttl_rotates_on_schedule_without_reconnecting() {
     );
     assert!(csr_records(&dp).await.len() >= 4);
     // OUTPUT_CERTS follows rotations (istio#53118: written once, never updated).
-    assert_ne!(exported(), first_export);
+    poll("OUTPUT_CERTS rotated", Duration::from_secs(10), || async {
+        exported().filter(|e| *e != first_export)
+    })
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

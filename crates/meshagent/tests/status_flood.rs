@@ -16,7 +16,7 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
-use meshagent_testkit::{DEADLINE, Proc, free_port, wait_for};
+use meshagent_testkit::{DEADLINE, Proc, free_port, status_only_agent, wait_for};
 use serde_json::json;
 
 /// Two namespaces joined by a veth pair: `pod` (`eth0` = `pod_ip`) where the agent runs,
@@ -86,11 +86,6 @@ impl Drop for Pair {
 
 /// The agent in the pod namespace, with one HTTP app probe on a python http.server there.
 fn agent_cmd(pair: &Pair, cwd: &Path, status: u16, web: u16, nofile: Option<u64>) -> Command {
-    let pc = json!({
-        "binaryPath": "/nonexistent/envoy",
-        "statusPort": status,
-        "discoveryAddress": format!("127.0.0.1:{}", free_port()),
-    });
     let probers = json!({
         "/app-health/web/livez": {"httpGet": {"path": "/healthz", "port": web}, "timeoutSeconds": 2},
     });
@@ -105,17 +100,7 @@ fn agent_cmd(pair: &Pair, cwd: &Path, status: u16, web: u16, nofile: Option<u64>
         }
         None => Pair::command(&pair.pod, bin),
     };
-    cmd.args(["proxy", "sidecar"])
-        .current_dir(cwd)
-        .env_clear()
-        .env("CLOUD_PLATFORM", "none")
-        .env("POD_NAME", "app-1")
-        .env("POD_NAMESPACE", "default")
-        .env("INSTANCE_IP", "127.0.0.1")
-        .env("PATH", std::env::var_os("PATH").unwrap_or_default())
-        .env("DISABLE_ENVOY", "true")
-        .env("PROXY_CONFIG", pc.to_string())
-        .env("ISTIO_KUBE_APP_PROBERS", probers.to_string());
+    status_only_agent(&mut cmd, cwd, status).env("ISTIO_KUBE_APP_PROBERS", probers.to_string());
     cmd
 }
 

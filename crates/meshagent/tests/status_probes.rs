@@ -11,7 +11,9 @@ use std::path::Path;
 use std::process::Command;
 use std::sync::{Arc, Mutex};
 
-use meshagent_testkit::{DEADLINE, Proc, free_port, http_get, wait_for, workspace_root};
+use meshagent_testkit::{
+    DEADLINE, Proc, free_port, http_get, status_only_agent, wait_for, workspace_root,
+};
 use serde_json::json;
 
 fn pythonpath() -> String {
@@ -24,11 +26,6 @@ fn agent_cmd(cwd: &Path, status: u16, extra: &[(&str, String)]) -> Command {
 
 /// [`agent_cmd`], run in network namespace `netns` when given (`ip netns exec`).
 fn agent_cmd_in(netns: Option<&str>, cwd: &Path, status: u16, extra: &[(&str, String)]) -> Command {
-    let pc = json!({
-        "binaryPath": "/nonexistent/envoy",
-        "statusPort": status,
-        "discoveryAddress": format!("127.0.0.1:{}", free_port()),
-    });
     let bin = env!("CARGO_BIN_EXE_meshagent");
     let mut cmd = match netns {
         Some(ns) => {
@@ -38,16 +35,7 @@ fn agent_cmd_in(netns: Option<&str>, cwd: &Path, status: u16, extra: &[(&str, St
         }
         None => Command::new(bin),
     };
-    cmd.args(["proxy", "sidecar"])
-        .current_dir(cwd)
-        .env_clear()
-        .env("CLOUD_PLATFORM", "none")
-        .env("POD_NAME", "app-1")
-        .env("POD_NAMESPACE", "default")
-        .env("INSTANCE_IP", "127.0.0.1")
-        .env("PATH", std::env::var_os("PATH").unwrap_or_default())
-        .env("DISABLE_ENVOY", "true")
-        .env("PROXY_CONFIG", pc.to_string());
+    status_only_agent(&mut cmd, cwd, status);
     for (k, v) in extra {
         cmd.env(k, v);
     }

@@ -13,7 +13,7 @@ use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use axum::http::header;
-use meshagent_testkit::{DEADLINE, Proc, free_port, wait_for, workspace_root};
+use meshagent_testkit::{DEADLINE, Proc, free_port, status_only_agent, wait_for, workspace_root};
 use serde_json::json;
 
 const TEXT: &str = "text/plain; version=0.0.4; charset=utf-8";
@@ -81,22 +81,8 @@ fn start_agent(cwd: &std::path::Path, status: u16, port: u16, paths: &[&str]) ->
         .map(|p| json!({"port": port.to_string(), "path": p}))
         .collect();
     let annotations = json!({"scrape": "true", "targets": targets});
-    let pc = json!({
-        "binaryPath": "/nonexistent/envoy",
-        "statusPort": status,
-        "discoveryAddress": format!("127.0.0.1:{}", free_port()),
-    });
     let mut cmd = Command::new(env!("CARGO_BIN_EXE_meshagent"));
-    cmd.args(["proxy", "sidecar"])
-        .current_dir(cwd)
-        .env_clear()
-        .env("CLOUD_PLATFORM", "none")
-        .env("POD_NAME", "app-1")
-        .env("POD_NAMESPACE", "default")
-        .env("INSTANCE_IP", "127.0.0.1")
-        .env("PATH", std::env::var_os("PATH").unwrap_or_default())
-        .env("DISABLE_ENVOY", "true")
-        .env("PROXY_CONFIG", pc.to_string())
+    status_only_agent(&mut cmd, cwd, status)
         .env("ISTIO_PROMETHEUS_ANNOTATIONS", annotations.to_string());
     Proc::spawn("agent", cmd, cwd)
 }

@@ -606,6 +606,28 @@ pub fn direct_bootstrap(
 
 // === the agent as a pod runs it ===
 
+/// `cmd` (the agent binary, or a wrapper that execs it) set up as `meshagent proxy sidecar`
+/// with only its status server on `status`: `DISABLE_ENVOY`, an Envoy path that does not
+/// exist, nothing at the discovery address, and a clean environment but for `PATH` — the
+/// agent the status-port tests probe, scrape and flood. Add the test's own env after this.
+pub fn status_only_agent<'a>(cmd: &'a mut Command, cwd: &Path, status: u16) -> &'a mut Command {
+    let pc = json!({
+        "binaryPath": "/nonexistent/envoy",
+        "statusPort": status,
+        "discoveryAddress": format!("127.0.0.1:{}", free_port()),
+    });
+    cmd.args(["proxy", "sidecar"])
+        .current_dir(cwd)
+        .env_clear()
+        .env("CLOUD_PLATFORM", "none")
+        .env("POD_NAME", "app-1")
+        .env("POD_NAMESPACE", "default")
+        .env("INSTANCE_IP", "127.0.0.1")
+        .env("PATH", std::env::var_os("PATH").unwrap_or_default())
+        .env("DISABLE_ENVOY", "true")
+        .env("PROXY_CONFIG", pc.to_string())
+}
+
 /// `meshagent proxy sidecar` run as a separate process, exactly as a pod runs it: Istio's env
 /// vars, a working directory holding the projected token and istiod's root at Istio's
 /// relative paths, and Envoy from [`envoy_bin`].
