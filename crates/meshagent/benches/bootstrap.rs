@@ -1,4 +1,4 @@
-//! Bootstrap rendering (issue 11): the built-in renderer against the custom-template path
+//! Bootstrap rendering: the built-in renderer against the custom-template path
 //! (gtmpl) rendering the project's own template of the same default bootstrap
 //! (tests/data/default_bootstrap.json.tmpl). This is the choice for the template Istio's
 //! proxyv2 image ships at /var/lib/istio/envoy/envoy_bootstrap_tmpl.json: render it (as the

@@ -1,4 +1,4 @@
-//! DNS proxy benchmark (issue 13): dnsperf 2.10 on loopback, UDP, fixed flags, same run.
+//! DNS proxy benchmark: dnsperf 2.10 on loopback, UDP, fixed flags, same run.
 //!
 //! * table: the proxy answering 100 names from a 5,000-name NDS table, vs dnsmasq answering
 //!   the same 100 names from a hosts file;

@@ -1,4 +1,4 @@
-//! DNS proxy of the shipped agent binary (issue 13): DNS latency during a 10,000-cluster xDS
+//! DNS proxy of the shipped agent binary: DNS latency during a 10,000-cluster xDS
 //! push through the agent, and the agent's RSS with DNS on and a 5,000-name table.
 //!
 //! The agent runs as a pod runs it (`meshagent proxy sidecar`, testkit `Sidecar`, a real

@@ -1,4 +1,4 @@
-//! `istio-iptables` start-up cost (issue 12): the init container is on every pod's start-up
+//! `istio-iptables` start-up cost: the init container is on every pod's start-up
 //! path. Measures `meshagent istio-iptables` against the floor — the bare
 //! `iptables-restore --noflush` (resp. `nft -f -`) of the same ruleset — each run in a
 //! fresh network namespace (with one veth pair, so address detection has something to

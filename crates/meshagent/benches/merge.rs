@@ -162,7 +162,7 @@ fn main() {
             lat.push(took);
             peaks.push(extra_kib);
         }
-        // Baseline in the same run: read both bodies whole, as Istio's merge does (#32386).
+        // Baseline in the same run: read both bodies whole, as Istio's merge does (Istio #32386).
         let client = hyper_util::client::legacy::Client::builder(
             hyper_util::rt::TokioExecutor::new(),
         )

@@ -1,4 +1,4 @@
-//! Wasm fetch benchmark (issue 15), same run, loopback only:
+//! Wasm fetch benchmark, same run, loopback only:
 //!
 //! * a 50 MiB module fetched over HTTP from `python3 -m http.server` (a separate process):
 //!   the bench process's peak RSS growth during the cold ECDS conversion (Linux `VmHWM`,

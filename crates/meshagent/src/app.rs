@@ -407,7 +407,7 @@ impl Agent {
     }
 }
 
-/// Sources of the merged metrics (spec §7.3): Envoy unless disabled, application targets only
+/// Sources of the merged metrics (Istio: `pilot/cmd/pilot-agent/status/server.go` `handleStats`): Envoy unless disabled, application targets only
 /// for sidecars with `ISTIO_PROMETHEUS_ANNOTATIONS` and `scrape` not "false".
 fn merger(
     cfg: &Config,

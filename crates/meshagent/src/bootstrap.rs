@@ -1,4 +1,4 @@
-//! Envoy bootstrap generation (spec §6.3).
+//! Envoy bootstrap generation (Istio: `pkg/bootstrap/config.go`, `tools/packaging/common/envoy_bootstrap.json`).
 //!
 //! The built-in renderer ([`render`]) produces what Istio's default template
 //! (tools/packaging/common/envoy_bootstrap.json, rendered by pkg/bootstrap/instance.go) produces

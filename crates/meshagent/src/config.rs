@@ -2,7 +2,7 @@
 //!
 //! [`load`] assembles one plain-data [`Config`] from built-in defaults, the
 //! mesh config file, `PROXY_CONFIG`, pod annotations, environment variables
-//! and `proxy` flags, in Istio's order (spec §6.1). This is the only module
+//! and `proxy` flags, in Istio's order (Istio: `pilot/cmd/pilot-agent/config/config.go`, `pkg/config/mesh/mesh.go`). This is the only module
 //! that reads the environment; everything else receives a `Config`.
 //!
 //! Environment variables follow Istio's parsing rules (see `env::Reader`): a scalar
@@ -179,7 +179,7 @@ impl FromStr for ProxyType {
     }
 }
 
-/// The `proxy` command-line flags (spec §1.2) as plain data, so config can be
+/// The `proxy` command-line flags (Istio: `pilot/cmd/pilot-agent/app/cmd.go`) as plain data, so config can be
 /// loaded without going through the CLI parser.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "camelCase")]

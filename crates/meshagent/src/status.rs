@@ -1,4 +1,4 @@
-//! The agent's status server on `statusPort` (15020), spec §7.
+//! The agent's status server on `statusPort` (15020), as Istio's `pilot/cmd/pilot-agent/status/server.go`.
 //!
 //! | path | access | module |
 //! |---|---|---|

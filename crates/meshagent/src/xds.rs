@@ -1,4 +1,4 @@
-//! The xDS proxy (spec §5): Envoy's ADS stream, SotW or Delta, from the unix socket
+//! The xDS proxy (Istio: `pkg/istio-agent/xds_proxy.go`, `xds_proxy_delta.go`): Envoy's ADS stream, SotW or Delta, from the unix socket
 //! `<configPath>/XDS` to the control plane, with NDS, PCDS, health and ECDS interception.
 //!
 //! # Wiring
@@ -103,7 +103,7 @@ pub enum XdsError {
     },
 }
 
-/// The proxy's metrics, Istio's names (spec §5.5, §11).
+/// The proxy's metrics, Istio's names (Istio: `pkg/istio-agent/metrics/metrics.go`).
 #[derive(Clone)]
 pub struct Metrics {
     pub requests: Counter,
@@ -414,7 +414,7 @@ pub fn start_with(
 
 /// Creates the directory (0750), removes a stale socket, binds, and opens the socket to every
 /// local user (0666) as Istio does: Envoy may run as another uid; file permissions of the
-/// directory are the only access control (spec §5.1).
+/// directory are the only access control (as in Istio's `pkg/istio-agent/xds_proxy.go`).
 ///
 /// A socket that still accepts connections belongs to a live process (a second agent started
 /// in the same working directory) and is left alone: taking it over made both agents'
@@ -513,7 +513,7 @@ impl AdsServer {
             .ids
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed)
             .wrapping_add(1);
-        // The hand-over slot toward the client (spec §5.2); the pair queues the rest.
+        // The hand-over slot toward the client (Istio's `pkg/istio-agent/xds_proxy.go` keeps one too); the pair queues the rest.
         let (tx, rx) = mpsc::channel(1);
         let span = tracing::info_span!("xds_stream", id, api = ?api);
         tokio::spawn(tracing::Instrument::instrument(

@@ -181,7 +181,7 @@ fn status_listener(addr: &str) -> Value {
 }
 
 fn default_proxy_config() -> Value {
-    // mesh.DefaultProxyConfig as proto-JSON: only set fields (spec §6.1 defaults).
+    // mesh.DefaultProxyConfig as proto-JSON: only set fields (Istio's `pkg/config/mesh/mesh.go` `DefaultProxyConfig`).
     json!({
         "configPath": "./etc/istio/proxy",
         "binaryPath": "/usr/local/bin/envoy",

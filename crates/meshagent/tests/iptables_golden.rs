@@ -1428,7 +1428,7 @@ fn nft_cases() -> Vec<(&'static str, Case, String)> {
                 + &nft_loop(false),
         ),
         (
-            // The addendum's sample: the default sidecar golden inbound-ports-wildcard.
+            // Istio's default sidecar golden inbound-ports-wildcard.
             "inbound-ports-wildcard",
             case(&["-b", "*"]),
             nat_head(true, false)

@@ -1,4 +1,4 @@
-//! The proxy's xDS node: instance IPs, node id and node metadata (spec §1.2, §6.2).
+//! The proxy's xDS node: instance IPs, node id and node metadata (Istio: `pkg/bootstrap/config.go`).
 
 use std::collections::BTreeMap;
 use std::net::IpAddr;
@@ -94,7 +94,7 @@ pub fn instance_ips(
 }
 
 /// The IP the agent reaches Envoy's admin on: `::1` for IPv6-only proxies or an IPv6
-/// INSTANCE_IP, else `127.0.0.1` (spec §7.2).
+/// INSTANCE_IP, else `127.0.0.1` (Istio: `pilot/cmd/pilot-agent/options/options.go`).
 pub fn localhost_for(ips: &[IpAddr], instance_ip: Option<IpAddr>) -> IpAddr {
     let v6_only = !ips.is_empty() && ips.iter().all(|i| i.is_ipv6());
     let v6_instance = instance_ip.is_some_and(|i| i.is_ipv6() && !link_local(&i));
@@ -186,7 +186,7 @@ fn validate(
     Ok(())
 }
 
-/// Node metadata (spec §6.2): ProxyConfig `proxyMetadata` `ISTIO_META_*`, then env
+/// Node metadata (Istio: `pkg/bootstrap/config.go` `GetNodeMetaData`): ProxyConfig `proxyMetadata` `ISTIO_META_*`, then env
 /// `ISTIO_META_*`, then `ISTIO_METAJSON_*` objects, then the fixed keys.
 pub fn metadata(cfg: &Config, ips: &[IpAddr]) -> Result<Map<String, Value>, NodeError> {
     metadata_with(cfg, ips, &crate::platform::Platform::unknown())

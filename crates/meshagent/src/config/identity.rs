@@ -1,4 +1,4 @@
-//! Identity / CA settings (spec §2.2).
+//! Identity / CA settings (Istio: `pilot/cmd/pilot-agent/options/security.go`).
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -179,7 +179,7 @@ impl IdentityConfig {
     }
 }
 
-/// Cloud platform metadata (spec §2.2, last row).
+/// Cloud platform metadata (Istio: `CLOUD_PLATFORM`, `pkg/bootstrap/platform`).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "camelCase")]
 pub struct PlatformConfig {

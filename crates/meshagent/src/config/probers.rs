@@ -1,4 +1,4 @@
-//! Typed `ISTIO_KUBE_APP_PROBERS` and `ISTIO_PROMETHEUS_ANNOTATIONS` (spec §7.3, §7.4).
+//! Typed `ISTIO_KUBE_APP_PROBERS` and `ISTIO_PROMETHEUS_ANNOTATIONS` (read by Istio's `pilot/cmd/pilot-agent/status/server.go`).
 //!
 //! Both are injector-generated JSON. Istio validates them when the status server starts and
 //! exits on a bad value; we do the same during config loading so `meshagent proxy` fails with

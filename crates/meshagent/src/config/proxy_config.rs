@@ -239,7 +239,7 @@ impl ProxyConfig {
     /// Overlays one ProxyConfig document (already parsed to JSON) onto `self`.
     ///
     /// Every field present replaces the current value wholesale: lists and maps
-    /// are replaced, not merged (spec §6.1). `null` means "not set". Unknown
+    /// are replaced, not merged (as Istio's `pkg/config/mesh/mesh.go` `ApplyProxyConfig`). `null` means "not set". Unknown
     /// field names are returned so the caller can warn once; bad values are
     /// pushed to `errors`, naming `origin`.
     pub(crate) fn apply_layer(

@@ -1,4 +1,4 @@
-//! Typed environment settings, one struct per concern (spec §2.1, §2.3–§2.9).
+//! Typed environment settings, one struct per concern (Istio: `pilot/cmd/pilot-agent/options/*.go`).
 //! Identity/CA settings live in `identity.rs`.
 
 use std::collections::BTreeMap;
@@ -20,7 +20,7 @@ const MIB: u64 = 1024 * 1024;
 
 // === Pod ===
 
-/// Pod identity from the downward API (spec §2.1).
+/// Pod identity from the downward API (Istio: `pilot/cmd/pilot-agent/options/options.go`).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "camelCase")]
 pub struct PodConfig {
@@ -58,7 +58,7 @@ impl PodConfig {
 
 // === xDS ===
 
-/// Upstream (istiod) and downstream (Envoy UDS) xDS settings (spec §2.3).
+/// Upstream (istiod) and downstream (Envoy UDS) xDS settings (Istio: `pkg/istio-agent/xds_proxy.go`).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "camelCase")]
 pub struct XdsConfig {
@@ -104,7 +104,7 @@ impl XdsConfig {
 
 // === Bootstrap ===
 
-/// Bootstrap generation and node metadata (spec §2.4).
+/// Bootstrap generation and node metadata (Istio: `pkg/bootstrap/config.go`).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "camelCase")]
 pub struct BootstrapConfig {
@@ -176,7 +176,7 @@ impl BootstrapConfig {
 
 // === Lifecycle ===
 
-/// Envoy lifecycle and drain (spec §2.5; the two ProxyConfig durations live in `ProxyConfig`).
+/// Envoy lifecycle and drain (Istio: `pkg/envoy/agent.go`; the two ProxyConfig durations live in `ProxyConfig`).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "camelCase")]
 pub struct LifecycleConfig {
@@ -201,7 +201,7 @@ impl LifecycleConfig {
 
 // === Status ===
 
-/// Status server, probes and metrics merge (spec §2.6).
+/// Status server, probes and metrics merge (Istio: `pilot/cmd/pilot-agent/options/statusserver.go`).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "camelCase")]
 pub struct StatusConfig {
@@ -262,7 +262,7 @@ impl StatusConfig {
 
 // === DNS ===
 
-/// DNS proxy (spec §2.7).
+/// DNS proxy (Istio: `pkg/dns/client/dns.go`).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "camelCase")]
 pub struct DnsConfig {
@@ -332,7 +332,7 @@ impl DnsConfig {
 
 // === Wasm ===
 
-/// Wasm module fetching (spec §2.8).
+/// Wasm module fetching (Istio: `pkg/wasm/options.go`).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "camelCase")]
 pub struct WasmConfig {
@@ -430,7 +430,7 @@ fn is_cidr(s: &str) -> bool {
 
 // === Proxyless gRPC ===
 
-/// Proxyless gRPC (spec §2.9).
+/// Proxyless gRPC (Istio: `pkg/istio-agent/grpcxds/grpc_bootstrap.go`).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "camelCase")]
 pub struct GrpcConfig {

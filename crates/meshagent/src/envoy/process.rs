@@ -1,4 +1,4 @@
-//! Envoy's command line (spec §6.4) and exit-status mapping.
+//! Envoy's command line (Istio: `pkg/envoy/proxy.go` `args`) and exit-status mapping.
 
 use std::path::PathBuf;
 use std::process::ExitStatus;

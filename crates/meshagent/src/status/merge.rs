@@ -2,7 +2,7 @@
 //!
 //! Order: the agent's registry, Envoy's `/stats/prometheus` (unless disabled), then each
 //! application target from `ISTIO_PROMETHEUS_ANNOTATIONS` in target order. Unlike Istio, which
-//! reads every body into memory (#32386), every source is **streamed**: all sources are
+//! reads every body into memory (Istio #32386), every source is **streamed**: all sources are
 //! requested at once (so a slow target does not delay the others' connection setup), each
 //! behind a small bounded channel, and the writer drains them in order. A source that is not
 //! being written yet is held back by TCP flow control, not by our memory. A failing source

@@ -212,7 +212,7 @@ impl Readiness {
     }
 }
 
-/// gRPC bootstrap probe (spec §7.2 step 2): the file must parse as JSON, and a `file_watcher`
+/// gRPC bootstrap probe (Istio: `pilot/cmd/pilot-agent/status/server.go`): the file must parse as JSON, and a `file_watcher`
 /// certificate provider's files must exist (proxyless gRPC would fail to start otherwise).
 ///
 /// `required = false` accepts a missing file (a bootstrap the agent did not write); the agent
