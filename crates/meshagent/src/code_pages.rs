@@ -20,6 +20,14 @@
 //! vDSO is skipped (the kernel's own mapping). The loader's lock, held during
 //! `dl_iterate_phdr`, keeps an object from being unloaded while its ranges are released.
 //!
+//! A read-only segment can still hold written pages: a debugger's breakpoint (`ptrace`
+//! `POKETEXT`), a uprobe placed by an eBPF profiler (bpftrace, Parca), a hooking preload that
+//! patched code, all write through `FOLL_FORCE` and leave a private anonymous copy of the page
+//! in the file mapping. `MADV_DONTNEED` would discard that copy and silently undo the
+//! breakpoint or hook. So every mapping whose `/proc/self/smaps` entry shows `Anonymous:`
+//! above 0 is left whole; only mappings with no written page are released. A write that
+//! lands between the `smaps` read and the `madvise` (microseconds) is the one window left.
+//!
 //! Off for the process when `MESHAGENT_RELEASE_CODE_PAGES=false` (for measuring, or kernels
 //! where re-faulting is expensive). Other platforms: a no-op.
 
@@ -71,15 +79,26 @@ mod imp {
         val: u64,
     }
 
+    /// What one `dl_iterate_phdr` walk carries: the bytes released so far, and the
+    /// mappings that hold written (anonymous) pages, which are never released.
+    struct Walk {
+        total: usize,
+        written: Vec<(usize, usize)>,
+    }
+
     pub(super) fn release() -> usize {
-        let mut total: usize = 0;
+        // Without smaps we cannot tell a patched page from a clean one: release nothing.
+        let Some(written) = super::written_mappings() else {
+            return 0;
+        };
+        let mut walk = Walk { total: 0, written };
         // SAFETY: dl_iterate_phdr calls `each` synchronously, once per loaded object, with a
-        // valid `dl_phdr_info` under the loader's lock, and passes our `total` pointer through
-        // untouched; `total` outlives the call.
+        // valid `dl_phdr_info` under the loader's lock, and passes our `walk` pointer through
+        // untouched; `walk` outlives the call.
         unsafe {
-            libc::dl_iterate_phdr(Some(each), (&raw mut total).cast::<c_void>());
+            libc::dl_iterate_phdr(Some(each), (&raw mut walk).cast::<c_void>());
         }
-        total
+        walk.total
     }
 
     unsafe extern "C" fn each(
@@ -88,8 +107,8 @@ mod imp {
         data: *mut c_void,
     ) -> c_int {
         // SAFETY: the loader hands a valid info for the duration of the callback; `data` is
-        // the `usize` that `release` passed.
-        let (info, total) = unsafe { (&*info, &mut *data.cast::<usize>()) };
+        // the `Walk` that `release` passed.
+        let (info, walk) = unsafe { (&*info, &mut *data.cast::<Walk>()) };
         if info.dlpi_phdr.is_null() {
             return 0;
         }
@@ -121,12 +140,16 @@ mod imp {
             // are per page, so the loader maps each segment on its own pages.
             let from = start & !(page - 1);
             let to = (start + p.p_memsz as usize).div_ceil(page) * page;
-            // SAFETY: [from, to) is a read-only private file mapping of a loaded object (held
-            // by the loader's lock); MADV_DONTNEED on it only drops page-table entries, which
-            // the next access restores from the page cache. An error (a locked mapping)
-            // leaves the mapping as it was.
-            if unsafe { libc::madvise(from as *mut c_void, to - from, libc::MADV_DONTNEED) } == 0 {
-                *total += to - from;
+            for (from, to) in super::clean_parts((from, to), &walk.written) {
+                // SAFETY: [from, to) is part of a read-only private file mapping of a loaded
+                // object (held by the loader's lock) with no written page (smaps); on it
+                // MADV_DONTNEED only drops page-table entries, which the next access restores
+                // from the page cache. An error (a locked mapping) leaves it as it was.
+                if unsafe { libc::madvise(from as *mut c_void, to - from, libc::MADV_DONTNEED) }
+                    == 0
+                {
+                    walk.total += to - from;
+                }
             }
         }
         0
@@ -159,6 +182,60 @@ mod imp {
             .filter(|n| n.is_power_of_two())
             .unwrap_or(4096)
     }
+}
+
+/// The address ranges of this process's mappings that hold anonymous (written) pages, from
+/// `/proc/self/smaps`; `None` when it cannot be read or parsed.
+#[cfg(all(target_os = "linux", target_env = "gnu"))]
+fn written_mappings() -> Option<Vec<(usize, usize)>> {
+    // Called off the reactor thread (see `release`); smaps of a small process is a few KiB.
+    let text = std::fs::read_to_string("/proc/self/smaps").ok()?;
+    parse_written(&text)
+}
+
+/// The ranges whose smaps entry has `Anonymous:` above 0. A mapping's header line is
+/// `start-end perms offset dev inode [path]` (hex addresses); its fields follow as
+/// `Name: value kB` lines.
+fn parse_written(smaps: &str) -> Option<Vec<(usize, usize)>> {
+    let mut out = Vec::new();
+    let mut cur: Option<(usize, usize)> = None;
+    for line in smaps.lines() {
+        let Some(first) = line.split_ascii_whitespace().next() else {
+            continue;
+        };
+        if let Some((a, b)) = first.split_once('-')
+            && let (Ok(a), Ok(b)) = (usize::from_str_radix(a, 16), usize::from_str_radix(b, 16))
+        {
+            cur = Some((a, b));
+        } else if first == "Anonymous:" {
+            let kib: u64 = line.split_ascii_whitespace().nth(1)?.parse().ok()?;
+            if kib > 0 {
+                out.push(cur?);
+            }
+        }
+    }
+    Some(out)
+}
+
+/// `range` less every range in `written`: the parts that may be released.
+fn clean_parts(range: (usize, usize), written: &[(usize, usize)]) -> Vec<(usize, usize)> {
+    let mut parts = vec![range];
+    for &(wa, wb) in written {
+        parts = parts
+            .into_iter()
+            .flat_map(|(a, b)| {
+                if wb <= a || wa >= b {
+                    vec![(a, b)]
+                } else {
+                    [(a, wa.max(a)), (wb.min(b), b)]
+                        .into_iter()
+                        .filter(|(x, y)| x < y)
+                        .collect()
+                }
+            })
+            .collect();
+    }
+    parts
 }
 
 #[cfg(not(all(target_os = "linux", target_env = "gnu")))]
@@ -200,5 +277,74 @@ mod tests {
         assert_eq!(WRITTEN.lock().unwrap().iter().sum::<u64>(), 499_500);
         let text = format!("{:?}", std::collections::HashMap::from([(1, "x")]));
         assert_eq!(text, r#"{1: "x"}"#);
+    }
+
+    /// A page of a read-only segment written the way a debugger sets a breakpoint or an eBPF
+    /// profiler places a uprobe (a `FOLL_FORCE` write, here through `/proc/self/mem`, the
+    /// same path as `ptrace(POKETEXT)`) keeps the write across a release: its mapping shows
+    /// anonymous pages in smaps and is left alone.
+    #[test]
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    fn written_read_only_pages_keep_their_writes() {
+        use std::os::unix::fs::FileExt;
+        // In .rodata, a read-only PT_LOAD segment; a page of its own so nothing else on it
+        // is read by other tests.
+        #[repr(C, align(4096))]
+        struct Page([u8; 4096]);
+        static MARKER: Page = Page([0x11; 4096]);
+        let addr = std::hint::black_box(&raw const MARKER) as usize;
+        let mem = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open("/proc/self/mem")
+            .unwrap();
+        mem.write_all_at(&[0xCC], addr as u64 + 100).unwrap();
+        // Read back through the same file: what the page holds now, never a value the
+        // compiler folded from the static's initialiser.
+        let read = || {
+            let mut b = [0u8];
+            mem.read_exact_at(&mut b, addr as u64 + 100).unwrap();
+            b[0]
+        };
+        assert_eq!(read(), 0xCC, "the forced write did not land");
+        let written = written_mappings().unwrap();
+        assert!(
+            written.iter().any(|&(a, b)| (a..b).contains(&addr)),
+            "smaps shows no anonymous page in the marker's mapping"
+        );
+        assert!(release() > 0, "nothing released");
+        assert_eq!(read(), 0xCC, "the release undid a written read-only page");
+    }
+
+    #[test]
+    fn smaps_entries_with_anonymous_pages_are_found() {
+        let smaps = "\
+55d0a0000000-55d0a0010000 r--p 00000000 fd:01 123   /usr/bin/x
+Size:                 64 kB
+Anonymous:             0 kB
+55d0a0010000-55d0a0020000 r-xp 00010000 fd:01 123   /usr/bin/x
+Size:                 64 kB
+Anonymous:             4 kB
+VmFlags: rd ex mr mw me
+7ffd00000000-7ffd00001000 r-xp 00000000 00:00 0     [vdso]
+Anonymous:             0 kB
+";
+        assert_eq!(
+            parse_written(smaps),
+            Some(vec![(0x55d0_a001_0000, 0x55d0_a002_0000)])
+        );
+        assert_eq!(parse_written("garbage-line\nAnonymous: 4 kB\n"), None);
+    }
+
+    #[test]
+    fn clean_parts_leave_out_written_ranges() {
+        assert_eq!(clean_parts((0, 100), &[]), vec![(0, 100)]);
+        assert_eq!(clean_parts((0, 100), &[(20, 30)]), vec![(0, 20), (30, 100)]);
+        assert_eq!(clean_parts((0, 100), &[(0, 100)]), vec![]);
+        assert_eq!(
+            clean_parts((10, 100), &[(0, 20), (90, 200), (50, 60)]),
+            vec![(20, 50), (60, 90)]
+        );
+        assert_eq!(clean_parts((10, 20), &[(20, 30)]), vec![(10, 20)]);
     }
 }

@@ -1,0 +1,111 @@
+//! The shipped agent's linker wrapper (`crates/meshagent/link/cc-ordered`, `make agent`) with
+//! a small C program and the linker rustc uses (its self-contained `rust-lld`): an order file
+//! whose names resolve places those functions first; one whose names are mostly gone (a
+//! dependency bump renamed them) still links, without the layout, and says so.
+#![allow(clippy::unwrap_used)]
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+use meshagent_testkit::workspace_root;
+
+/// rustc's `gcc-ld` directory, where `-fuse-ld=lld` finds `rust-lld` as rustc passes it.
+fn gcc_ld_dir() -> PathBuf {
+    let out = Command::new("rustc")
+        .args(["--print", "sysroot"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "rustc --print sysroot failed");
+    let sysroot = String::from_utf8(out.stdout).unwrap();
+    let host = Command::new("rustc").arg("-vV").output().unwrap();
+    let host = String::from_utf8(host.stdout).unwrap();
+    let triple = host
+        .lines()
+        .find_map(|l| l.strip_prefix("host: "))
+        .unwrap()
+        .to_owned();
+    PathBuf::from(sysroot.trim()).join(format!("lib/rustlib/{triple}/bin/gcc-ld"))
+}
+
+fn link(dir: &Path, order: &str) -> (Output, String) {
+    std::fs::write(
+        dir.join("a.c"),
+        "int hot(void){return 1;}\nint cold(void){return 2;}\nint main(void){return hot()-1;}\n",
+    )
+    .unwrap();
+    std::fs::write(dir.join("x.order"), order).unwrap();
+    let status = dir.join("status");
+    let _ = std::fs::remove_file(&status);
+    let out = Command::new(workspace_root().join("crates/meshagent/link/cc-ordered"))
+        .current_dir(dir)
+        .env("MESHAGENT_ORDER_FILE", dir.join("x.order"))
+        .env("MESHAGENT_ORDER_STATUS", &status)
+        .arg(format!("-B{}", gcc_ld_dir().display()))
+        .args(["-fuse-ld=lld", "-ffunction-sections", "a.c", "-o", "a"])
+        .output()
+        .unwrap();
+    let said = std::fs::read_to_string(&status).unwrap_or_default();
+    (out, said)
+}
+
+/// Function addresses in the linked program, by name.
+fn addresses(dir: &Path) -> std::collections::HashMap<String, u64> {
+    let out = Command::new("nm").arg(dir.join("a")).output().unwrap();
+    assert!(out.status.success(), "nm failed");
+    String::from_utf8(out.stdout)
+        .unwrap()
+        .lines()
+        .filter_map(|l| {
+            let mut f = l.split_whitespace();
+            let addr = u64::from_str_radix(f.next()?, 16).ok()?;
+            let _kind = f.next()?;
+            Some((f.next()?.to_owned(), addr))
+        })
+        .collect()
+}
+
+fn runs(dir: &Path) {
+    let st = Command::new(dir.join("a")).status().unwrap();
+    assert!(st.success(), "the linked program does not run: {st}");
+}
+
+#[test]
+fn resolved_order_places_the_listed_functions_first() {
+    let dir = tempfile::tempdir().unwrap();
+    let (out, said) = link(dir.path(), "hot\nmain\n");
+    assert!(
+        out.status.success(),
+        "cc-ordered failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        said.contains("2 functions of the 2 names"),
+        "status: {said}"
+    );
+    runs(dir.path());
+    let a = addresses(dir.path());
+    // Source order is hot, cold, main; the layout moves main before cold.
+    assert!(
+        a["hot"] < a["cold"] && a["main"] < a["cold"],
+        "not ordered: {a:?}"
+    );
+}
+
+#[test]
+fn a_mostly_stale_order_file_links_without_the_layout_and_warns() {
+    let dir = tempfile::tempdir().unwrap();
+    let (out, said) = link(dir.path(), "gone1\ngone2\ngone3\nhot\n");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        out.status.success(),
+        "a stale order file broke the link: {stderr}"
+    );
+    for text in [&*stderr, &*said] {
+        assert!(
+            text.contains("warning: only 1 functions of the 4 names")
+                && text.contains("linked without the code layout"),
+            "no warning: {text}"
+        );
+    }
+    runs(dir.path());
+}
