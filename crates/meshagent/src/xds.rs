@@ -199,9 +199,14 @@ pub struct XdsOptions {
 impl XdsOptions {
     pub fn from_config(cfg: &Config, cwd: &Path) -> Result<XdsOptions, XdsError> {
         let target = control_plane::xds_target(cfg, cwd)?;
-        let token = TokenSource::new(cfg.identity.jwt_path.as_ref().map(|p| cwd.join(p)));
+        let token = TokenSource::new(
+            cfg.identity
+                .jwt_path
+                .as_ref()
+                .map(|p| crate::fsio::under(&cwd, p)),
+        );
         Ok(XdsOptions {
-            socket: cwd.join(&cfg.proxy_config.config_path).join(SOCKET_NAME),
+            socket: crate::fsio::under(&cwd, &cfg.proxy_config.config_path).join(SOCKET_NAME),
             target,
             keepalive: Keepalive {
                 interval: cfg.xds.keepalive_interval,

@@ -788,7 +788,7 @@ async fn q8_envoy_exiting_zero_is_not_an_error() {
     assert!(log.contains("Envoy exited normally"), "{log}");
     assert!(
         !log.lines()
-            .any(|l| l.contains("ERROR") && l.contains("Envoy")),
+            .any(|l| l.contains("\terror\t") && l.contains("Envoy")),
         "{log}"
     );
 }

@@ -333,7 +333,7 @@ pub async fn run(
                     if let Some(t) = handed_over.take()
                         && t.elapsed() > SLOW_PUSH
                     {
-                        tracing::warn!(id, took = ?t.elapsed(), "slow push to Envoy");
+                        tracing::warn!(id, took = %crate::logging::dur(t.elapsed()), "slow push to Envoy");
                     }
                     permit = Some(p);
                 }
@@ -437,7 +437,7 @@ pub async fn run(
         }
         End::Stalled => {
             m.downstream_stalled.inc();
-            tracing::warn!(id, stall = ?STALL, queued_limit = MAX_QUEUED, "downstream xDS client took no response for {STALL:?} with its queue full; closing its connection");
+            tracing::warn!(id, stall = %crate::logging::dur(STALL), queued_limit = MAX_QUEUED, "downstream xDS client took no response for {} with its queue full; closing its connection", crate::logging::dur(STALL));
             // hyper offers no way to reset a stream whose send waits on the peer's flow
             // control (the body is not polled then), so the client's connection is closed:
             // that frees everything held for it, and the client reconnects and resyncs.
