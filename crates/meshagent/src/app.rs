@@ -285,7 +285,7 @@ impl Agent {
                 serde_json::Value::String("true".to_owned()),
             );
         }
-        tracing::info!(node = %node.id, ips = ?node.ips, locality = %node.locality, "proxy node");
+        tracing::info!(node = %node.id, ips = %crate::logging::list(&node.ips), locality = %node.locality, "proxy node");
         if grpc_bootstrap {
             // Istio renders it from the same node metadata as Envoy's (PLATFORM_METADATA and
             // locality included).
@@ -448,7 +448,7 @@ pub(crate) fn bootstrap_override(cfg: &Config, cwd: &Path) -> Result<Option<Stri
     let Some(p) = &cfg.bootstrap.bootstrap_override else {
         return Ok(None);
     };
-    let path = crate::fsio::under(&cwd, p);
+    let path = crate::fsio::under(cwd, p);
     let text = std::fs::read_to_string(&path).map_err(|e| AppError::Override {
         path: path.clone(),
         reason: e.to_string(),
@@ -552,7 +552,7 @@ fn spawn_signal_handler(
         signal(SignalKind::user_defined1())?,
         signal(SignalKind::user_defined2())?,
     ];
-    let span = tracing::info_span!("task", name = "signals");
+    let span = tracing::info_span!("task", task = "signals");
     tokio::spawn(tracing::Instrument::instrument(
         async move {
             let _ignored = ignored;

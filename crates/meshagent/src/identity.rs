@@ -382,7 +382,7 @@ pub async fn start_with(
     };
     tasks.push(tokio::spawn(tracing::Instrument::instrument(
         crate::tasks::guarded("file-secrets", file_task.run(shutdown.clone())),
-        tracing::info_span!("task", name = "file-secrets"),
+        tracing::info_span!("task", task = "file-secrets"),
     )));
 
     if let Some((key_spec, target)) = ca_parts {
@@ -420,7 +420,7 @@ pub async fn start_with(
         };
         tasks.push(tokio::spawn(tracing::Instrument::instrument(
             crate::tasks::guarded("secret-manager", mgr.run(shutdown.clone())),
-            tracing::info_span!("task", name = "secret-manager"),
+            tracing::info_span!("task", task = "secret-manager"),
         )));
     }
 
@@ -471,7 +471,7 @@ pub async fn start_with(
                 },
             ),
         ),
-        tracing::info_span!("task", name = "sds"),
+        tracing::info_span!("task", task = "sds"),
     )));
 
     Ok(IdentityHandle {

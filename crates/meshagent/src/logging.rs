@@ -6,9 +6,11 @@
 //! JSON encoders with the encoder config of `pkg/log/config.go`):
 //!
 //! ```text
-//! 2026-12-06T22:22:25.330563Z	warn	xdsproxy	stream closed	id=3 dur=5s
+//! 2026-12-06T22:22:25.330563Z\twarn\txdsproxy\tstream closed\tid=3 dur=5s
 //! {"level":"warn","time":"2026-12-06T22:22:25.333802Z","scope":"xdsproxy","msg":"stream closed","id":3,"dur":"5s"}
 //! ```
+//!
+//! (`\t` is a tab.)
 //!
 //! - time: UTC with microseconds and `Z` (`formatDate` in `pkg/log/config.go`);
 //! - level: lower case (`zapcore.LowercaseLevelEncoder`);
@@ -599,6 +601,20 @@ where
 /// `zapcore.StringDurationEncoder` and `fmt.Sprint` print them: `retry_in = %dur(d)`.
 pub fn dur(d: Duration) -> String {
     crate::config::parse::go_duration_string(d)
+}
+
+/// A list as Go's `fmt.Sprint` prints a slice (`[192.0.2.2 fd00::2]`), which is how Istio's
+/// labels show lists (`ips=[…]` on its "Proxy role" line): `ips = %list(&node.ips)`.
+pub fn list<T: fmt::Display>(items: impl IntoIterator<Item = T>) -> String {
+    let mut out = String::from("[");
+    for (i, item) in items.into_iter().enumerate() {
+        if i > 0 {
+            out.push(' ');
+        }
+        let _ = write!(out, "{item}");
+    }
+    out.push(']');
+    out
 }
 
 /// The subscriber: span fields recorded for [`IstioFormat`], which writes to `writer`, all

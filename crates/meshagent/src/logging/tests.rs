@@ -191,16 +191,20 @@ fn invalid_levels_give_istios_errors() {
     // No trimming, and an empty item is an empty level.
     let e = ScopeConfig::parse(&opts("default:info,")).unwrap_err();
     assert_eq!(e.to_string(), "invalid output level ''");
-    let mut o = LogOptions::default();
-    o.stacktrace_level = "default:verbose".into();
+    let o = LogOptions {
+        stacktrace_level: "default:verbose".into(),
+        ..LogOptions::default()
+    };
     let e = ScopeConfig::parse(&o).unwrap_err();
     assert_eq!(e.to_string(), "invalid output level 'verbose'");
 }
 
 #[test]
 fn callers_per_scope() {
-    let mut o = LogOptions::default();
-    o.caller = "xdsproxy".into();
+    let mut o = LogOptions {
+        caller: "xdsproxy".into(),
+        ..LogOptions::default()
+    };
     let c = ScopeConfig::parse(&o).unwrap();
     assert!(c.caller("xdsproxy") && !c.caller("default"));
     o.caller = "all".into();
@@ -312,8 +316,10 @@ fn json_through_the_subscriber() {
 
 #[test]
 fn stack_on_request() {
-    let mut o = LogOptions::default();
-    o.stacktrace_level = "default:error".into();
+    let o = LogOptions {
+        stacktrace_level: "default:error".into(),
+        ..LogOptions::default()
+    };
     let out = capture(&o, || {
         tracing::warn!(target: "meshagent::app", "no stack");
         tracing::error!(target: "meshagent::app", "with stack");
@@ -322,4 +328,11 @@ fn stack_on_request() {
     assert_eq!(lines[0], "warn\tno stack");
     assert_eq!(lines[1], "error\twith stack");
     assert!(lines.len() > 2, "a stack follows the error line: {out}");
+}
+
+#[test]
+fn lists_as_go_prints_them() {
+    // Istio's `Proxy role` line: `ips=[192.0.2.2 fd00::2]`.
+    assert_eq!(list(["192.0.2.2", "fd00::2"]), "[192.0.2.2 fd00::2]");
+    assert_eq!(list(Vec::<u8>::new()), "[]");
 }

@@ -258,6 +258,24 @@ fn termination_type(s: Option<&Status>) -> &'static str {
     if expected { "cancelled" } else { "error" }
 }
 
+/// [`termination_type`] for the downstream (Envoy) side. Envoy's connection closing under a
+/// live stream — it exits at the end of every shutdown, or restarts — reaches a hyper server
+/// as a failed body read ("error reading a body from connection"). gRPC-Go reports the same
+/// event as a cancelled stream context, which Istio counts as expected and logs at debug
+/// (`pilot/pkg/grpc/grpc.go` `GRPCErrorType`, `pkg/istio-agent/xds_proxy.go`), so it is no
+/// warning here either.
+fn downstream_termination_type(s: Option<&Status>) -> &'static str {
+    let gone = s.is_some_and(|s| {
+        s.code() == tonic::Code::Unknown
+            && s.message().contains("error reading a body from connection")
+    });
+    if gone {
+        "cancelled"
+    } else {
+        termination_type(s)
+    }
+}
+
 /// The downstream connection a pair's stream arrived on: pairs of one connection share an
 /// upstream connection ([`Upstream`]), and `cut` closes the connection (a stalled client).
 #[derive(Clone)]
@@ -444,7 +462,7 @@ pub async fn run(
             conn.cut.cancel();
         }
         End::Downstream(s) => {
-            let t = termination_type(s.as_ref());
+            let t = downstream_termination_type(s.as_ref());
             m.envoy_connection_terminations.with(&[t]).inc();
             match &s {
                 Some(s) if t == "error" => {
@@ -714,6 +732,17 @@ fn on_response(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn envoy_going_away_is_not_an_error() {
+        let gone = Status::unknown("h2 protocol error: error reading a body from connection");
+        assert_eq!(downstream_termination_type(Some(&gone)), "cancelled");
+        assert_eq!(termination_type(Some(&gone)), "error");
+        assert_eq!(
+            downstream_termination_type(Some(&Status::unavailable("boom"))),
+            "error"
+        );
+    }
 
     #[test]
     fn termination_types() {
