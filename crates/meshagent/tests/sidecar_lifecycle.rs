@@ -565,7 +565,7 @@ async fn removed_sds_and_xds_sockets_are_rebound() {
         })
         .await;
         std::fs::remove_file(&sock).unwrap();
-        let want = format!("server=\"{name}\" error=socket");
+        let want = format!("server={name} error=socket");
         wait_for("the supervisor to notice", DEADLINE, || {
             let log = a.proc.log_text();
             let hit = log
