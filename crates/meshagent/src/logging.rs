@@ -251,10 +251,18 @@ impl ScopeConfig {
         self.callers.get(scope).copied().unwrap_or(false)
     }
 
+    /// Istio's `dumpStack` (`pkg/log/zapcore_handler.go`): the default scope compares the
+    /// line's level; every other scope compares `error` whatever the line's level, so
+    /// `xdsproxy:error` puts a stack on all of its lines and `xdsproxy:warn` does too.
     fn stack(&self, scope: &str, level: &Level) -> bool {
+        let thresh = if scope == "default" {
+            *level
+        } else {
+            Level::ERROR
+        };
         self.stack
             .get(scope)
-            .is_some_and(|l| *l != LevelFilter::OFF && *l >= *level)
+            .is_some_and(|l| *l != LevelFilter::OFF && *l >= thresh)
     }
 }
 

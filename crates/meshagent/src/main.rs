@@ -62,7 +62,7 @@ fn main() -> ExitCode {
             match r {
                 // The reader went away (`meshagent request GET config_dump | head`): a CLI
                 // stops quietly (Go's pilot-agent dies of SIGPIPE without a word).
-                Err(Failure::Request(e)) if e.is_broken_pipe() => ExitCode::SUCCESS,
+                Err(Failure::Command(e)) if e.is_broken_pipe() => ExitCode::SUCCESS,
                 r => exit_with(r, |()| {}),
             }
         }
@@ -96,7 +96,7 @@ enum Failure<E: std::error::Error + 'static> {
     #[error("cannot start the runtime: {0}")]
     Runtime(#[source] std::io::Error),
     #[error(transparent)]
-    Request(E),
+    Command(E),
 }
 
 /// Runs `fut` on the agent's runtime.
@@ -104,7 +104,7 @@ fn on_runtime<T, E: std::error::Error + 'static>(
     fut: impl std::future::Future<Output = Result<T, E>>,
 ) -> Result<T, Failure<E>> {
     let rt = runtime().map_err(Failure::Runtime)?;
-    rt.block_on(fut).map_err(Failure::Request)
+    rt.block_on(fut).map_err(Failure::Command)
 }
 
 /// One thread runs every task (blocking work — key generation, file reads — goes to Tokio's

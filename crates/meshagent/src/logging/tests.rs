@@ -328,6 +328,16 @@ fn stack_on_request() {
     assert_eq!(lines[0], "warn\tno stack");
     assert_eq!(lines[1], "error\twith stack");
     assert!(lines.len() > 2, "a stack follows the error line: {out}");
+    // Other scopes compare `error`, not the line's level (Istio's `dumpStack`).
+    let c = ScopeConfig::parse(&LogOptions {
+        stacktrace_level: "xdsproxy:error".into(),
+        ..LogOptions::default()
+    })
+    .unwrap();
+    assert!(c.stack("xdsproxy", &Level::INFO));
+    assert!(!c.stack("default", &Level::ERROR));
+    let c = ScopeConfig::parse(&LogOptions::default()).unwrap();
+    assert!(!c.stack("default", &Level::ERROR) && !c.stack("xdsproxy", &Level::ERROR));
 }
 
 #[test]
