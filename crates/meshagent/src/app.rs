@@ -103,7 +103,7 @@ impl Agent {
         tokio::select! {
             r = self.run_inner() => r,
             () = deadline => {
-                tracing::error!(budget = %crate::logging::dur(budget), still_running = ?tasks.running(), "shutdown did not finish in time; exiting");
+                tracing::error!(budget = %crate::logging::dur(budget), still_running = %crate::logging::list(tasks.running()), "shutdown did not finish in time; exiting");
                 Ok(1)
             }
         }

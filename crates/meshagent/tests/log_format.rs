@@ -36,7 +36,7 @@ fn meshagent() -> PathBuf {
 /// (`istio-iptables` picks the rule families from them), no listener anywhere.
 const POD_NETNS: &str = "set -e; ip link set lo up; ip link add eth0 type veth peer name eth0p; \
     ip addr add 10.1.2.3/24 dev eth0; ip -6 addr add fd00::3/64 dev eth0 nodad; \
-    ip link set eth0 up; ip link set eth0p up; exec \"$@\"";
+    ip link set eth0 up; ip link set eth0p up; exec timeout -s KILL 30 \"$@\"";
 
 /// Runs `exe args` in a new network namespace, in an empty working directory.
 fn run(exe: &Path, args: &[&str], env: &[(&str, &str)]) -> Output {
@@ -90,12 +90,14 @@ fn is_istio_time(t: &str) -> bool {
         })
 }
 
-/// One log line's structure: level and scope (`None` = default).
+/// One log line's structure: level and scope (`None` = default), message and the keys of
+/// its fields (in order for text; JSON's are sorted by the parser).
 #[derive(Debug, Clone, PartialEq, Eq)]
 struct Shape {
     level: String,
     scope: Option<String>,
     msg: String,
+    keys: Vec<String>,
 }
 
 /// Text lines: `time\tlevel\t[scope\t]msg[\tk=v…]`; lines that do not start with a time
@@ -120,10 +122,28 @@ fn text_shapes(out: &[u8]) -> Vec<Shape> {
                 "{l:?}"
             );
             let scoped = cols.len() > 3 && SCOPES.contains(&cols[2]);
+            let at = if scoped { 3 } else { 2 };
+            // Fields: one more column of space-separated `k=v` (values are unquoted, so only
+            // keys at the start of a token are certain; enough for the shape).
+            let keys = cols
+                .get(at + 1)
+                .map(|f| {
+                    f.split(' ')
+                        .filter_map(|t| t.split_once('=').map(|(k, _)| k))
+                        .filter(|k| {
+                            !k.is_empty()
+                                && k.chars()
+                                    .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '.')
+                        })
+                        .map(str::to_owned)
+                        .collect()
+                })
+                .unwrap_or_default();
             Some(Shape {
                 level,
                 scope: scoped.then(|| cols[2].to_owned()),
-                msg: cols[if scoped { 3 } else { 2 }].to_owned(),
+                msg: cols[at].to_owned(),
+                keys,
             })
         })
         .collect()
@@ -165,6 +185,13 @@ fn json_shapes(out: &[u8]) -> Vec<Shape> {
                 level: v["level"].as_str().unwrap().to_owned(),
                 scope: v.get("scope").map(|s| s.as_str().unwrap().to_owned()),
                 msg: v["msg"].as_str().unwrap().to_owned(),
+                keys: v
+                    .as_object()
+                    .unwrap()
+                    .keys()
+                    .filter(|k| !["level", "time", "scope", "caller", "msg"].contains(&k.as_str()))
+                    .cloned()
+                    .collect(),
             }
         })
         .collect()
@@ -305,4 +332,46 @@ fn version_logs_nothing_on_stdout() {
     let ours = run(&meshagent(), &["version"], &[]);
     assert!(text_shapes(&istio.stdout).is_empty());
     assert!(text_shapes(&ours.stdout).is_empty());
+}
+
+#[test]
+fn scoped_lines_with_fields_text_and_json() {
+    // Offline, pilot-agent's scoped lines with fields are its `monitoring` debug lines at
+    // start; meshagent's are `cache` and `xdsproxy` info lines (the start then fails: no
+    // Envoy, no CA root, in both).
+    for json in [false, true] {
+        let mut istio_args = vec!["proxy", "sidecar", "--log_output_level", "all:debug"];
+        let mut our_args = vec!["proxy", "sidecar"];
+        if json {
+            istio_args.push("--log_as_json");
+            our_args.push("--log_as_json");
+        }
+        let istio = run(&pilot_agent(), &istio_args, &[]);
+        let ours = run(&meshagent(), &our_args, &[]);
+        let shapes = |o: &Output| {
+            if json {
+                json_shapes(&o.stdout)
+            } else {
+                text_shapes(&o.stdout)
+            }
+        };
+        let scoped_with_fields = |v: Vec<Shape>| -> Vec<Shape> {
+            v.into_iter()
+                .filter(|s| s.scope.is_some() && !s.keys.is_empty())
+                .collect()
+        };
+        let i = scoped_with_fields(shapes(&istio));
+        let o = scoped_with_fields(shapes(&ours));
+        assert!(!i.is_empty(), "no scoped line from pilot-agent");
+        assert!(
+            o.iter().any(|s| s.scope.as_deref() == Some("xdsproxy")
+                && s.msg == "xDS proxy listening"
+                && s.keys.iter().any(|k| k == "socket")),
+            "{o:?}"
+        );
+        assert!(
+            o.iter().any(|s| s.scope.as_deref() == Some("cache")),
+            "{o:?}"
+        );
+    }
 }
