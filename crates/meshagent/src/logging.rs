@@ -438,8 +438,8 @@ pub fn format_time(t: SystemTime) -> String {
     )
 }
 
-/// Days since 1970-01-01 → (year, month, day), proleptic Gregorian (Howard Hinnant's
-/// `civil_from_days`).
+/// Days since 1970-01-01 → (year, month, day) in the proleptic Gregorian calendar, counted
+/// in 400-year eras from 0000-03-01 so leap days fall at the end of each year.
 fn civil_from_days(z: i64) -> (i64, u32, u32) {
     let z = z + 719_468;
     let era = z.div_euclid(146_097);
