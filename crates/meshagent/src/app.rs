@@ -103,7 +103,7 @@ impl Agent {
         tokio::select! {
             r = self.run_inner() => r,
             () = deadline => {
-                tracing::error!(budget = ?budget, still_running = ?tasks.running(), "shutdown did not finish in time; exiting");
+                tracing::error!(budget = %crate::logging::dur(budget), still_running = %crate::logging::list(tasks.running()), "shutdown did not finish in time; exiting");
                 Ok(1)
             }
         }
@@ -285,7 +285,7 @@ impl Agent {
                 serde_json::Value::String("true".to_owned()),
             );
         }
-        tracing::info!(node = %node.id, ips = ?node.ips, locality = %node.locality, "proxy node");
+        tracing::info!(node = %node.id, ips = %crate::logging::list(&node.ips), locality = %node.locality, "proxy node");
         if grpc_bootstrap {
             // Istio renders it from the same node metadata as Envoy's (PLATFORM_METADATA and
             // locality included).
@@ -337,7 +337,7 @@ impl Agent {
                 if cfg.proxy_config.custom_config_file.as_os_str().is_empty() {
                     let rendered = bootstrap::generate(cfg, &node, template.as_ref())?;
                     let path = bootstrap::write(cfg, &self.cwd, &rendered)?;
-                    (path.clone(), Some(self.cwd.join(path)))
+                    (path.clone(), Some(crate::fsio::under(&self.cwd, path)))
                 } else {
                     (cfg.proxy_config.custom_config_file.clone(), None)
                 };
@@ -448,7 +448,7 @@ pub(crate) fn bootstrap_override(cfg: &Config, cwd: &Path) -> Result<Option<Stri
     let Some(p) = &cfg.bootstrap.bootstrap_override else {
         return Ok(None);
     };
-    let path = cwd.join(p);
+    let path = crate::fsio::under(cwd, p);
     let text = std::fs::read_to_string(&path).map_err(|e| AppError::Override {
         path: path.clone(),
         reason: e.to_string(),
@@ -552,7 +552,7 @@ fn spawn_signal_handler(
         signal(SignalKind::user_defined1())?,
         signal(SignalKind::user_defined2())?,
     ];
-    let span = tracing::info_span!("task", name = "signals");
+    let span = tracing::info_span!("task", task = "signals");
     tokio::spawn(tracing::Instrument::instrument(
         async move {
             let _ignored = ignored;

@@ -401,7 +401,7 @@ pub fn check_template(
     let t = load_template(cfg, cwd)?;
     if t.is_none()
         && cfg.proxy_config.custom_config_file.as_os_str().is_empty()
-        && cwd.join(IMAGE_TEMPLATE_PATH).exists()
+        && crate::fsio::under(cwd, IMAGE_TEMPLATE_PATH).exists()
     {
         ::tracing::info!(
             template = IMAGE_TEMPLATE_PATH,
@@ -467,7 +467,7 @@ pub fn generate(
 pub fn write(cfg: &Config, cwd: &Path, rendered: &Rendered) -> Result<PathBuf, BootstrapError> {
     use std::os::unix::fs::PermissionsExt;
     for (rel, text) in &rendered.side_files {
-        let abs = cwd.join(rel);
+        let abs = crate::fsio::under(cwd, rel);
         let w = || -> std::io::Result<()> {
             if let Some(dir) = abs.parent() {
                 std::fs::create_dir_all(dir)?;
@@ -481,7 +481,7 @@ pub fn write(cfg: &Config, cwd: &Path, rendered: &Rendered) -> Result<PathBuf, B
         })?;
     }
     let rel = cfg.proxy_config.config_path.join(rendered.file_name);
-    let abs = cwd.join(&rel);
+    let abs = crate::fsio::under(cwd, &rel);
     let write = || -> std::io::Result<()> {
         if let Some(dir) = abs.parent() {
             std::fs::create_dir_all(dir)?;

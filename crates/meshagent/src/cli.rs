@@ -32,17 +32,15 @@ fn parse_bool(s: &str) -> Result<bool, String> {
     crate::config::parse_go_bool(s).ok_or_else(|| format!("{s:?} is not a boolean"))
 }
 
-/// Root logging flags (Istio `pkg/log/options.go`).
+/// Root logging flags (Istio `pkg/log/options.go`); `logging` gives them Istio's meaning.
 #[derive(Debug, Clone, Args)]
 pub struct LogArgs {
-    /// Comma-separated `scope:level` list; levels debug, info, warn, error, fatal, none.
-    #[arg(
-        long = "log_output_level",
-        global = true,
-        default_value = "default:info,grpc:none"
-    )]
+    /// Comma-separated minimum per-scope logging level of messages to output, in the form of
+    /// <scope>:<level>,<scope>:<level>,... (levels debug, info, warn, error, fatal, none);
+    /// applied after the built-in default:info,grpc:none.
+    #[arg(long = "log_output_level", global = true, default_value = "")]
     pub output_level: String,
-    /// Emit JSON log lines.
+    /// Whether to format output as JSON or in plain console-friendly format.
     #[arg(
         long = "log_as_json",
         global = true,
@@ -53,13 +51,13 @@ pub struct LogArgs {
         value_parser = parse_bool
     )]
     pub as_json: bool,
-    /// Where to write logs: stdout, stderr or a file path (repeatable).
+    /// The set of paths where to output the log: any path, or stdout and stderr (repeatable).
     #[arg(long = "log_target", global = true, default_value = "stdout")]
     pub target: Vec<String>,
-    /// Scopes that include caller information.
+    /// Comma-separated list of scopes (or all) for which to include caller information.
     #[arg(long = "log_caller", global = true, default_value = "")]
     pub caller: String,
-    /// Level at which stack traces are captured (accepted; Rust logs have none).
+    /// Comma-separated minimum per-scope logging level at which stack traces are captured.
     #[arg(
         long = "log_stacktrace_level",
         global = true,

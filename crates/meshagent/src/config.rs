@@ -20,7 +20,7 @@ use serde::Serialize;
 mod env;
 mod files;
 mod identity;
-mod parse;
+pub(crate) mod parse;
 pub mod probers;
 mod proxy_config;
 mod startup;
@@ -487,7 +487,7 @@ mod serde_redacted {
 }
 
 /// Serializes `std::time::Duration` the way Go prints durations (`24h0m0s`).
-mod serde_duration {
+pub(crate) mod serde_duration {
     use serde::Serializer;
     use std::time::Duration;
 

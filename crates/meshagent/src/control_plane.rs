@@ -172,7 +172,7 @@ pub fn xds_target(cfg: &Config, cwd: &Path) -> Result<Target, DialError> {
         Roots::System
     } else if !cfg.xds.root_ca.is_empty() {
         Roots::File(PathBuf::from(&cfg.xds.root_ca))
-    } else if cwd.join(ETC_CERTS_ROOT).exists() {
+    } else if crate::fsio::under(cwd, ETC_CERTS_ROOT).exists() {
         Roots::File(PathBuf::from(ETC_CERTS_ROOT))
     } else if let Some(d) = &id.prov_cert {
         Roots::File(d.join("root-cert.pem"))
@@ -381,7 +381,7 @@ pub fn client_config(tls: &Tls, cwd: &Path) -> std::io::Result<rustls::ClientCon
 
 fn load_roots(roots: &Roots, cwd: &Path) -> std::io::Result<rustls::RootCertStore> {
     let path = match roots {
-        Roots::File(p) => cwd.join(p),
+        Roots::File(p) => crate::fsio::under(cwd, p),
         Roots::System => SYSTEM_ROOT_PATHS
             .iter()
             .map(PathBuf::from)

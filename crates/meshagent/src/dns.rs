@@ -245,7 +245,7 @@ pub async fn start(
         metrics,
         pool: forward::Pool::default(),
     });
-    tracing::info!(addrs = ?addrs, upstreams = ?resolv.servers, search = ?resolv.search, "DNS proxy listening");
+    tracing::info!(addrs = %crate::logging::list(&addrs), upstreams = %crate::logging::list(&resolv.servers), search = %crate::logging::list(&resolv.search), "DNS proxy listening");
 
     let mut first = Some(bound);
     let serve_core = core.clone();
@@ -295,7 +295,7 @@ pub async fn start(
                 },
             ),
         ),
-        tracing::info_span!("task", name = "dns"),
+        tracing::info_span!("task", task = "dns"),
     ));
     Ok(DnsHandle { addrs, core, task })
 }

@@ -175,7 +175,7 @@ impl Envoy {
                 () = state.abort.cancelled() => tracing::warn!("drain aborted by a second signal"),
             }
         } else {
-            tracing::info!(wait = ?d.termination_drain_duration, "waiting for terminationDrainDuration");
+            tracing::info!(wait = %crate::logging::dur(d.termination_drain_duration), "waiting for terminationDrainDuration");
             tokio::select! {
                 _ = tokio::time::sleep_until(deadline) => {}
                 s = self.child.wait() => return s.map_err(EnvoyError::Wait),
@@ -228,7 +228,7 @@ impl Envoy {
     /// Istio's EXIT_ON_ZERO_ACTIVE_CONNECTIONS: wait the minimum drain, then poll every
     /// second until no downstream connection is active (or stats vanish, or 5 errors in a row).
     async fn wait_for_zero_connections(&mut self, d: &DrainOptions) -> Result<(), EnvoyError> {
-        tracing::info!(min = ?d.minimum_drain_duration, "waiting for active connections to end");
+        tracing::info!(min = %crate::logging::dur(d.minimum_drain_duration), "waiting for active connections to end");
         tokio::select! {
             _ = tokio::time::sleep(d.minimum_drain_duration) => {}
             s = self.child.wait() => { s.map_err(EnvoyError::Wait)?; return Ok(()); }

@@ -171,3 +171,44 @@ mod tests {
         assert!(e.is_permanent(), "{e}");
     }
 }
+
+/// `base.join(p)` without the `./` of each part: the agent's base is `.` and Istio's
+/// default paths start with `./` (`./etc/istio/proxy`), and a plain join gives
+/// `././etc/istio/proxy/XDS` in every log line and error naming the file. One leading `./`
+/// is kept, as Istio writes its relative paths (`pkg/config/constants`); an absolute `p`
+/// replaces `base`, as with `Path::join`.
+pub fn under(base: &Path, p: impl AsRef<Path>) -> PathBuf {
+    use std::path::Component;
+    let joined = base.join(p);
+    let mut out = PathBuf::new();
+    let mut leading_dot = false;
+    for c in joined.components() {
+        match c {
+            Component::CurDir => leading_dot |= out.as_os_str().is_empty(),
+            c => out.push(c),
+        }
+    }
+    match (leading_dot, out.as_os_str().is_empty()) {
+        (_, true) => PathBuf::from("."),
+        (true, false) => Path::new(".").join(out),
+        (false, false) => out,
+    }
+}
+
+#[cfg(test)]
+mod under_tests {
+    use super::under;
+    use std::path::Path;
+
+    #[test]
+    fn joins_without_repeated_dots() {
+        let p = under(Path::new("."), "./etc/istio/proxy");
+        assert_eq!(p.to_str(), Some("./etc/istio/proxy"));
+        let p = under(&under(Path::new("."), "./etc/istio/proxy"), "XDS");
+        assert_eq!(p.to_str(), Some("./etc/istio/proxy/XDS"));
+        assert_eq!(under(Path::new("/w"), "./a/./b").to_str(), Some("/w/a/b"));
+        assert_eq!(under(Path::new("."), "/abs/x").to_str(), Some("/abs/x"));
+        assert_eq!(under(Path::new("."), "").to_str(), Some("."));
+        assert_eq!(under(Path::new("."), "var/run").to_str(), Some("./var/run"));
+    }
+}

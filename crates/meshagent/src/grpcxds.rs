@@ -98,7 +98,7 @@ struct FileWatcher {
 /// Lexically cleaned absolute path (`cwd/./a/../b` → `cwd/b`), as Go's `filepath.Join`.
 /// A relative `cwd` (the agent's `.`) is taken from the process's working directory.
 pub fn absolute(cwd: &Path, p: &Path) -> PathBuf {
-    let mut full = cwd.join(p);
+    let mut full = crate::fsio::under(cwd, p);
     if full.is_relative()
         && let Ok(dir) = std::env::current_dir()
     {

@@ -274,18 +274,18 @@ pub async fn start_with(
     }
 
     // 4–5: file-mounted?
-    let creds = cwd.join(WORKLOAD_SPIFFE_CREDENTIALS_DIR);
+    let creds = crate::fsio::under(&cwd, WORKLOAD_SPIFFE_CREDENTIALS_DIR);
     let (creds_chain, creds_key, creds_root) = (
         creds.join("cert-chain.pem"),
         creds.join("key.pem"),
         creds.join("root-cert.pem"),
     );
-    let etc = cwd.join(ETC_CERTS_DIR);
+    let etc = crate::fsio::under(&cwd, ETC_CERTS_DIR);
     let meta = &cfg.proxy_config.proxy_metadata;
     let meta_path = |k: &str, default: PathBuf| {
         meta.get(k)
             .filter(|v| !v.is_empty())
-            .map_or(default, |v| cwd.join(v))
+            .map_or(default, |v| crate::fsio::under(&cwd, v))
     };
     let mut aliases = Aliases::default();
     let mode = if serve_only_files {
@@ -307,7 +307,8 @@ pub async fn start_with(
     } else {
         // ./etc/certs still wins for default/ROOTCA, except when we export there ourselves.
         let exporting_there = id.output_certs.as_ref().is_some_and(|o| {
-            std::fs::canonicalize(cwd.join(o)).ok() == std::fs::canonicalize(&etc).ok()
+            std::fs::canonicalize(crate::fsio::under(&cwd, o)).ok()
+                == std::fs::canonicalize(&etc).ok()
         });
         if !exporting_there {
             let (chain, key, root) = (
@@ -346,11 +347,14 @@ pub async fn start_with(
     } else {
         None
     };
-    let socket = cwd.join(if serve_only_files {
-        crate::sds::FILES_SOCKET
-    } else {
-        crate::sds::WORKLOAD_SOCKET
-    });
+    let socket = crate::fsio::under(
+        &cwd,
+        if serve_only_files {
+            crate::sds::FILES_SOCKET
+        } else {
+            crate::sds::WORKLOAD_SOCKET
+        },
+    );
     let listener = if opts.sds_server {
         Some(crate::sds::bind(&socket).await?)
     } else {
@@ -378,11 +382,11 @@ pub async fn start_with(
     };
     tasks.push(tokio::spawn(tracing::Instrument::instrument(
         crate::tasks::guarded("file-secrets", file_task.run(shutdown.clone())),
-        tracing::info_span!("task", name = "file-secrets"),
+        tracing::info_span!("task", task = "file-secrets"),
     )));
 
     if let Some((key_spec, target)) = ca_parts {
-        let token = TokenSource::new(id.jwt_path.as_ref().map(|p| cwd.join(p)));
+        let token = TokenSource::new(id.jwt_path.as_ref().map(|p| crate::fsio::under(&cwd, p)));
         let md = CallMetadata::new(&id.cluster_id, &id.ca_headers, token);
         let ca =
             caclient::IstioCaClient::new(target, &cwd, md, id.cert_signer.clone(), metrics.clone());
@@ -400,7 +404,10 @@ pub async fn start_with(
             status: status_tx,
             anchors: anchors_rx,
             output: id.output_certs.as_ref().map(|d| {
-                output::OutputCerts::new(cwd.join(d), !cfg.pod.kubernetes_service_host.is_empty())
+                output::OutputCerts::new(
+                    crate::fsio::under(&cwd, d),
+                    !cfg.pod.kubernetes_service_host.is_empty(),
+                )
             }),
             metrics: metrics.clone(),
             clock: opts.clock,
@@ -413,7 +420,7 @@ pub async fn start_with(
         };
         tasks.push(tokio::spawn(tracing::Instrument::instrument(
             crate::tasks::guarded("secret-manager", mgr.run(shutdown.clone())),
-            tracing::info_span!("task", name = "secret-manager"),
+            tracing::info_span!("task", task = "secret-manager"),
         )));
     }
 
@@ -464,7 +471,7 @@ pub async fn start_with(
                 },
             ),
         ),
-        tracing::info_span!("task", name = "sds"),
+        tracing::info_span!("task", task = "sds"),
     )));
 
     Ok(IdentityHandle {

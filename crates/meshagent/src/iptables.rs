@@ -103,48 +103,55 @@ pub fn main(args: &[String]) -> u8 {
     let raw = match config::collect(args, &ProcessEnv) {
         Ok(raw) => raw,
         Err(e) => {
-            eprintln!("error: {e}");
-            return 1;
+            // The flags that say how to log are among those that failed: Istio's defaults.
+            let _ = crate::logging::init(&log_options(None));
+            return fail(&e);
         }
     };
-    if let Err(e) = init_logging(&raw) {
-        eprintln!("error: {e}");
-        return 1;
+    if let Err(e) = crate::logging::init_or_default(&log_options(Some(&raw)), "stderr") {
+        return fail(&RunError::Logging(e.to_string()));
     }
     let cfg = match Config::from_raw(&raw, &ProcessEnv) {
         Ok(c) => c,
-        Err(e) => {
-            eprintln!("error: {e}");
-            return 1;
-        }
+        Err(e) => return fail(&e),
     };
     match run(cfg) {
         Ok(code) => code,
-        Err(e) => {
-            eprintln!("error: {e}");
-            1
-        }
+        Err(e) => fail(&e),
     }
 }
 
-fn init_logging(raw: &config::RawValues) -> Result<(), RunError> {
+/// Istio's `handleErrorWithCode` (`tools/istio-iptables/pkg/cmd/root.go`) logs the error
+/// and exits 1; it is also printed on stderr for those who read that.
+fn fail(e: &dyn std::fmt::Display) -> u8 {
+    tracing::error!("{e}");
+    if !crate::logging::logs_to_stderr() {
+        eprintln!("error: {e}");
+    }
+    1
+}
+
+/// The root logging flags given to `istio-iptables` (Istio's defaults without `raw`).
+fn log_options(raw: Option<&config::RawValues>) -> crate::logging::LogOptions {
     let mut opts = crate::logging::LogOptions::default();
-    if let Some(v) = raw.log_flag("log_output_level") {
-        v.clone_into(&mut opts.output_level);
+    if let Some(raw) = raw {
+        if let Some(v) = raw.log_flag("log_output_level") {
+            v.clone_into(&mut opts.output_level);
+        }
+        if let Some(v) = raw.log_flag("log_target") {
+            opts.targets = vec![v.to_owned()];
+        }
+        if let Some(v) = raw.log_flag("log_caller") {
+            v.clone_into(&mut opts.caller);
+        }
+        if let Some(v) = raw.log_flag("log_stacktrace_level") {
+            v.clone_into(&mut opts.stacktrace_level);
+        }
+        opts.as_json = raw
+            .log_flag("log_as_json")
+            .and_then(crate::config::parse_go_bool)
+            .unwrap_or(false);
     }
-    if let Some(v) = raw.log_flag("log_target") {
-        opts.targets = vec![v.to_owned()];
-    }
-    if let Some(v) = raw.log_flag("log_caller") {
-        v.clone_into(&mut opts.caller);
-    }
-    if let Some(v) = raw.log_flag("log_stacktrace_level") {
-        v.clone_into(&mut opts.stacktrace_level);
-    }
-    opts.as_json = raw
-        .log_flag("log_as_json")
-        .and_then(crate::config::parse_go_bool)
-        .unwrap_or(false);
     // stdout carries the dry-run transcript; keep logs off it.
     opts.targets = opts
         .targets
@@ -157,11 +164,7 @@ fn init_logging(raw: &config::RawValues) -> Result<(), RunError> {
             }
         })
         .collect();
-    let warnings = crate::logging::init(&opts).map_err(|e| RunError::Logging(e.to_string()))?;
-    for w in warnings {
-        tracing::warn!("{w}");
-    }
-    Ok(())
+    opts
 }
 
 /// Enters `--network-namespace` (a path, or a name under /var/run/netns) for this thread,
@@ -251,6 +254,10 @@ fn enter_lock_sandbox(netns: &str) -> Result<(), RunError> {
 
 /// The configured run (Istio tools/istio-iptables/pkg/cmd/root.go `Run`).
 pub fn run(mut cfg: Config) -> Result<u8, RunError> {
+    if cfg.dry_run {
+        // Istio's first line (`tools/istio-iptables/pkg/cmd/root.go` `ProgramIptables`).
+        tracing::info!("running iptables in dry-run mode, no rule changes will be made");
+    }
     if !cfg.network_namespace.is_empty() {
         enter_netns(&cfg.network_namespace)?;
     }
@@ -316,7 +323,8 @@ pub fn run(mut cfg: Config) -> Result<u8, RunError> {
     if cfg.run_validation {
         if let Err(e) = validation::run(&cfg) {
             tracing::error!("{e}");
-            eprint!("error: {}", validation::FAILURE_MESSAGE);
+            // Istio logs the message as the command's error (`handleErrorWithCode`).
+            tracing::error!("{}", validation::FAILURE_MESSAGE.trim_end());
             return Ok(validation::VALIDATION_ERROR_CODE);
         }
         tracing::info!("iptables validation passed");

@@ -1,35 +1,69 @@
-//! Logging set up from Istio's root logging flags (Istio `pkg/log/options.go`).
+//! Logging in Istio's `pkg/log` format, set up from Istio's root logging flags
+//! (`pkg/log/options.go`).
+//!
+//! Log pipelines parse pilot-agent's output, so every line — from the first, including
+//! configuration errors and `istio-iptables` — has exactly Istio's layout (zap's console and
+//! JSON encoders with the encoder config of `pkg/log/config.go`):
+//!
+//! ```text
+//! 2026-12-06T22:22:25.330563Z\twarn\txdsproxy\tstream closed\tid=3 dur=5s
+//! {"level":"warn","time":"2026-12-06T22:22:25.333802Z","scope":"xdsproxy","msg":"stream closed","id":3,"dur":"5s"}
+//! ```
+//!
+//! (`\t` is a tab.)
+//!
+//! - time: UTC with microseconds and `Z` (`formatDate` in `pkg/log/config.go`);
+//! - level: lower case (`zapcore.LowercaseLevelEncoder`);
+//! - scope: the Istio scope name; omitted for `default` (`pkg/log/scope.go` leaves
+//!   `nameToEmit` empty for it, and zap drops an empty logger name);
+//! - caller (`--log_caller`): `dir/file.rs:line` (`zapcore.ShortCallerEncoder`);
+//! - text: fields follow the message after a tab as space-separated `k=v`, values
+//!   unquoted (`Scope.emit` builds `msg\tk=v k=v` from labels); JSON: fields follow `msg`
+//!   as keys of their own, in the order the event gives them;
+//! - fields of the spans around an event follow the event's own, outermost span first; a key
+//!   the event (or an inner span) already has is not repeated. Istio has no spans.
+//!
+//! The scope of an event comes from its target (the Rust module path) through
+//! [`TARGET_SCOPES`]: each module gets the scope Istio registers for the same concern.
 
+use std::collections::HashMap;
+use std::fmt::{self, Write as _};
 use std::fs::{File, OpenOptions};
 use std::io::{self, Write};
 use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
+use tracing::field::{Field, Visit};
+use tracing::span::{Attributes, Id, Record};
+use tracing::{Event, Level, Metadata, Subscriber};
 use tracing_subscriber::Layer;
-use tracing_subscriber::filter::{LevelFilter, Targets};
-use tracing_subscriber::fmt::MakeWriter;
-use tracing_subscriber::layer::SubscriberExt;
+use tracing_subscriber::filter::LevelFilter;
+use tracing_subscriber::fmt::format::Writer;
+use tracing_subscriber::fmt::{FmtContext, FormatEvent, FormatFields, MakeWriter};
+use tracing_subscriber::layer::{Context, Filter, SubscriberExt};
+use tracing_subscriber::registry::LookupSpan;
 use tracing_subscriber::util::SubscriberInitExt;
 
-/// The root logging flags.
+/// The root logging flags, as given (Istio `pkg/log/options.go`).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct LogOptions {
-    /// `--log_output_level`: comma list of `scope:level` or a bare level.
+    /// `--log_output_level`: comma list of `scope:level` or a bare level (the `default`
+    /// scope); applied after Istio's built-in `default:info,grpc:none`.
     pub output_level: String,
     /// `--log_as_json`: JSON lines.
     pub as_json: bool,
     /// `--log_target`: `stdout`, `stderr` or file paths.
     pub targets: Vec<String>,
-    /// `--log_caller`: scopes that include caller info; any non-empty value
-    /// turns on file/line for all output (we cannot attach it per scope).
+    /// `--log_caller`: scopes (or `all`) whose lines carry the caller's `file:line`.
     pub caller: String,
-    /// `--log_stacktrace_level`: validated, otherwise unused (no Go stacks here).
+    /// `--log_stacktrace_level`: `scope:level` list; lines at or above it carry a stack.
     pub stacktrace_level: String,
 }
 
 impl Default for LogOptions {
     fn default() -> Self {
         Self {
-            output_level: "default:info,grpc:none".to_owned(),
+            output_level: String::new(),
             as_json: false,
             targets: vec!["stdout".to_owned()],
             caller: String::new(),
@@ -38,20 +72,18 @@ impl Default for LogOptions {
     }
 }
 
-/// A logging setup problem.
+/// A logging setup problem. The messages are Istio's (`convertScopedLevel` in
+/// `pkg/log/options.go`), since scripts match them.
 #[derive(Debug, thiserror::Error)]
 pub enum LoggingError {
     /// A level in a `scope:level` list is not one Istio knows.
-    #[error(
-        "invalid {flag}={value:?}: unknown level {level:?}, expected one of debug, info, warn, error, fatal, none"
-    )]
-    InvalidLevel {
-        flag: &'static str,
-        value: String,
-        level: String,
-    },
+    #[error("invalid output level '{0}'")]
+    InvalidLevel(String),
+    /// An item with more than one `:`.
+    #[error("invalid output level format '{0}'")]
+    InvalidFormat(String),
     /// A log file cannot be opened.
-    #[error("cannot open --log_target={path:?}: {source}")]
+    #[error("couldn't open sink \"{path}\": {source}")]
     OpenTarget {
         path: String,
         #[source]
@@ -62,106 +94,593 @@ pub enum LoggingError {
     Install(String),
 }
 
-/// Istio scope names and the module targets they control.
-const SCOPES: &[(&str, &[&str])] = &[
-    ("sds", &["meshagent::sds"]),
-    ("cache", &["meshagent::identity"]),
-    ("ca", &["meshagent::identity"]),
-    ("citadelclient", &["meshagent::identity"]),
-    ("xdsproxy", &["meshagent::xds"]),
-    ("dns", &["meshagent::dns"]),
-    ("wasm", &["meshagent::wasm"]),
-    ("envoy", &["meshagent::envoy"]),
-    ("healthcheck", &["meshagent::status"]),
-    ("status", &["meshagent::status"]),
-    ("iptables", &["meshagent::iptables"]),
-    ("grpc", &["tonic", "h2", "hyper"]),
+/// Istio's built-in levels, before `--log_output_level` (`DefaultOptions` in
+/// `pkg/log/options.go`).
+const DEFAULT_OUTPUT_LEVELS: &str = "default:info,grpc:none";
+
+/// `--log_output_level` / `--log_caller` name that means every scope (`OverrideScopeName`).
+const ALL: &str = "all";
+
+/// The scopes pilot-agent registers (its `--help` lists them). Levels of other names are
+/// ignored without a word, as Istio's `processLevels` does.
+pub const SCOPES: &[&str] = &[
+    "ads",
+    "ca",
+    "cache",
+    "citadelclient",
+    "default",
+    "dns",
+    "gcecred",
+    "grpc",
+    "healthcheck",
+    "klog",
+    "mockcred",
+    "monitoring",
+    "probes",
+    "sds",
+    "security",
+    "spiffe",
+    "validation",
+    "wasm",
+    "xdsproxy",
 ];
 
-fn parse_level(flag: &'static str, value: &str, level: &str) -> Result<LevelFilter, LoggingError> {
-    Ok(match level {
+/// Module path prefix → Istio scope, longest prefix first where they nest. Anything not
+/// listed is `default`, which is also what Istio uses for the agent's command, Envoy
+/// supervision (`pkg/envoy`), the status server, bootstrap, platform metadata and
+/// `istio-iptables` (`tools/istio-iptables` logs through the default scope).
+pub const TARGET_SCOPES: &[(&str, &str)] = &[
+    // security/pkg/nodeagent/caclient/providers/citadel/client.go
+    ("meshagent::identity::caclient", "citadelclient"),
+    // security/pkg/nodeagent/cache/secretcache.go: keys, certificates, rotation, files.
+    ("meshagent::identity", "cache"),
+    ("meshagent::control_plane", "cache"),
+    // security/pkg/nodeagent/sds/sdsservice.go
+    ("meshagent::sds", "sds"),
+    // pkg/istio-agent/xds_proxy.go
+    ("meshagent::xds", "xdsproxy"),
+    // pkg/dns/client/dns.go
+    ("meshagent::dns", "dns"),
+    // pkg/wasm/cache.go
+    ("meshagent::wasm", "wasm"),
+    // pilot/cmd/pilot-agent/status/server.go: forwarded application probes.
+    ("meshagent::status::probes", "probes"),
+    // gRPC library logging (pkg/log/config.go captures grpclog into `grpc`, off by default).
+    ("tonic", "grpc"),
+    ("h2", "grpc"),
+    ("hyper", "grpc"),
+    ("hyper_util", "grpc"),
+    ("tower", "grpc"),
+];
+
+/// The Istio scope of a target (a Rust module path).
+pub fn scope_of(target: &str) -> &'static str {
+    TARGET_SCOPES
+        .iter()
+        .filter(|(prefix, _)| {
+            target
+                .strip_prefix(prefix)
+                .is_some_and(|rest| rest.is_empty() || rest.starts_with("::"))
+        })
+        .max_by_key(|(prefix, _)| prefix.len())
+        .map_or("default", |(_, scope)| scope)
+}
+
+/// `debug`, `info`, … as a filter: `fatal` and `none` show nothing here (a scope at `fatal`
+/// hides errors in Istio, and the agent logs nothing at fatal).
+fn parse_level(level: &str) -> Option<LevelFilter> {
+    Some(match level {
         "debug" => LevelFilter::DEBUG,
         "info" => LevelFilter::INFO,
         "warn" => LevelFilter::WARN,
-        "error" | "fatal" => LevelFilter::ERROR,
-        "none" => LevelFilter::OFF,
-        _ => {
-            return Err(LoggingError::InvalidLevel {
-                flag,
-                value: value.to_owned(),
-                level: level.to_owned(),
-            });
-        }
+        "error" => LevelFilter::ERROR,
+        "fatal" | "none" => LevelFilter::OFF,
+        _ => return None,
     })
 }
 
-/// Parses `--log_output_level` into a target filter, plus warnings for scopes
-/// we do not know (accepted, like Istio, which creates scopes lazily).
-pub fn build_filter(output_level: &str) -> Result<(Targets, Vec<String>), LoggingError> {
-    const FLAG: &str = "--log_output_level";
-    let mut default = LevelFilter::INFO;
-    let mut targets: Vec<(&str, LevelFilter)> = Vec::new();
-    let mut warnings = Vec::new();
-    for item in output_level
-        .split(',')
-        .map(str::trim)
-        .filter(|s| !s.is_empty())
-    {
-        let (scope, level) = item.rsplit_once(':').unwrap_or(("default", item));
-        let level = parse_level(FLAG, output_level, level)?;
-        match scope {
-            "default" => default = level,
-            "all" => {
-                default = level;
-                targets.extend(
-                    SCOPES
-                        .iter()
-                        .flat_map(|(_, t)| t.iter().map(|t| (*t, level))),
-                );
+/// Istio's `processLevels`: each comma item is `scope:level` or a bare level for `default`;
+/// `all` sets every scope; later items win; unknown scopes are ignored. Every item must
+/// parse — there is no trimming and an empty item is an invalid level, as in Istio.
+fn apply_levels(
+    levels: &mut HashMap<&'static str, LevelFilter>,
+    arg: &str,
+) -> Result<(), LoggingError> {
+    for item in arg.split(',') {
+        let pieces: Vec<&str> = item.split(':').collect();
+        let (scope, level) = match pieces.as_slice() {
+            [level] => ("default", *level),
+            [scope, level] => (*scope, *level),
+            _ => return Err(LoggingError::InvalidFormat(item.to_owned())),
+        };
+        let level = parse_level(level).ok_or_else(|| LoggingError::InvalidLevel(level.into()))?;
+        if scope == ALL {
+            levels.values_mut().for_each(|l| *l = level);
+        } else if let Some(l) = levels.get_mut(scope) {
+            *l = level;
+        }
+    }
+    Ok(())
+}
+
+/// Per-scope output levels, stack-trace levels and caller flags.
+#[derive(Debug, Clone)]
+pub struct ScopeConfig {
+    output: HashMap<&'static str, LevelFilter>,
+    stack: HashMap<&'static str, LevelFilter>,
+    callers: HashMap<&'static str, bool>,
+}
+
+impl ScopeConfig {
+    /// Parses the three per-scope flags the way Istio's `updateScopes` does.
+    pub fn parse(opts: &LogOptions) -> Result<Self, LoggingError> {
+        let mut output: HashMap<_, _> = SCOPES.iter().map(|s| (*s, LevelFilter::INFO)).collect();
+        let levels = if opts.output_level.is_empty() {
+            DEFAULT_OUTPUT_LEVELS.to_owned()
+        } else {
+            format!("{DEFAULT_OUTPUT_LEVELS},{}", opts.output_level)
+        };
+        apply_levels(&mut output, &levels)?;
+        let mut stack: HashMap<_, _> = SCOPES.iter().map(|s| (*s, LevelFilter::OFF)).collect();
+        apply_levels(&mut stack, &opts.stacktrace_level)?;
+        let mut callers: HashMap<_, _> = SCOPES.iter().map(|s| (*s, false)).collect();
+        for name in opts.caller.split(',') {
+            if name == ALL {
+                callers.values_mut().for_each(|c| *c = true);
+            } else if let Some(c) = callers.get_mut(name) {
+                *c = true;
             }
-            _ => match SCOPES.iter().find(|(name, _)| *name == scope) {
-                Some((_, mapped)) => targets.extend(mapped.iter().map(|t| (*t, level))),
-                None => warnings.push(format!(
-                    "unknown log scope {scope:?} in {FLAG}; ignoring it"
-                )),
+        }
+        Ok(Self {
+            output,
+            stack,
+            callers,
+        })
+    }
+
+    /// The output level of `scope` (every scope we map to is in [`SCOPES`]).
+    pub fn level(&self, scope: &str) -> LevelFilter {
+        self.output.get(scope).copied().unwrap_or(LevelFilter::INFO)
+    }
+
+    fn enabled(&self, meta: &Metadata<'_>) -> bool {
+        self.level(scope_of(meta.target())) >= *meta.level()
+    }
+
+    fn caller(&self, scope: &str) -> bool {
+        self.callers.get(scope).copied().unwrap_or(false)
+    }
+
+    /// Istio's `dumpStack` (`pkg/log/zapcore_handler.go`): the default scope compares the
+    /// line's level; every other scope compares `error` whatever the line's level, so
+    /// `xdsproxy:error` puts a stack on all of its lines and `xdsproxy:warn` does too.
+    fn stack(&self, scope: &str, level: &Level) -> bool {
+        let thresh = if scope == "default" {
+            *level
+        } else {
+            Level::ERROR
+        };
+        self.stack
+            .get(scope)
+            .is_some_and(|l| *l != LevelFilter::OFF && *l >= thresh)
+    }
+}
+
+/// The per-scope output levels as a `tracing` filter. Levels are fixed once the process has
+/// parsed its flags, so each callsite's interest is decided once.
+#[derive(Debug, Clone)]
+struct ScopeFilter(Arc<ScopeConfig>);
+
+impl<S> Filter<S> for ScopeFilter {
+    fn enabled(&self, meta: &Metadata<'_>, _: &Context<'_, S>) -> bool {
+        self.0.enabled(meta)
+    }
+
+    fn callsite_enabled(&self, meta: &'static Metadata<'static>) -> tracing::subscriber::Interest {
+        // Events bridged from the `log` crate share one callsite; decide those per event.
+        if meta.target() == "log" || meta.name().starts_with("log event") {
+            return tracing::subscriber::Interest::sometimes();
+        }
+        if self.0.enabled(meta) {
+            tracing::subscriber::Interest::always()
+        } else {
+            tracing::subscriber::Interest::never()
+        }
+    }
+
+    fn max_level_hint(&self) -> Option<LevelFilter> {
+        self.0.output.values().copied().max()
+    }
+}
+
+/// One field value, kept typed so JSON gets numbers and booleans as Istio's zap fields do.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Value {
+    Str(String),
+    I64(i64),
+    U64(u64),
+    F64(f64),
+    Bool(bool),
+}
+
+impl fmt::Display for Value {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Value::Str(s) => f.write_str(s),
+            Value::I64(v) => write!(f, "{v}"),
+            Value::U64(v) => write!(f, "{v}"),
+            Value::F64(v) => write!(f, "{v}"),
+            Value::Bool(v) => write!(f, "{v}"),
+        }
+    }
+}
+
+impl Value {
+    fn write_json(&self, out: &mut String) {
+        match self {
+            Value::Str(s) => json_string(out, s),
+            Value::F64(v) if !v.is_finite() => json_string(out, &v.to_string()),
+            other => {
+                let _ = write!(out, "{other}");
+            }
+        }
+    }
+}
+
+/// A JSON string literal (`serde_json`'s escaping: quotes, backslashes, control characters).
+fn json_string(out: &mut String, s: &str) {
+    out.push_str(&serde_json::to_string(s).unwrap_or_else(|_| "\"\"".to_owned()));
+}
+
+/// Fields of an event or span, in the order given.
+#[derive(Debug, Default)]
+struct Fields {
+    message: Option<String>,
+    fields: Vec<(&'static str, Value)>,
+    /// The `log` crate's target/file/line when the event came through `tracing-log`.
+    log_target: Option<String>,
+    log_file: Option<String>,
+    log_line: Option<u64>,
+}
+
+impl Fields {
+    fn put(&mut self, field: &Field, value: Value) {
+        match (field.name(), value) {
+            ("message", v) => self.message = Some(v.to_string()),
+            ("log.target", v) => self.log_target = Some(v.to_string()),
+            ("log.file", v) => self.log_file = Some(v.to_string()),
+            ("log.line", Value::U64(v)) => self.log_line = Some(v),
+            ("log.line", Value::I64(v)) => self.log_line = u64::try_from(v).ok(),
+            (name, _) if name.starts_with("log.") => {}
+            (name, v) => match self.fields.iter_mut().find(|(k, _)| *k == name) {
+                Some(slot) => slot.1 = v,
+                None => self.fields.push((name, v)),
             },
         }
     }
-    let filter = Targets::new().with_default(default).with_targets(targets);
-    Ok((filter, warnings))
 }
 
-/// Installs the global subscriber. Returns warnings to log once it is up.
-pub fn init(opts: &LogOptions) -> Result<Vec<String>, LoggingError> {
-    let (filter, warnings) = build_filter(&opts.output_level)?;
-    for item in opts.stacktrace_level.split(',').filter(|s| !s.is_empty()) {
-        let level = item.rsplit_once(':').map_or(item, |(_, l)| l);
-        parse_level("--log_stacktrace_level", &opts.stacktrace_level, level)?;
+impl Visit for Fields {
+    fn record_f64(&mut self, field: &Field, value: f64) {
+        self.put(field, Value::F64(value));
     }
+    fn record_i64(&mut self, field: &Field, value: i64) {
+        self.put(field, Value::I64(value));
+    }
+    fn record_u64(&mut self, field: &Field, value: u64) {
+        self.put(field, Value::U64(value));
+    }
+    fn record_bool(&mut self, field: &Field, value: bool) {
+        self.put(field, Value::Bool(value));
+    }
+    fn record_str(&mut self, field: &Field, value: &str) {
+        self.put(field, Value::Str(value.to_owned()));
+    }
+    fn record_error(&mut self, field: &Field, value: &(dyn std::error::Error + 'static)) {
+        self.put(field, Value::Str(value.to_string()));
+    }
+    fn record_debug(&mut self, field: &Field, value: &dyn fmt::Debug) {
+        self.put(field, Value::Str(format!("{value:?}")));
+    }
+}
+
+/// Span fields, kept in the span's extensions by [`SpanFieldsLayer`].
+#[derive(Debug, Default)]
+struct SpanFields(Vec<(&'static str, Value)>);
+
+/// Records span fields typed, for [`IstioFormat`] to append to events inside the span.
+struct SpanFieldsLayer;
+
+impl<S: Subscriber + for<'a> LookupSpan<'a>> Layer<S> for SpanFieldsLayer {
+    fn on_new_span(&self, attrs: &Attributes<'_>, id: &Id, ctx: Context<'_, S>) {
+        let mut f = Fields::default();
+        attrs.record(&mut f);
+        if let Some(span) = ctx.span(id) {
+            span.extensions_mut().insert(SpanFields(f.fields));
+        }
+    }
+
+    fn on_record(&self, id: &Id, values: &Record<'_>, ctx: Context<'_, S>) {
+        let Some(span) = ctx.span(id) else { return };
+        let mut ext = span.extensions_mut();
+        let mut f = Fields {
+            fields: ext.remove::<SpanFields>().map(|s| s.0).unwrap_or_default(),
+            ..Fields::default()
+        };
+        values.record(&mut f);
+        ext.insert(SpanFields(f.fields));
+    }
+}
+
+/// Istio's level names (`zapcore.LowercaseLevelEncoder`). Istio has no trace level.
+fn level_name(level: &Level) -> &'static str {
+    match *level {
+        Level::ERROR => "error",
+        Level::WARN => "warn",
+        Level::INFO => "info",
+        _ => "debug",
+    }
+}
+
+/// `2026-12-06T22:22:25.330563Z`: UTC, microseconds, `Z` (`formatDate` in
+/// `pkg/log/config.go`).
+pub fn format_time(t: SystemTime) -> String {
+    let d = t.duration_since(UNIX_EPOCH).unwrap_or_default();
+    let secs = d.as_secs();
+    let (days, rem) = (secs / 86_400, secs % 86_400);
+    let (y, m, day) = civil_from_days(i64::try_from(days).unwrap_or(0));
+    format!(
+        "{y:04}-{m:02}-{day:02}T{:02}:{:02}:{:02}.{:06}Z",
+        rem / 3600,
+        rem % 3600 / 60,
+        rem % 60,
+        d.subsec_micros()
+    )
+}
+
+/// Days since 1970-01-01 → (year, month, day) in the proleptic Gregorian calendar, counted
+/// in 400-year eras from 0000-03-01 so leap days fall at the end of each year.
+fn civil_from_days(z: i64) -> (i64, u32, u32) {
+    let z = z + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = (doy - (153 * mp + 2) / 5 + 1) as u32;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 } as u32;
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    (year, month, day)
+}
+
+/// `dir/file.rs:line`, zap's `ShortCallerEncoder` (the last directory and the file).
+fn short_caller(file: &str, line: u32) -> String {
+    let mut parts = file.rsplitn(3, '/');
+    let name = parts.next().unwrap_or(file);
+    match parts.next() {
+        Some(dir) => format!("{dir}/{name}:{line}"),
+        None => format!("{name}:{line}"),
+    }
+}
+
+/// One log line's parts, rendered in Istio's text or JSON layout.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Line<'a> {
+    pub time: String,
+    pub level: &'static str,
+    pub scope: &'a str,
+    pub caller: Option<String>,
+    pub msg: &'a str,
+    pub fields: &'a [(&'a str, Value)],
+    pub stack: Option<String>,
+}
+
+impl Line<'_> {
+    /// zap's console encoder: tab-separated time, level, scope (not for `default`),
+    /// caller, then the message with `\tk=v k=v` labels (`Scope.emit`), and a stack on the
+    /// next line.
+    pub fn text(&self) -> String {
+        let mut out = String::with_capacity(64 + self.msg.len());
+        out.push_str(&self.time);
+        out.push('\t');
+        out.push_str(self.level);
+        if self.scope != "default" {
+            out.push('\t');
+            out.push_str(self.scope);
+        }
+        if let Some(c) = &self.caller {
+            out.push('\t');
+            out.push_str(c);
+        }
+        out.push('\t');
+        out.push_str(self.msg);
+        for (i, (k, v)) in self.fields.iter().enumerate() {
+            out.push(if i == 0 { '\t' } else { ' ' });
+            let _ = write!(out, "{k}={v}");
+        }
+        if let Some(s) = &self.stack {
+            out.push('\n');
+            out.push_str(s.trim_end());
+        }
+        out.push('\n');
+        out
+    }
+
+    /// zap's JSON encoder with Istio's keys: `level`, `time`, `scope` (not for `default`),
+    /// `caller`, `msg`, the fields, `stack`.
+    pub fn json(&self) -> String {
+        let mut out = String::with_capacity(96 + self.msg.len());
+        out.push_str("{\"level\":");
+        json_string(&mut out, self.level);
+        out.push_str(",\"time\":");
+        json_string(&mut out, &self.time);
+        if self.scope != "default" {
+            out.push_str(",\"scope\":");
+            json_string(&mut out, self.scope);
+        }
+        if let Some(c) = &self.caller {
+            out.push_str(",\"caller\":");
+            json_string(&mut out, c);
+        }
+        out.push_str(",\"msg\":");
+        json_string(&mut out, self.msg);
+        for (k, v) in self.fields {
+            out.push(',');
+            json_string(&mut out, k);
+            out.push(':');
+            v.write_json(&mut out);
+        }
+        if let Some(s) = &self.stack {
+            out.push_str(",\"stack\":");
+            json_string(&mut out, s.trim_end());
+        }
+        out.push_str("}\n");
+        out
+    }
+}
+
+/// The `FormatEvent` that writes Istio's lines.
+pub struct IstioFormat {
+    json: bool,
+    scopes: Arc<ScopeConfig>,
+}
+
+impl<S, N> FormatEvent<S, N> for IstioFormat
+where
+    S: Subscriber + for<'a> LookupSpan<'a>,
+    N: for<'a> FormatFields<'a> + 'static,
+{
+    fn format_event(
+        &self,
+        ctx: &FmtContext<'_, S, N>,
+        mut writer: Writer<'_>,
+        event: &Event<'_>,
+    ) -> fmt::Result {
+        let meta = event.metadata();
+        let mut f = Fields::default();
+        event.record(&mut f);
+        let target = f.log_target.as_deref().unwrap_or(meta.target());
+        let scope = scope_of(target);
+        // `log` crate events share one callsite; their level check happens here.
+        if f.log_target.is_some() && self.scopes.level(scope) < *meta.level() {
+            return Ok(());
+        }
+        if let Some(spans) = ctx.event_scope() {
+            let mut inherited: Vec<(&'static str, Value)> = Vec::new();
+            // Innermost first, so an inner span's value wins over an outer one's.
+            for span in spans {
+                if let Some(SpanFields(sf)) = span.extensions().get::<SpanFields>() {
+                    for (k, v) in sf {
+                        if !f.fields.iter().any(|(e, _)| e == k)
+                            && !inherited.iter().any(|(e, _)| e == k)
+                        {
+                            inherited.push((k, v.clone()));
+                        }
+                    }
+                }
+            }
+            // ...and the outermost span's fields come first on the line.
+            f.fields.extend(inherited.into_iter().rev());
+        }
+        let caller = self.scopes.caller(scope).then(|| {
+            let file = f.log_file.as_deref().or(meta.file()).unwrap_or("?");
+            let line = f.log_line.and_then(|l| u32::try_from(l).ok());
+            short_caller(file, line.or(meta.line()).unwrap_or(0))
+        });
+        let stack = self
+            .scopes
+            .stack(scope, meta.level())
+            .then(|| std::backtrace::Backtrace::force_capture().to_string());
+        let fields: Vec<(&str, Value)> = f.fields.into_iter().collect();
+        let line = Line {
+            time: format_time(SystemTime::now()),
+            level: level_name(meta.level()),
+            scope,
+            caller,
+            msg: f.message.as_deref().unwrap_or(""),
+            fields: &fields,
+            stack,
+        };
+        writer.write_str(&if self.json { line.json() } else { line.text() })
+    }
+}
+
+/// Go's `time.Duration.String()` (`5s`, `1m30s`, `500ms`) for duration fields, as Istio's
+/// `zapcore.StringDurationEncoder` and `fmt.Sprint` print them: `retry_in = %dur(d)`.
+pub fn dur(d: Duration) -> String {
+    crate::config::parse::go_duration_string(d)
+}
+
+/// A list as Go's `fmt.Sprint` prints a slice (`[192.0.2.2 fd00::2]`), which is how Istio's
+/// labels show lists (`ips=[…]` on its "Proxy role" line): `ips = %list(&node.ips)`.
+pub fn list<T: fmt::Display>(items: impl IntoIterator<Item = T>) -> String {
+    let mut out = String::from("[");
+    for (i, item) in items.into_iter().enumerate() {
+        if i > 0 {
+            out.push(' ');
+        }
+        let _ = write!(out, "{item}");
+    }
+    out.push(']');
+    out
+}
+
+/// The subscriber: span fields recorded for [`IstioFormat`], which writes to `writer`, all
+/// behind the per-scope levels.
+fn subscriber<W>(scopes: Arc<ScopeConfig>, json: bool, writer: W) -> impl Subscriber + Send + Sync
+where
+    W: for<'a> MakeWriter<'a> + Send + Sync + 'static,
+{
+    let fmt = tracing_subscriber::fmt::layer()
+        .with_writer(writer)
+        .with_ansi(false)
+        .event_format(IstioFormat {
+            json,
+            scopes: scopes.clone(),
+        });
+    tracing_subscriber::registry().with(
+        SpanFieldsLayer
+            .and_then(fmt)
+            .with_filter(ScopeFilter(scopes)),
+    )
+}
+
+/// Whether the installed subscriber writes to stderr: then an error already logged must
+/// not be printed there a second time, unformatted.
+static TO_STDERR: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Whether the logs go to stderr (see [`init`]).
+pub fn logs_to_stderr() -> bool {
+    TO_STDERR.load(std::sync::atomic::Ordering::Relaxed)
+}
+
+/// Installs the global subscriber.
+pub fn init(opts: &LogOptions) -> Result<(), LoggingError> {
+    let scopes = Arc::new(ScopeConfig::parse(opts)?);
     let writer = LogWriter::open(&opts.targets)?;
-    let caller = !opts.caller.is_empty();
-    let layer = if opts.as_json {
-        tracing_subscriber::fmt::layer()
-            .json()
-            .with_writer(writer)
-            .with_file(caller)
-            .with_line_number(caller)
-            .with_filter(filter)
-            .boxed()
-    } else {
-        tracing_subscriber::fmt::layer()
-            .with_writer(writer)
-            .with_ansi(false)
-            .with_file(caller)
-            .with_line_number(caller)
-            .with_filter(filter)
-            .boxed()
-    };
-    tracing_subscriber::registry()
-        .with(layer)
+    let to_stderr = writer.0.iter().any(|t| matches!(t, Target::Stderr));
+    subscriber(scopes, opts.as_json, writer)
         .try_init()
         .map_err(|e| LoggingError::Install(e.to_string()))?;
-    Ok(warnings)
+    TO_STDERR.store(to_stderr, std::sync::atomic::Ordering::Relaxed);
+    Ok(())
+}
+
+/// [`init`], or — when the flags are invalid — Istio's defaults (text on stdout, as
+/// `pkg/log` configures itself before flags are read) so the error that follows is a log
+/// line like every other. Returns the flag error for the caller to log and exit on.
+pub fn init_or_default(opts: &LogOptions, fallback_target: &str) -> Result<(), LoggingError> {
+    match init(opts) {
+        Ok(()) => Ok(()),
+        Err(e) => {
+            let defaults = LogOptions {
+                targets: vec![fallback_target.to_owned()],
+                ..LogOptions::default()
+            };
+            let _ = init(&defaults);
+            Err(e)
+        }
+    }
 }
 
 /// One log destination.
@@ -206,17 +725,23 @@ impl LogWriter {
 
 impl Write for LogWriter {
     fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        // Every target gets the line even if an earlier one fails (a closed stdout pipe must
+        // not cost the log file its lines).
+        let mut result = Ok(buf.len());
         for t in self.0.iter() {
-            match t {
-                Target::Stdout => io::stdout().write_all(buf)?,
-                Target::Stderr => io::stderr().write_all(buf)?,
+            let r = match t {
+                Target::Stdout => io::stdout().write_all(buf),
+                Target::Stderr => io::stderr().write_all(buf),
                 Target::File(f) => f
                     .lock()
-                    .map_err(|_| io::Error::other("log file lock poisoned"))?
-                    .write_all(buf)?,
+                    .map_err(|_| io::Error::other("log file lock poisoned"))
+                    .and_then(|mut f| f.write_all(buf)),
+            };
+            if let Err(e) = r {
+                result = Err(e);
             }
         }
-        Ok(buf.len())
+        result
     }
 
     fn flush(&mut self) -> io::Result<()> {
@@ -233,46 +758,4 @@ impl<'a> MakeWriter<'a> for LogWriter {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use tracing::Level;
-
-    fn enabled(t: &Targets, target: &str, level: Level) -> bool {
-        t.would_enable(target, &level)
-    }
-
-    #[test]
-    fn default_output_level() {
-        let (t, w) = build_filter("default:info,grpc:none").unwrap();
-        assert!(w.is_empty());
-        assert!(enabled(&t, "meshagent::sds", Level::INFO));
-        assert!(!enabled(&t, "meshagent::sds", Level::DEBUG));
-        assert!(!enabled(&t, "tonic::transport", Level::ERROR));
-        assert!(!enabled(&t, "h2", Level::ERROR));
-    }
-
-    #[test]
-    fn scopes_and_levels() {
-        let (t, _) = build_filter("warn,sds:debug,xdsproxy:fatal").unwrap();
-        assert!(!enabled(&t, "meshagent::config", Level::INFO));
-        assert!(enabled(&t, "meshagent::config", Level::WARN));
-        assert!(enabled(&t, "meshagent::sds::server", Level::DEBUG));
-        assert!(enabled(&t, "meshagent::xds", Level::ERROR));
-        assert!(!enabled(&t, "meshagent::xds", Level::WARN));
-    }
-
-    #[test]
-    fn unknown_scope_warns() {
-        let (_, w) = build_filter("default:info,klog:debug").unwrap();
-        assert_eq!(w.len(), 1);
-        assert!(w[0].contains("klog"), "{w:?}");
-    }
-
-    #[test]
-    fn bad_level_is_an_error() {
-        let err = build_filter("default:verbose").unwrap_err().to_string();
-        assert!(err.contains("--log_output_level"), "{err}");
-        assert!(err.contains("default:verbose"), "{err}");
-        assert!(err.contains("verbose"), "{err}");
-    }
-}
+mod tests;

@@ -21,26 +21,31 @@ fn main() -> ExitCode {
         Ok(p) => p,
         Err(e) => {
             // --help output is a clap "error" printed to stdout.
+            if !e.use_stderr() {
+                let _ = e.print();
+                return ExitCode::SUCCESS;
+            }
+            // A bad command line is also an error log line (Istio's defaults: text on
+            // stdout), as pilot-agent's `main.go` logs cobra's error; the usage goes to stderr.
+            let _ = logging::init(&logging::LogOptions::default());
+            let text = e.to_string();
+            let first = text.lines().next().unwrap_or_default();
+            tracing::error!("{}", first.strip_prefix("error: ").unwrap_or(first));
             let _ = e.print();
-            return if e.use_stderr() {
-                ExitCode::from(1)
-            } else {
-                ExitCode::SUCCESS
-            };
+            return ExitCode::from(1);
         }
     };
     let cli::Cli { log, command } = parsed.cli;
     let mut log_options = log.to_options();
-    if matches!(&command, Command::Proxy(a) if a.dump_config) {
-        // stdout carries the JSON dump; keep it parseable.
+    // `--dump-config` keeps stdout for the JSON dump; logs go to stderr.
+    let stdout_reserved = matches!(&command, Command::Proxy(a) if a.dump_config);
+    if stdout_reserved {
         log_options.targets = vec!["stderr".into()];
     }
-    match logging::init(&log_options) {
-        Ok(warnings) => warnings.iter().for_each(|w| tracing::warn!("{w}")),
-        Err(e) => {
-            eprintln!("error: {e}");
-            return ExitCode::from(1);
-        }
+    // Invalid flags still get logging (Istio's defaults), so their error is a log line.
+    let fallback = if stdout_reserved { "stderr" } else { "stdout" };
+    if let Err(e) = logging::init_or_default(&log_options, fallback) {
+        return fail(&e);
     }
     for flag in &parsed.dropped_flags {
         tracing::warn!("ignoring unknown flag {flag}");
@@ -50,33 +55,56 @@ fn main() -> ExitCode {
         Command::Proxy(args) => proxy(&args, log.as_json),
         Command::Wait(args) => exit_with(on_runtime(meshagent::wait::run(&args)), |()| {}),
         // The body streams to stdout as it arrives (a config dump can be hundreds of MiB).
-        Command::Request(args) => exit_with(
-            on_runtime(async { meshagent::request::run(&args, &mut tokio::io::stdout()).await }),
-            |()| {},
-        ),
+        Command::Request(args) => {
+            let r = on_runtime(async {
+                meshagent::request::run(&args, &mut tokio::io::stdout()).await
+            });
+            match r {
+                // The reader went away (`meshagent request GET config_dump | head`): a CLI
+                // stops quietly (Go's pilot-agent dies of SIGPIPE without a word).
+                Err(Failure::Command(e)) if e.is_broken_pipe() => ExitCode::SUCCESS,
+                r => exit_with(r, |()| {}),
+            }
+        }
     }
 }
 
-/// `on_ok` with the value and exit 0, or the error on stderr and exit 1.
+/// Logs `e` and exits 1. As Istio (`pilot/cmd/pilot-agent/main.go` logs the command's error;
+/// cobra prints it to stderr), the error is both a log line and a line on stderr.
+fn fail(e: &dyn std::fmt::Display) -> ExitCode {
+    tracing::error!("{e}");
+    if !logging::logs_to_stderr() {
+        eprintln!("error: {e}");
+    }
+    ExitCode::from(1)
+}
+
+/// `on_ok` with the value and exit 0, or the error logged and exit 1.
 fn exit_with<T, E: std::fmt::Display>(r: Result<T, E>, on_ok: impl FnOnce(T)) -> ExitCode {
     match r {
         Ok(v) => {
             on_ok(v);
             ExitCode::SUCCESS
         }
-        Err(e) => {
-            eprintln!("error: {e}");
-            ExitCode::from(1)
-        }
+        Err(e) => fail(&e),
     }
 }
 
-/// Runs `fut` on the agent's runtime; a runtime that cannot start is an error like `fut`'s.
-fn on_runtime<T, E: std::fmt::Display>(
+/// A subcommand that failed, or the runtime it needed.
+#[derive(Debug, thiserror::Error)]
+enum Failure<E: std::error::Error + 'static> {
+    #[error("cannot start the runtime: {0}")]
+    Runtime(#[source] std::io::Error),
+    #[error(transparent)]
+    Command(E),
+}
+
+/// Runs `fut` on the agent's runtime.
+fn on_runtime<T, E: std::error::Error + 'static>(
     fut: impl std::future::Future<Output = Result<T, E>>,
-) -> Result<T, String> {
-    let rt = runtime().map_err(|e| e.to_string())?;
-    rt.block_on(fut).map_err(|e| e.to_string())
+) -> Result<T, Failure<E>> {
+    let rt = runtime().map_err(Failure::Runtime)?;
+    rt.block_on(fut).map_err(Failure::Command)
 }
 
 /// One thread runs every task (blocking work — key generation, file reads — goes to Tokio's
@@ -99,10 +127,7 @@ fn proxy(args: &ProxyArgs, log_as_json: bool) -> ExitCode {
         });
     let config = match loaded {
         Ok(c) => c,
-        Err(e) => {
-            eprintln!("error: {e}");
-            return ExitCode::from(1);
-        }
+        Err(e) => return fail(&e),
     };
     if args.dump_config {
         return match serde_json::to_string_pretty(&config) {
@@ -110,10 +135,7 @@ fn proxy(args: &ProxyArgs, log_as_json: bool) -> ExitCode {
                 println!("{json}");
                 ExitCode::SUCCESS
             }
-            Err(e) => {
-                eprintln!("error: cannot render config: {e}");
-                ExitCode::from(1)
-            }
+            Err(e) => fail(&format!("cannot render config: {e}")),
         };
     }
     match serde_json::to_string(&config) {
@@ -124,14 +146,7 @@ fn proxy(args: &ProxyArgs, log_as_json: bool) -> ExitCode {
     let agent = meshagent::app::Agent::new(config, Path::new("."));
     match runtime().map(|rt| rt.block_on(agent.run())) {
         Ok(Ok(code)) => ExitCode::from(code),
-        Ok(Err(e)) => {
-            tracing::error!("{e}");
-            eprintln!("error: {e}");
-            ExitCode::from(1)
-        }
-        Err(e) => {
-            eprintln!("error: cannot start the runtime: {e}");
-            ExitCode::from(1)
-        }
+        Ok(Err(e)) => fail(&e),
+        Err(e) => fail(&format!("cannot start the runtime: {e}")),
     }
 }

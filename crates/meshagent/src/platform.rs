@@ -176,7 +176,11 @@ pub async fn discover_with(s: &Settings, ep: &Endpoints, timeout: Duration) -> P
             detect(s, ep, timeout).await
         }
     };
-    tracing::info!(platform = p.kind.as_str(), metadata = ?p.metadata, "platform");
+    tracing::info!(
+        platform = p.kind.as_str(),
+        metadata = %serde_json::to_string(&p.metadata).unwrap_or_default(),
+        "platform"
+    );
     p
 }
 
@@ -224,7 +228,7 @@ async fn detect(s: &Settings, ep: &Endpoints, timeout: Duration) -> Platform {
         Ok(None) => Platform::unknown(),
         Err(_) => {
             tracing::info!(
-                ?timeout,
+                timeout = %crate::logging::dur(timeout),
                 "timed out waiting for platform detection, treating it as unknown"
             );
             Platform::unknown()

@@ -45,6 +45,14 @@ fn method(m: &str) -> Option<Method> {
     })
 }
 
+impl RequestError {
+    /// Writing the body failed because the reader of stdout has gone (EPIPE).
+    pub fn is_broken_pipe(&self) -> bool {
+        matches!(self, RequestError::Http(HttpError { kind: http_client::HttpErrorKind::Write(e), .. })
+            if e.kind() == std::io::ErrorKind::BrokenPipe)
+    }
+}
+
 /// Sends the request and streams the response body into `out`; statuses above 399 other
 /// than 404 are errors carrying (the start of) the body, as in Istio.
 pub async fn run<W: AsyncWrite + Unpin>(

@@ -51,7 +51,7 @@ pub async fn bind(path: &Path) -> Result<UnixListener, SdsError> {
         match crate::uds::bind_once(path, "SDS") {
             Ok(l) => return Ok(l),
             Err(e) if attempt < 5 && e.kind() != std::io::ErrorKind::InvalidInput => {
-                tracing::warn!(path = %path.display(), error = %e, retry_in = ?delay, "cannot listen for SDS; retrying");
+                tracing::warn!(path = %path.display(), error = %e, retry_in = %crate::logging::dur(delay), "cannot listen for SDS; retrying");
                 attempt += 1;
                 tokio::time::sleep(delay).await;
                 delay *= 2;

@@ -117,7 +117,7 @@ pub async fn run<F, Fut>(
             return;
         }
         let wait = jittered(delay);
-        tracing::error!(server = name, error = %why, restart_in = ?wait, "server down; restarting");
+        tracing::error!(server = name, error = %why, restart_in = %crate::logging::dur(wait), "server down; restarting");
         servers.set_down(name, format!("{why}; restarting"));
         tokio::select! {
             () = stop.cancelled() => return,

@@ -148,7 +148,7 @@ impl Tasks {
             running: self.running.clone(),
             id,
         };
-        let span = tracing::info_span!("task", name);
+        let span = tracing::info_span!("task", task = name);
         self.tracker.spawn(
             async move {
                 let _guard = guard;

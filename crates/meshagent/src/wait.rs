@@ -53,7 +53,11 @@ pub async fn run(args: &WaitArgs) -> Result<(), WaitError> {
     let period = Duration::from_millis(args.period_millis);
     let per_request = Duration::from_millis(args.request_timeout_millis);
     let mut last = String::from("no attempt made");
-    tracing::info!(url = %args.url, "waiting for the proxy to be ready");
+    // Istio's texts (`pilot/cmd/pilot-agent/app/wait.go`): startup hooks' logs are grepped.
+    tracing::info!(
+        "Waiting for Envoy proxy to be ready (timeout: {} seconds)...",
+        args.timeout_seconds
+    );
     loop {
         tokio::time::sleep(period).await;
         if tokio::time::Instant::now() >= deadline {
@@ -69,12 +73,13 @@ pub async fn run(args: &WaitArgs) -> Result<(), WaitError> {
         for addr in addrs {
             match admin::request("GET", addr, &path, per_request).await {
                 Ok((200, _)) => {
-                    tracing::info!("proxy is ready");
+                    tracing::info!("Envoy is ready!");
                     return Ok(());
                 }
                 Ok((code, body)) => last = format!("HTTP status code {code}: {}", body.trim()),
                 Err(e) => last = e.to_string(),
             }
+            tracing::debug!("Not ready yet: {last}");
         }
     }
 }

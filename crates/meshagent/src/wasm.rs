@@ -81,9 +81,9 @@ pub struct WasmOptions {
 impl WasmOptions {
     pub fn from_config(cfg: &Config, cwd: &Path) -> WasmOptions {
         WasmOptions {
-            dir: cwd.join(DATA_DIR),
+            dir: crate::fsio::under(cwd, DATA_DIR),
             cfg: cfg.wasm.clone(),
-            mesh_root: Some(cwd.join(MESH_ROOT)),
+            mesh_root: Some(crate::fsio::under(cwd, MESH_ROOT)),
             docker_config: cfg.wasm.docker_config.clone(),
         }
     }

@@ -199,9 +199,14 @@ pub struct XdsOptions {
 impl XdsOptions {
     pub fn from_config(cfg: &Config, cwd: &Path) -> Result<XdsOptions, XdsError> {
         let target = control_plane::xds_target(cfg, cwd)?;
-        let token = TokenSource::new(cfg.identity.jwt_path.as_ref().map(|p| cwd.join(p)));
+        let token = TokenSource::new(
+            cfg.identity
+                .jwt_path
+                .as_ref()
+                .map(|p| crate::fsio::under(cwd, p)),
+        );
         Ok(XdsOptions {
-            socket: cwd.join(&cfg.proxy_config.config_path).join(SOCKET_NAME),
+            socket: crate::fsio::under(cwd, &cfg.proxy_config.config_path).join(SOCKET_NAME),
             target,
             keepalive: Keepalive {
                 interval: cfg.xds.keepalive_interval,
@@ -232,7 +237,7 @@ fn prewarm(shared: &Arc<stream::Shared>, shutdown: CancellationToken) {
     let (target, cwd, keepalive) = (shared.target.clone(), shared.cwd.clone(), shared.keepalive);
     let dial = tokio::spawn(tracing::Instrument::instrument(
         async move { control_plane::connect(&target, &cwd, keepalive).await },
-        tracing::info_span!("task", name = "xds-predial"),
+        tracing::info_span!("task", task = "xds-predial"),
     ));
     *shared.warm.lock().unwrap_or_else(|e| e.into_inner()) = Some(dial);
     let shared = shared.clone();
@@ -248,7 +253,7 @@ fn prewarm(shared: &Arc<stream::Shared>, shutdown: CancellationToken) {
     };
     tokio::spawn(tracing::Instrument::instrument(
         expire,
-        tracing::info_span!("task", name = "xds-predial-expiry"),
+        tracing::info_span!("task", task = "xds-predial-expiry"),
     ));
 }
 
@@ -400,7 +405,7 @@ pub fn start_with(
                 },
             ),
         ),
-        tracing::info_span!("task", name = "xds-proxy"),
+        tracing::info_span!("task", task = "xds-proxy"),
     ));
     Ok(XdsProxyHandle {
         socket: opts.socket,

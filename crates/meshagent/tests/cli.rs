@@ -133,9 +133,14 @@ fn dump_config_fails_as_a_start_fails() {
         );
         assert_eq!(dump.status.code(), Some(1), "{name}: {dump_err}");
         assert_eq!(start.status.code(), Some(1), "{name}: {start_err}");
+        // `--dump-config` logs to stderr, so the error is its Istio-format log line there
+        // (`<time>\terror\t<msg>`); a start logs to stdout and prints `error: <msg>` on stderr.
         let line = |text: &str| {
             text.lines()
-                .find(|l| l.starts_with("error: "))
+                .find_map(|l| {
+                    l.strip_prefix("error: ")
+                        .or_else(|| l.split_once("\terror\t").map(|(_, m)| m))
+                })
                 .map(str::to_owned)
                 .unwrap_or_else(|| panic!("{name}: no error line in {text}"))
         };

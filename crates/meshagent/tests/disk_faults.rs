@@ -280,7 +280,7 @@ async fn a_dead_secret_manager_is_visible_in_readiness_logs_and_metrics() {
     let log = agent.proc.log_text();
     assert!(
         log.lines()
-            .any(|l| l.contains("ERROR") && l.contains("long-lived task panicked")),
+            .any(|l| l.contains("\terror\t") && l.contains("long-lived task panicked")),
         "{log}"
     );
 }

@@ -200,7 +200,15 @@ fn error_status_exits_nonzero_with_the_body() {
         err.contains("received unsuccessful status code 503: draining"),
         "{err}"
     );
-    assert!(out.stdout.is_empty());
+    // No body on stdout; only the error as Istio logs it there (`<time>\terror\t<msg>`, as
+    // pilot-agent's `main.go` logs a command's error).
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let lines: Vec<&str> = stdout.lines().collect();
+    assert_eq!(lines.len(), 1, "{stdout}");
+    assert!(
+        lines[0].ends_with("\terror\treceived unsuccessful status code 503: draining"),
+        "{stdout}"
+    );
     assert!(
         req.starts_with("POST /drain_listeners HTTP/1.1\r\n"),
         "{req}"
@@ -224,4 +232,34 @@ fn not_found_prints_the_body_and_succeeds() {
         String::from_utf8_lossy(&out.stderr)
     );
     assert_eq!(out.stdout, b"not found");
+}
+
+/// `meshagent request GET config_dump | head`: the reader goes away mid-body. The command
+/// ends quietly (no "Broken pipe" error, no log line), as a CLI should; Go's pilot-agent
+/// dies of SIGPIPE without a word.
+#[test]
+fn reader_going_away_ends_quietly() {
+    const SIZE: usize = 64 * MIB;
+    let (listener, mut child) = in_netns(&["GET", "config_dump"]);
+    let server = serve(
+        listener,
+        format!("HTTP/1.1 200 OK\r\ncontent-length: {SIZE}\r\n\r\n"),
+        |s| {
+            let chunk = vec![b'x'; 64 * 1024];
+            for _ in 0..SIZE / chunk.len() {
+                if s.write_all(&chunk).is_err() {
+                    return;
+                }
+            }
+        },
+    );
+    let mut out = child.stdout.take().unwrap();
+    let mut buf = [0u8; 100];
+    out.read_exact(&mut buf).unwrap();
+    drop(out);
+    let status = child.wait().unwrap();
+    let err = stderr_of(&mut child);
+    server.join().unwrap();
+    assert_eq!(status.code(), Some(0), "{err}");
+    assert!(err.is_empty(), "{err}");
 }

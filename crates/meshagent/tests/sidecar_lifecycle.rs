@@ -565,7 +565,7 @@ async fn removed_sds_and_xds_sockets_are_rebound() {
         })
         .await;
         std::fs::remove_file(&sock).unwrap();
-        let want = format!("server=\"{name}\" error=socket");
+        let want = format!("server={name} error=socket");
         wait_for("the supervisor to notice", DEADLINE, || {
             let log = a.proc.log_text();
             let hit = log
@@ -788,7 +788,7 @@ async fn q8_envoy_exiting_zero_is_not_an_error() {
     assert!(log.contains("Envoy exited normally"), "{log}");
     assert!(
         !log.lines()
-            .any(|l| l.contains("ERROR") && l.contains("Envoy")),
+            .any(|l| l.contains("\terror\t") && l.contains("Envoy")),
         "{log}"
     );
 }

@@ -343,7 +343,7 @@ impl Core {
                 }
             }
             Err(e) => {
-                tracing::info!(name = ?f.req.queries.first().map(|q| q.name().to_string()), error = %e, "upstream failure");
+                tracing::info!(name = %f.req.queries.first().map(|q| q.name().to_string()).unwrap_or_default(), error = %e, "upstream failure");
                 self.metrics.upstream_failures.inc();
                 encode_limited(&mut answer(&f.req, ResponseCode::ServFail), f.limit)
             }

@@ -95,8 +95,8 @@ fn parse_name(name: &str, cwd: &Path) -> Result<Source, FileSecretError> {
             return Err(bad());
         }
         return Ok(Source::Cert {
-            cert: cwd.join(c),
-            key: cwd.join(k),
+            cert: crate::fsio::under(cwd, c),
+            key: crate::fsio::under(cwd, k),
         });
     }
     let rest = name.strip_prefix(FILE_ROOT_PREFIX).ok_or_else(bad)?;
@@ -107,7 +107,7 @@ fn parse_name(name: &str, cwd: &Path) -> Result<Source, FileSecretError> {
         return Err(bad());
     }
     Ok(Source::Root {
-        path: cwd.join(rest),
+        path: crate::fsio::under(cwd, rest),
     })
 }
 

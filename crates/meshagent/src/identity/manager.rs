@@ -270,12 +270,9 @@ fn spawn_first_key(spec: KeySpec) -> KeyJob {
                 }
                 let t = tokio::time::Instant::now();
                 let key = WorkloadKey::generate(spec);
-                tracing::info!(
-                    racer = i,
-                    ms = t.elapsed().as_millis() as u64,
-                    "first key generated"
-                );
-                let _ = tx.blocking_send((i, key));
+                // Logged by the receiver, once, for the winner: the loser finishes too (it
+                // is only deprioritised) and would otherwise log a second "first key".
+                let _ = tx.blocking_send((i, key, t.elapsed()));
             });
         match racer {
             Ok(_) => started += 1,
@@ -290,10 +287,15 @@ fn spawn_first_key(spec: KeySpec) -> KeyJob {
         let mut failed = None;
         // A racer that has reported is ending: its thread id may soon be reused.
         let mut reported = [false; RACERS];
-        while let Some((winner, r)) = rx.recv().await {
+        while let Some((winner, r, took)) = rx.recv().await {
             reported[winner] = true;
             match r {
                 Ok(k) => {
+                    tracing::info!(
+                        racer = winner,
+                        ms = took.as_millis() as u64,
+                        "first key generated"
+                    );
                     let tids = *tids.lock().unwrap_or_else(|e| e.into_inner());
                     for (i, tid) in tids.iter().enumerate() {
                         if !reported[i] && tid.is_some() {
@@ -357,9 +359,9 @@ impl SecretManager {
             Err(msg) => {
                 let delay = e.backoff.next_delay();
                 if e.failing.as_deref() != Some(msg.as_str()) {
-                    tracing::warn!(error = %msg, retry_in = ?delay, "cannot export the certificate to OUTPUT_CERTS; retrying with backoff");
+                    tracing::warn!(error = %msg, retry_in = %crate::logging::dur(delay), "cannot export the certificate to OUTPUT_CERTS; retrying with backoff");
                 } else {
-                    tracing::debug!(error = %msg, retry_in = ?delay, "OUTPUT_CERTS write failed again");
+                    tracing::debug!(error = %msg, retry_in = %crate::logging::dur(delay), "OUTPUT_CERTS write failed again");
                 }
                 self.metrics.output_certs_write_failures.inc();
                 e.failing = Some(msg);
@@ -407,7 +409,7 @@ impl SecretManager {
                     Ok(Ok(k)) => key = Some(k),
                     Ok(Err(e)) => {
                         let delay = self.backoff.next_delay();
-                        tracing::error!(error = %e, retry_in = ?delay, "cannot generate workload key");
+                        tracing::error!(error = %e, retry_in = %crate::logging::dur(delay), "cannot generate workload key");
                         self.set_status(|s| s.not_ready = Some(e.to_string()));
                         tokio::select! {
                             _ = cancel.cancelled() => return,
@@ -496,8 +498,8 @@ impl SecretManager {
                     );
                     tracing::info!(
                         spiffe_id = %issued.spiffe_id,
-                        expires_in = ?expire.duration_since(now).unwrap_or_default(),
-                        rotate_in = ?delay,
+                        expires_in = %crate::logging::dur(expire.duration_since(now).unwrap_or_default()),
+                        rotate_in = %crate::logging::dur(delay),
                         "workload certificate issued"
                     );
                     let export_failing = export.as_ref().and_then(|e| e.failing.clone());
@@ -524,13 +526,13 @@ impl SecretManager {
                     // One clear line per distinct failure, not one per retry.
                     if logged_error.as_deref() != Some(msg.as_str()) {
                         if e.is_retryable() {
-                            tracing::warn!(error = %msg, retry_in = ?delay, "CSR failed; keeping the current certificate and retrying with backoff");
+                            tracing::warn!(error = %msg, retry_in = %crate::logging::dur(delay), "CSR failed; keeping the current certificate and retrying with backoff");
                         } else {
-                            tracing::error!(error = %msg, retry_in = ?delay, "CSR hit a non-retryable error; keeping the current certificate and retrying with backoff");
+                            tracing::error!(error = %msg, retry_in = %crate::logging::dur(delay), "CSR hit a non-retryable error; keeping the current certificate and retrying with backoff");
                         }
                         logged_error = Some(msg.clone());
                     } else {
-                        tracing::debug!(error = %msg, retry_in = ?delay, "CSR failed again");
+                        tracing::debug!(error = %msg, retry_in = %crate::logging::dur(delay), "CSR failed again");
                     }
                     let expired = current.as_ref().is_none_or(|c| c.expire <= now);
                     self.set_status(|s| {

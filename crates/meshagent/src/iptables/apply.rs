@@ -453,6 +453,21 @@ pub struct FamilyOutcome {
     pub applied: bool,
 }
 
+impl FamilyOutcome {
+    /// One line per family with each outcome as its own key (`applied=true`), so log
+    /// pipelines can match on it; the `Debug` form of the struct is not a log format.
+    fn log(self, family: &str, restore: &str) {
+        tracing::info!(
+            restore,
+            residue = self.residue,
+            delta = self.delta,
+            cleaned = self.cleaned,
+            applied = self.applied,
+            "{family} rules done"
+        );
+    }
+}
+
 /// Istio capture/run.go `executeCommands` for one family.
 pub fn apply_family(
     sys: &mut System,
@@ -549,7 +564,7 @@ pub fn apply_iptables(sys: &mut System, cfg: &Config, plan: &RuleSet) -> Result<
         &cleanup_candidates(cfg, false),
         &saved4,
     )?;
-    tracing::info!("IPv4 ({}): {o4:?}", v4.restore);
+    o4.log("IPv4", &v4.restore);
     if let (Some(v6), Some(saved6)) = (&v6, &saved6) {
         let o6 = apply_family(
             sys,
@@ -559,7 +574,7 @@ pub fn apply_iptables(sys: &mut System, cfg: &Config, plan: &RuleSet) -> Result<
             &cleanup_candidates(cfg, true),
             saved6,
         )?;
-        tracing::info!("IPv6 ({}): {o6:?}", v6.restore);
+        o6.log("IPv6", &v6.restore);
     }
     // Istio logs the final state; that is one more process per family, so only at debug.
     if tracing::enabled!(tracing::Level::DEBUG) && !sys.dry_run {

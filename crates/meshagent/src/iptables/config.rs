@@ -80,6 +80,8 @@ pub struct Config {
     pub tproxy_route_table: u32,
     pub dry_run: bool,
     pub probe_port: u16,
+    /// Go duration text (`5s`) in the logged configuration, as Istio prints it.
+    #[serde(with = "crate::config::serde_duration")]
     pub probe_timeout: Duration,
     pub skip_rule_apply: bool,
     pub run_validation: bool,

@@ -115,7 +115,10 @@ pub fn run(cfg: &Config) -> Result<(), ValidationError> {
             match l.accept() {
                 Ok((s, peer)) => {
                     let dst = original_dst(&s, v6);
-                    tracing::info!("validation: accepted {peer} with original destination {dst:?}");
+                    tracing::info!(
+                        "validation: accepted {peer} with original destination {}",
+                        dst.map_or_else(|| "unknown".to_owned(), |d| d.to_string())
+                    );
                     if dst.is_some_and(|d| d.port() == cfg.probe_port) {
                         return Ok(());
                     }

@@ -164,7 +164,7 @@ impl SdsService {
                     }
                     if let Some(err) = &req.error_detail {
                         // Hold: answering a NACK with the same content is how loops start.
-                        tracing::warn!(node = %peer, names = ?req.resource_names, nonce = %req.response_nonce, error = %err.message, "SDS NACK; holding");
+                        tracing::warn!(node = %peer, names = %crate::logging::list(&req.resource_names), nonce = %req.response_nonce, error = %err.message, "SDS NACK; holding");
                         continue;
                     }
                     if !req.response_nonce.is_empty() && last_nonce.as_deref() != Some(req.response_nonce.as_str()) {

@@ -258,6 +258,24 @@ fn termination_type(s: Option<&Status>) -> &'static str {
     if expected { "cancelled" } else { "error" }
 }
 
+/// [`termination_type`] for the downstream (Envoy) side. Envoy's connection closing under a
+/// live stream — it exits at the end of every shutdown, or restarts — reaches a hyper server
+/// as a failed body read ("error reading a body from connection"). gRPC-Go reports the same
+/// event as a cancelled stream context, which Istio counts as expected and logs at debug
+/// (`pilot/pkg/grpc/grpc.go` `GRPCErrorType`, `pkg/istio-agent/xds_proxy.go`), so it is no
+/// warning here either.
+fn downstream_termination_type(s: Option<&Status>) -> &'static str {
+    let gone = s.is_some_and(|s| {
+        s.code() == tonic::Code::Unknown
+            && s.message().contains("error reading a body from connection")
+    });
+    if gone {
+        "cancelled"
+    } else {
+        termination_type(s)
+    }
+}
+
 /// The downstream connection a pair's stream arrived on: pairs of one connection share an
 /// upstream connection ([`Upstream`]), and `cut` closes the connection (a stalled client).
 #[derive(Clone)]
@@ -333,7 +351,7 @@ pub async fn run(
                     if let Some(t) = handed_over.take()
                         && t.elapsed() > SLOW_PUSH
                     {
-                        tracing::warn!(id, took = ?t.elapsed(), "slow push to Envoy");
+                        tracing::warn!(id, took = %crate::logging::dur(t.elapsed()), "slow push to Envoy");
                     }
                     permit = Some(p);
                 }
@@ -437,14 +455,14 @@ pub async fn run(
         }
         End::Stalled => {
             m.downstream_stalled.inc();
-            tracing::warn!(id, stall = ?STALL, queued_limit = MAX_QUEUED, "downstream xDS client took no response for {STALL:?} with its queue full; closing its connection");
+            tracing::warn!(id, stall = %crate::logging::dur(STALL), queued_limit = MAX_QUEUED, "downstream xDS client took no response for {} with its queue full; closing its connection", crate::logging::dur(STALL));
             // hyper offers no way to reset a stream whose send waits on the peer's flow
             // control (the body is not polled then), so the client's connection is closed:
             // that frees everything held for it, and the client reconnects and resyncs.
             conn.cut.cancel();
         }
         End::Downstream(s) => {
-            let t = termination_type(s.as_ref());
+            let t = downstream_termination_type(s.as_ref());
             m.envoy_connection_terminations.with(&[t]).inc();
             match &s {
                 Some(s) if t == "error" => {
@@ -714,6 +732,17 @@ fn on_response(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn envoy_going_away_is_not_an_error() {
+        let gone = Status::unknown("h2 protocol error: error reading a body from connection");
+        assert_eq!(downstream_termination_type(Some(&gone)), "cancelled");
+        assert_eq!(termination_type(Some(&gone)), "error");
+        assert_eq!(
+            downstream_termination_type(Some(&Status::unavailable("boom"))),
+            "error"
+        );
+    }
 
     #[test]
     fn termination_types() {
