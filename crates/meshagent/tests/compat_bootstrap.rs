@@ -529,6 +529,80 @@ const CASES: &[Case] = &[
         "{}",
         &[],
     ),
+    c(
+        "hbone_metadata_discovery",
+        &[("ISTIO_META_ENABLE_HBONE", "true")],
+        "{}",
+        &[],
+    ),
+    c(
+        "exit_on_zero_and_core_dump",
+        &[
+            ("EXIT_ON_ZERO_ACTIVE_CONNECTIONS", "true"),
+            ("ISTIO_ENVOY_ENABLE_CORE_DUMP", "true"),
+        ],
+        "{}",
+        &[],
+    ),
+    c(
+        "metrics_localhost_only",
+        &[],
+        r#"{"proxyMetadata": {"METRICS_LOCALHOST_ACCESS_ONLY": "true"}}"#,
+        &[],
+    ),
+    c(
+        "runtime_values_and_limits",
+        &[],
+        r#"{"runtimeValues": {"overload.global_downstream_max_connections": "5000", "a.b": "c"}}"#,
+        &[],
+    ),
+    c(
+        "tracing_service_name",
+        &[],
+        r#"{"tracingServiceName": "CANONICAL_NAME_AND_NAMESPACE", "tracing": {"zipkin": {"address": "zipkin:9411"}}}"#,
+        &[(LABELS, POD_LABELS)],
+    ),
+    c(
+        "skip_deprecated_logs_off",
+        &[
+            ("ENVOY_SKIP_DEPRECATED_LOGS", "false"),
+            ("ISTIO_META_HTTP10", "1"),
+            ("ISTIO_META_DNS_CAPTURE", "T"),
+        ],
+        "{}",
+        &[],
+    ),
+    c(
+        "xds_root_ca_and_signer",
+        &[
+            ("XDS_ROOT_CA", "./var/run/secrets/istio/root-cert.pem"),
+            ("ISTIO_META_CERT_SIGNER", "signer-a"),
+            ("ISTIO_META_TLS_CLIENT_ROOT_CERT", "/etc/certs/root.pem"),
+        ],
+        "{}",
+        &[],
+    ),
+    c(
+        "no_mesh_id_cluster_id",
+        &[("ISTIO_META_MESH_ID", ""), ("ISTIO_META_CLUSTER_ID", "")],
+        "{}",
+        &[],
+    ),
+    c(
+        "custom_template_yaml",
+        &[("ISTIO_BOOTSTRAP", "./custom/bootstrap.yaml")],
+        "{}",
+        &[(
+            "./custom/bootstrap.yaml",
+            "node:\n  id: {{ .nodeID }}\n  cluster: {{ .cluster }}\nadmin:\n  address:\n    socket_address: {address: {{ .localhost }}, port_value: {{ .config.ProxyAdminPort }}}\n",
+        )],
+    ),
+    c(
+        "holdapp_and_headers",
+        &[],
+        r#"{"holdApplicationUntilProxyStarts": true, "proxyHeaders": {"server": {"disabled": true}}, "meshId": "mesh-2"}"#,
+        &[],
+    ),
     // Proxyless gRPC: Istio's `grpc-agent` injection template.
     c(
         "grpc_bootstrap",
@@ -861,6 +935,7 @@ fn compare(pool: &prost_reflect::DescriptorPool, got: &Outcome, want: &Outcome) 
             // bootstrap Envoy would reject) as JSON, with the failure named under `proto`.
             match (as_bootstrap_proto(pool, gc), as_bootstrap_proto(pool, wc)) {
                 (Ok(g), Ok(w)) => diff("", &g, &w, &mut out),
+                (Err(_), Err(_)) => diff("", gc, wc, &mut out),
                 (g, w) => {
                     out.push(format!(
                         "proto: meshagent's is {}, pilot-agent's is {}",

@@ -120,15 +120,14 @@ pub fn node_id(cfg: &Config, ips: &[IpAddr]) -> String {
     )
 }
 
-/// Metadata keys whose values must be the strings "true"/"false" (Istio `StringBool`).
+/// Metadata keys whose values must be the strings "true"/"false" (Istio `StringBool`,
+/// pkg/model/proxy.go `NodeMetadata`; `HTTP10` and `UNPRIVILEGED_POD` are plain strings there).
 const STRING_BOOL_KEYS: &[&str] = &[
-    "HTTP10",
     "DNS_CAPTURE",
     "DNS_AUTO_ALLOCATE",
     "ENABLE_HBONE",
     "DISABLE_HBONE_SEND",
     "ENABLE_SELF_DISCOVERY",
-    "UNPRIVILEGED_POD",
     "EXIT_ON_ZERO_ACTIVE_CONNECTIONS",
     "INBOUND_LISTENER_EXACT_BALANCE",
     "OUTBOUND_LISTENER_EXACT_BALANCE",
@@ -154,9 +153,32 @@ fn validate(
     for (key, value) in meta {
         if STRING_BOOL_KEYS.contains(&key.as_str()) {
             match value {
-                Value::String(s) if s == "true" || s == "false" || s.is_empty() => {}
+                // Istio's StringBool reads what Go's `strconv.ParseBool` accepts
+                // (pkg/model `StringBool.UnmarshalJSON`): "1" or "T" start the proxy there.
+                Value::String(s)
+                    if s.is_empty()
+                        || matches!(
+                            s.as_str(),
+                            "1" | "t"
+                                | "T"
+                                | "TRUE"
+                                | "true"
+                                | "True"
+                                | "0"
+                                | "f"
+                                | "F"
+                                | "FALSE"
+                                | "false"
+                                | "False"
+                        ) => {}
                 Value::Bool(_) => {}
-                _ => return Err(err(key, value, "\"true\" or \"false\"")),
+                _ => {
+                    return Err(err(
+                        key,
+                        value,
+                        "\"true\" or \"false\" (or 1, t, T, TRUE, True, 0, f, F, FALSE, False)",
+                    ));
+                }
             }
         }
         if key == "POD_PORTS" {
@@ -247,6 +269,17 @@ pub fn metadata_with(
             .cloned()
             .unwrap_or_else(|| "node metadata".into())
     })?;
+    // A StringBool is written back as "true"/"false" whatever spelling it was read in
+    // ("T", "1", ...): Istio marshals the typed field.
+    for key in STRING_BOOL_KEYS {
+        if let Some(Value::String(v)) = meta.get_mut(*key) {
+            match v.as_str() {
+                "1" | "t" | "T" | "TRUE" | "True" => *v = "true".into(),
+                "0" | "f" | "F" | "FALSE" | "False" => *v = "false".into(),
+                _ => {}
+            }
+        }
+    }
     // Istio decodes these raw values into typed fields, sets its own, marshals the typed struct
     // (`omitempty`) and adds back every raw key the typed output lacks
     // (pkg/bootstrap/option/convert.go `nodeMetadataConverter`).
