@@ -32,11 +32,12 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use bootstrap_support::{as_bootstrap_proto, diff, envoy_descriptors};
 use meshagent_testkit::{Proc, workspace_root};
 use serde_json::{Map, Value, json};
+use tokio::time::Instant;
 
 /// The real pilot-agent: `PILOT_AGENT`, else `.tools/istio/pilot-agent` (`make pilot-agent`).
 fn pilot_agent() -> PathBuf {
