@@ -10,7 +10,8 @@
 //! `GRPC_XDS_BOOTSTRAP`, Istio's `grpc-agent` template) the file the agent writes is read. Each
 //! run has a fresh working directory (both agents resolve `./etc/istio/...`,
 //! `./var/run/secrets/...` against it) holding the same files, and a network namespace of its
-//! own that looks like a pod's (loopback, eth0 with 10.1.2.3 and fd00::3): the node's
+//! own that looks like a pod's (loopback, eth0 with 10.1.2.3 and fd00::3, or fd00::3 only for
+//! an IPv6-only pod): the node's
 //! `INSTANCE_IPS` and the local address family come from the interfaces, and every run can use
 //! Istio's fixed ports (15000, 15020, 15053, 15090), so cases run in parallel. istiod is not
 //! needed: pilot-agent starts Envoy while its CA requests still fail
@@ -70,6 +71,10 @@ const POD_NETNS: &str = "set -e; ip link set lo up; ip link add eth0 type veth p
     ip addr add 10.1.2.3/24 dev eth0; ip -6 addr add fd00::3/64 dev eth0 nodad; \
     ip link set eth0 up; ip link set eth0p up; exec \"$@\"";
 
+/// An IPv6-only pod: eth0 with fd00::3 only.
+const POD_NETNS_V6: &str = "set -e; ip link set lo up; ip link add eth0 type veth peer name eth0p; \
+    ip -6 addr add fd00::3/64 dev eth0 nodad; ip link set eth0 up; ip link set eth0p up; exec \"$@\"";
+
 /// The fake Envoy. Its working directory is the agent's (`<run>/work`), so it records into
 /// `<run>/capture`: argv one argument a line, and a copy of the `-c` file. `argv` appears
 /// (renamed) only once both are complete.
@@ -94,6 +99,8 @@ struct Case {
     env: &'static [(&'static str, &'static str)],
     pc: &'static str,
     files: &'static [(&'static str, &'static str)],
+    /// The pod's network namespace setup (`POD_NETNS` or `POD_NETNS_V6`).
+    netns: &'static str,
 }
 
 const SIDECAR: &[&str] = &["proxy", "sidecar"];
@@ -110,7 +117,14 @@ const fn c(
         env,
         pc,
         files,
+        netns: POD_NETNS,
     }
+}
+
+/// The case in an IPv6-only pod.
+const fn ipv6_pod(mut case: Case) -> Case {
+    case.netns = POD_NETNS_V6;
+    case
 }
 
 const fn with_args(mut case: Case, args: &'static [&'static str]) -> Case {
@@ -318,6 +332,22 @@ const CASES: &[Case] = &[
     ),
     c("ipv6", &[("INSTANCE_IP", "fd00::3")], "{}", &[]),
     c("dual_stack", &[("ISTIO_DUAL_STACK", "true")], "{}", &[]),
+    ipv6_pod(c(
+        "ipv6_only_pod",
+        &[("INSTANCE_IP", "fd00::3")],
+        r#"{"tracing": {"zipkin": {"address": "zipkin:9411"}}}"#,
+        &[],
+    )),
+    ipv6_pod(c(
+        "ipv6_only_pod_dual_stack_secure_metrics",
+        &[
+            ("INSTANCE_IP", "fd00::3"),
+            ("ISTIO_DUAL_STACK", "true"),
+            ("ENVOY_SECURE_METRICS_PORT", "15091"),
+        ],
+        "{}",
+        &[],
+    )),
     c(
         "dual_stack_ipv6_first",
         &[("ISTIO_DUAL_STACK", "true"), ("INSTANCE_IP", "fd00::3")],
@@ -808,7 +838,7 @@ fn run(who: &str, bin: &Path, case: &Case, fx: &Fixture) -> Run {
     env.push(("PROXY_CONFIG", Value::Object(pc).to_string()));
 
     let mut cmd = Command::new("unshare");
-    cmd.args(["--net", "--", "sh", "-c", POD_NETNS, "sh"])
+    cmd.args(["--net", "--", "sh", "-c", case.netns, "sh"])
         .arg(bin)
         .args(case.args)
         .current_dir(&work)
