@@ -120,10 +120,11 @@ GO ?= $(shell command -v go 2>/dev/null || echo /usr/local/go/bin/go)
 # the repository.
 ISTIO_TEMPLATE := $(TOOLS)/istio/envoy_bootstrap.json
 pilot-agent: $(PILOT_AGENT) $(ISTIO_TEMPLATE)
-$(ISTIO_TEMPLATE): compat/go.mod compat/go.sum
+# After pilot-agent: its build puts the module in the cache (`go list -m` does not download).
+$(ISTIO_TEMPLATE): $(PILOT_AGENT)
 	@[ -x "$(GO)" ] || { echo "Go is needed to find Istio's module (compat/): $(GO) not found" >&2; exit 1; }
 	mkdir -p $(dir $@)
-	dir=$$(cd compat && $(GOENV) $(GO) list -m -f '{{.Dir}}' istio.io/istio) && \
+	dir=$$(cd compat && $(GOENV) $(GO) list -m -f '{{.Dir}}' istio.io/istio) && [ -n "$$dir" ] && \
 	  cp "$$dir/tools/packaging/common/envoy_bootstrap.json" $@.tmp && chmod 644 $@.tmp && mv $@.tmp $@
 $(PILOT_AGENT): compat/go.mod compat/go.sum
 	@[ -x "$(GO)" ] || { echo "Go is needed to build the real pilot-agent (compat/): $(GO) not found" >&2; exit 1; }
