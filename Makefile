@@ -110,12 +110,26 @@ wasmpeers:
 # Istio's source is in this repository), with Istio's release build tags, into .tools/istio.
 # Go's module and build caches live in .tools/go, so a second build takes seconds. Rebuilt when
 # compat/go.sum changes. Cold (module download + build) on this 2-core machine: about 5 min.
-ISTIO_BUILD_VERSION := 1.31-dev
+# Also the version meshagent reports (node metadata ISTIO_VERSION, `version`): exported, so
+# every cargo build here compiles it in (crates/meshagent/src/lib.rs, ISTIO_COMPAT_VERSION).
+ISTIO_BUILD_VERSION ?= 1.31-dev
+export ISTIO_BUILD_VERSION
 PILOT_AGENT := $(TOOLS)/istio/pilot-agent
 export PILOT_AGENT
 GOENV := GOMODCACHE=$(TOOLS)/go/mod GOCACHE=$(TOOLS)/go/cache GOFLAGS=-mod=readonly GOTOOLCHAIN=local CGO_ENABLED=0
 GO ?= $(shell command -v go 2>/dev/null || echo /usr/local/go/bin/go)
-pilot-agent: $(PILOT_AGENT)
+# Istio's default bootstrap template of the pinned module, beside pilot-agent: the bootstrap
+# differential test (compat_bootstrap) gives it to pilot-agent at
+# ./var/lib/istio/envoy/envoy_bootstrap_tmpl.json. Copied from the module cache, never into
+# the repository.
+ISTIO_TEMPLATE := $(TOOLS)/istio/envoy_bootstrap.json
+pilot-agent: $(PILOT_AGENT) $(ISTIO_TEMPLATE)
+# After pilot-agent: its build puts the module in the cache (`go list -m` does not download).
+$(ISTIO_TEMPLATE): $(PILOT_AGENT)
+	@[ -x "$(GO)" ] || { echo "Go is needed to find Istio's module (compat/): $(GO) not found" >&2; exit 1; }
+	mkdir -p $(dir $@)
+	dir=$$(cd compat && $(GOENV) $(GO) list -m -f '{{.Dir}}' istio.io/istio) && [ -n "$$dir" ] && \
+	  cp "$$dir/tools/packaging/common/envoy_bootstrap.json" $@.tmp && chmod 644 $@.tmp && mv $@.tmp $@
 $(PILOT_AGENT): compat/go.mod compat/go.sum
 	@[ -x "$(GO)" ] || { echo "Go is needed to build the real pilot-agent (compat/): $(GO) not found" >&2; exit 1; }
 	cd compat && $(GOENV) $(GO) build -trimpath -tags agent,disable_pgv,grpcnotrace,retrynotrace \

@@ -73,6 +73,30 @@ pub enum BootstrapError {
     },
 }
 
+/// `base` joined with `name` as Go's `filepath.Join` does (`pkg/bootstrap/instance.go` names
+/// the bootstrap `filepath.Join(ConfigPath, "envoy-rev.json")`): lexically cleaned, so the
+/// default `./etc/istio/proxy` gives `etc/istio/proxy/envoy-rev.json`, which Envoy's argv and
+/// the bootstrap's file paths then show as Istio's do.
+pub fn go_join(base: &Path, name: &str) -> PathBuf {
+    use std::path::Component;
+    let joined = base.join(name);
+    let mut out: Vec<Component<'_>> = Vec::new();
+    for c in joined.components() {
+        match c {
+            Component::CurDir => {}
+            Component::ParentDir if matches!(out.last(), Some(Component::Normal(_))) => {
+                out.pop();
+            }
+            Component::ParentDir if matches!(out.last(), Some(Component::RootDir)) => {}
+            c => out.push(c),
+        }
+    }
+    if out.is_empty() {
+        return PathBuf::from(".");
+    }
+    out.iter().collect()
+}
+
 /// The proxy's node, computed once at startup.
 #[derive(Debug, Clone)]
 pub struct Node {
@@ -113,7 +137,7 @@ impl Node {
             id: node::node_id(cfg, &ips),
             cluster: node::cluster(cfg, &metadata),
             locality: node::locality_with(&metadata, &platform.locality),
-            localhost: node::localhost_for(&ips, cfg.pod.instance_ip),
+            localhost: node::localhost_for(&ips, cfg.bootstrap.dual_stack),
             metadata,
             ips,
         })
@@ -293,7 +317,8 @@ fn render_inputs(cfg: &Config, node: &Node, inp: &Inputs) -> Value {
                 "path": "/dev/null"
             }}],
             "profile_path": "/var/lib/istio/data/envoy.prof",
-            "address": socket(&inp.localhost, pc.proxy_admin_port)
+            // Without `protocol` (TCP is the default), as the template writes it.
+            "address": {"socket_address": {"address": inp.localhost, "port_value": pc.proxy_admin_port}}
         },
         "dynamic_resources": {
             "lds_config": {"ads": {}, "initial_fetch_timeout": "0s", "resource_api_version": "V3"},
@@ -343,11 +368,16 @@ fn render_inputs(cfg: &Config, node: &Node, inp: &Inputs) -> Value {
     if !sinks.is_empty() {
         out["stats_sinks"] = Value::Array(sinks);
     }
-    // `cluster_manager` is always written: Istio's current template turns on deferred cluster
-    // creation for every proxy (the conformance cases all carry it), and adds the
-    // outlier log, LRS and self-discovery entries when those are configured.
+    // `cluster_manager` (with deferred cluster creation) only when one of its entries is
+    // configured: the outlier log, LRS or self-discovery. Istio's template
+    // (tools/packaging/common/envoy_bootstrap.json) writes the block under
+    // `if or .outlier_log_path .load_stats_config_json_str .enable_self_discovery`; the
+    // differential suite (compat_bootstrap) checks it against the real pilot-agent.
     let outlier = !cfg.flags.outlier_log_path.is_empty();
     let mut cm = Map::new();
+    if inp.self_discovery {
+        cm.insert("local_cluster_name".into(), json!(SELF_DISCOVERY_CLUSTER));
+    }
     if outlier {
         cm.insert(
             "outlier_detection".into(),
@@ -357,11 +387,10 @@ fn render_inputs(cfg: &Config, node: &Node, inp: &Inputs) -> Value {
     if let Some(lrs) = &inp.load_stats_config {
         cm.insert("load_stats_config".into(), lrs.clone());
     }
-    if inp.self_discovery {
-        cm.insert("local_cluster_name".into(), json!(SELF_DISCOVERY_CLUSTER));
+    if !cm.is_empty() {
+        cm.insert("enable_deferred_cluster_creation".into(), json!(true));
+        out["cluster_manager"] = Value::Object(cm);
     }
-    cm.insert("enable_deferred_cluster_creation".into(), json!(true));
-    out["cluster_manager"] = Value::Object(cm);
     out
 }
 
@@ -480,7 +509,7 @@ pub fn write(cfg: &Config, cwd: &Path, rendered: &Rendered) -> Result<PathBuf, B
             source,
         })?;
     }
-    let rel = cfg.proxy_config.config_path.join(rendered.file_name);
+    let rel = go_join(&cfg.proxy_config.config_path, rendered.file_name);
     let abs = crate::fsio::under(cwd, &rel);
     let write = || -> std::io::Result<()> {
         if let Some(dir) = abs.parent() {

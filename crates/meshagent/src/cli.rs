@@ -571,12 +571,14 @@ mod tests {
 
     #[test]
     fn version_shapes() {
-        assert_eq!(version(&["--short"]), "1.29.0\n");
-        assert_eq!(version(&["-s"]), "1.29.0\n");
+        assert_eq!(version(&["--short"]), format!("{ISTIO_COMPAT_VERSION}\n"));
+        assert_eq!(version(&["-s"]), format!("{ISTIO_COMPAT_VERSION}\n"));
 
         let long = version(&[]);
         assert!(
-            long.starts_with("version.BuildInfo{Version:\"1.29.0\", GitRevision:\"meshagent "),
+            long.starts_with(&format!(
+                "version.BuildInfo{{Version:{ISTIO_COMPAT_VERSION:?}, GitRevision:\"meshagent "
+            )),
             "{long}"
         );
         assert!(
@@ -587,18 +589,21 @@ mod tests {
 
         let v: serde_json::Value = serde_json::from_str(&version(&["-o", "json"])).unwrap();
         let info = &v["clientVersion"];
-        assert_eq!(info["version"], "1.29.0");
+        assert_eq!(info["version"], ISTIO_COMPAT_VERSION);
         for key in ["revision", "golang_version", "status", "tag"] {
             assert!(info[key].is_string(), "{key} missing in {v}");
         }
         assert!(info["revision"].as_str().unwrap().starts_with("meshagent "));
 
         let v: serde_json::Value = serde_yaml::from_str(&version(&["--output=yaml"])).unwrap();
-        assert_eq!(v["clientVersion"]["version"], "1.29.0");
+        assert_eq!(v["clientVersion"]["version"], ISTIO_COMPAT_VERSION);
         assert!(v["clientVersion"]["tag"].is_string());
 
         let v: serde_json::Value = serde_json::from_str(&version(&["-s", "-o", "json"])).unwrap();
-        assert_eq!(v, json!({"clientVersion": {"version": "1.29.0"}}));
+        assert_eq!(
+            v,
+            json!({"clientVersion": {"version": ISTIO_COMPAT_VERSION}})
+        );
 
         assert!(parse(&["a", "version", "-o", "xml"]).is_err());
     }

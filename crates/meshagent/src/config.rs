@@ -495,3 +495,44 @@ pub(crate) mod serde_duration {
         s.collect_str(&super::parse::go_duration_string(*d))
     }
 }
+
+/// Resolves ProxyConfig `statsdUdpAddress` to `ip:port` once at startup, as pilot-agent does
+/// (pilot/cmd/pilot-agent/config/config.go `ConstructProxyConfig`, pilot/pkg/util/network
+/// `ResolveAddr`): the first IPv4 address, else the last one; an address that does not resolve
+/// is logged and dropped (no statsd sink; the proxy starts). Envoy's statsd sink needs an IP,
+/// so a host name left in the bootstrap would be a rejected bootstrap. Done here rather than
+/// in [`load`], which does no I/O beyond reading files.
+pub fn resolve_statsd(pc: &mut ProxyConfig) {
+    use std::net::ToSocketAddrs;
+    if pc.statsd_udp_address.is_empty() {
+        return;
+    }
+    let addr = pc.statsd_udp_address.clone();
+    tracing::info!("Attempting to lookup address: {addr}");
+    let resolved = addr.to_socket_addrs().ok().and_then(|addrs| {
+        let mut chosen = None;
+        for a in addrs {
+            let ip = match a.ip() {
+                std::net::IpAddr::V6(v6) => v6
+                    .to_ipv4_mapped()
+                    .map_or(std::net::IpAddr::V6(v6), std::net::IpAddr::V4),
+                v4 => v4,
+            };
+            chosen = Some(std::net::SocketAddr::new(ip, a.port()));
+            if ip.is_ipv4() {
+                break;
+            }
+        }
+        chosen
+    });
+    match resolved {
+        Some(a) => {
+            tracing::info!("Addr resolved to: {a}");
+            pc.statsd_udp_address = a.to_string();
+        }
+        None => {
+            tracing::warn!("resolve StatsdUdpAddress failed: lookup failed for {addr}");
+            pc.statsd_udp_address.clear();
+        }
+    }
+}

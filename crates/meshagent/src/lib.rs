@@ -35,5 +35,17 @@ pub mod wait;
 pub mod wasm;
 pub mod xds;
 
-/// The Istio release whose agent behaviour (flags, env, files) we match.
-pub const ISTIO_COMPAT_VERSION: &str = "1.29.0";
+/// The Istio version meshagent reports: node metadata `ISTIO_VERSION` (istiod picks the xDS it
+/// generates by it, `pilot/pkg/model/context.go` `ParseIstioVersion`) and `meshagent version`.
+/// pilot-agent reports the version it was built as (`-X istio.io/istio/pkg/version.buildVersion`,
+/// `pkg/version/version.go`); so does meshagent: the build-time environment variable
+/// `ISTIO_BUILD_VERSION` sets it (the Makefile passes its own, the one it builds the real
+/// pilot-agent with), and without it the build says the Istio release it targets.
+pub const ISTIO_COMPAT_VERSION: &str = match option_env!("ISTIO_BUILD_VERSION") {
+    Some(v) if !v.is_empty() => v,
+    _ => DEFAULT_ISTIO_VERSION,
+};
+
+/// The Istio release this code targets: the Go module pinned in `compat/go.mod` (Istio 1.31
+/// before its release, which Istio's own builds call `1.31-dev`).
+pub const DEFAULT_ISTIO_VERSION: &str = "1.31-dev";

@@ -125,10 +125,11 @@ fn proxy(args: &ProxyArgs, log_as_json: bool) -> ExitCode {
         .and_then(|flags| {
             config::load(&flags, &config::ProcessEnv, Path::new(".")).map_err(anyhow::Error::from)
         });
-    let config = match loaded {
+    let mut config = match loaded {
         Ok(c) => c,
         Err(e) => return fail(&e),
     };
+    config::resolve_statsd(&mut config.proxy_config);
     if args.dump_config {
         return match serde_json::to_string_pretty(&config) {
             Ok(json) => {

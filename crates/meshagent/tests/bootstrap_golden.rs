@@ -9,10 +9,13 @@
 
 #![allow(clippy::unwrap_used)] // tests fail loudly by design
 
+mod bootstrap_support;
+
 use std::net::IpAddr;
 use std::path::Path;
 use std::process::Command;
 
+use bootstrap_support::{as_bootstrap_proto, diff, envoy_descriptors};
 use meshagent::bootstrap::{self, Node};
 use meshagent::config::{self, MapEnv, ProxyFlags};
 use meshagent_testkit::envoy_bin;
@@ -356,7 +359,6 @@ fn expected_default() -> Value {
                 "max_active_downstream_connections": 2147483647u64
             }
         }]},
-        "cluster_manager": {"enable_deferred_cluster_creation": true},
         "deferred_stat_options": {"enable_deferred_creation_stats": true}
     })
 }
@@ -391,14 +393,19 @@ fn dns_cluster(name: &str, addr: &str, port: u16, family: &str) -> Value {
     })
 }
 
-/// The self-discovery cluster: type EDS from ADS with the template's ADS config-source
-/// convention (as its lds/cds: `ads`, `initial_fetch_timeout: 0s`, V3) and its cluster
-/// convention (`alt_stat_name: "<name>;"`, a 1 s connect timeout). The exact template text was
-/// not available to the project: README "Bootstrap" documents this choice.
+/// The self-discovery cluster as the real pilot-agent writes it (compat_bootstrap): EDS over
+/// ADS for service `local_cluster`, least request with zone-aware routing from one endpoint.
 fn local_cluster() -> Value {
     json!({
         "name": "local_cluster", "alt_stat_name": "local_cluster;", "type": "EDS", "connect_timeout": "1s",
-        "eds_cluster_config": {"eds_config": {"ads": {}, "initial_fetch_timeout": "0s", "resource_api_version": "V3"}}
+        "load_balancing_policy": {"policies": [{"typed_extension_config": {
+            "name": "envoy.load_balancing_policies.least_request",
+            "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.load_balancing_policies.least_request.v3.LeastRequest",
+                "locality_lb_config": {"zone_aware_lb_config": {"min_cluster_size": "1"}}
+            }
+        }}]},
+        "eds_cluster_config": {"eds_config": {"ads": {}, "resource_api_version": "V3"}, "service_name": "local_cluster"}
     })
 }
 
@@ -533,8 +540,10 @@ fn cases() -> Vec<Case> {
                     ["max_active_downstream_connections"] = json!(300);
             }),
         // ISTIO_METAJSON_LABELS: merged at the top level and LABELS = STATIC_LABELS; the
-        // istio-locality label stays as given and gives the locality; no topology label added;
-        // the app label names the node cluster.
+        // istio-locality label gives the locality and, in LABELS (here the same map as
+        // STATIC_LABELS), is rewritten with slashes (pkg/bootstrap/config.go
+        // `GetNodeMetaData`; checked by compat_bootstrap); no topology
+        // label added; the app label names the node cluster.
         Case::new("metajson_labels")
             .env(
                 "ISTIO_METAJSON_LABELS",
@@ -547,8 +556,10 @@ fn cases() -> Vec<Case> {
                 m.insert("app".into(), json!("productpage"));
                 m.insert("version".into(), json!("v1"));
                 m.insert("istio-locality".into(), json!("region.zone.subzone"));
-                m.insert("LABELS".into(), labels.clone());
-                m.insert("STATIC_LABELS".into(), labels);
+                let mut sanitized = labels;
+                sanitized["istio-locality"] = json!("region/zone/subzone");
+                m.insert("LABELS".into(), sanitized.clone());
+                m.insert("STATIC_LABELS".into(), sanitized);
                 v["node"]["cluster"] = json!("productpage.bar");
                 v["node"]["locality"] =
                     json!({"region": "region", "zone": "zone", "sub_zone": "subzone"});
@@ -561,7 +572,9 @@ fn cases() -> Vec<Case> {
             .expect(|v| {
                 meta(v).insert(
                     "LABELS".into(),
-                    json!({"app.kubernetes.io/name": "reviews", "topology.istio.io/locality": "us-east1/us-east1-b"}),
+                    // Istio adds `istio-locality`, the sanitized locality label
+                    // (pkg/bootstrap/config.go `GetNodeMetaData`).
+                    json!({"app.kubernetes.io/name": "reviews", "topology.istio.io/locality": "us-east1/us-east1-b", "istio-locality": "us-east1/us-east1-b"}),
                 );
                 v["node"]["cluster"] = json!("reviews.bar");
                 v["node"]["locality"] = json!({"region": "us-east1", "zone": "us-east1-b"});
@@ -662,7 +675,7 @@ fn cases() -> Vec<Case> {
                 v["tracing"] = json!({"http": {"name": "envoy.tracers.lightstep", "typed_config": {
                     "@type": "type.googleapis.com/envoy.config.trace.v3.LightstepConfig",
                     "collector_cluster": "lightstep",
-                    "access_token_file": "./etc/istio/proxy/lightstep_access_token.txt"
+                    "access_token_file": "etc/istio/proxy/lightstep_access_token.txt"
                 }}});
             }),
         // Datadog at $(HOST_IP):8126: cluster datadog_agent, service_name = node cluster.
@@ -798,6 +811,18 @@ fn cases() -> Vec<Case> {
                 v["stats_flush_interval"] = json!("10s");
                 v["stats_eviction_interval"] = json!("60s");
             }),
+        // An eviction interval that is not a multiple of the flush interval: Istio logs it and
+        // leaves it out (pkg/bootstrap/config.go `getStatsOptions`); the proxy starts.
+        Case::new("eviction_not_multiple")
+            .annotation("sidecar.istio.io/statsFlushInterval", "10s")
+            .annotation("sidecar.istio.io/statsEvictionInterval", "15s")
+            .expect(|v| {
+                meta(v).insert(
+                    "ANNOTATIONS".into(),
+                    json!({"sidecar.istio.io/statsFlushInterval": "10s", "sidecar.istio.io/statsEvictionInterval": "15s"}),
+                );
+                v["stats_flush_interval"] = json!("10s");
+            }),
         // Stats inclusion annotations, extra stat tags (ProxyConfig then annotation), histogram
         // buckets; `{pod_ip}` expands per instance IP.
         Case::new("stats_inclusion")
@@ -840,13 +865,20 @@ fn cases() -> Vec<Case> {
                         "address": sock("0.0.0.0", port),
                         "ignore_global_conn_limit": true,
                         "bypass_overload_manager": true,
+                        "listener_filters": [{"name": "envoy.filters.listener.tls_inspector", "typed_config": {
+                            "@type": "type.googleapis.com/envoy.extensions.filters.listener.tls_inspector.v3.TlsInspector"
+                        }}],
                         "filter_chains": [{
+                            "filter_chain_match": {"transport_protocol": "tls"},
                             "transport_socket": {"name": "envoy.transport_sockets.tls", "typed_config": {
                                 "@type": "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.DownstreamTlsContext",
                                 "require_client_certificate": true,
                                 "common_tls_context": {
                                     "tls_certificate_sds_secret_configs": [sds("default")],
-                                    "validation_context_sds_secret_config": sds("ROOTCA")
+                                    "combined_validation_context": {
+                                        "default_validation_context": {},
+                                        "validation_context_sds_secret_config": sds("ROOTCA")
+                                    }
                                 }
                             }},
                             "filters": [hcm(prefix, routes, vec![router()])]
@@ -1053,32 +1085,6 @@ fn load(case: &Case, dir: &Path) -> config::Config {
         .unwrap_or_else(|e| panic!("{}: config: {e}", case.name))
 }
 
-/// Paths where `a` and `b` differ (for a readable failure).
-fn diff(path: &str, a: &Value, b: &Value, out: &mut Vec<String>) {
-    match (a, b) {
-        (Value::Object(x), Value::Object(y)) => {
-            for (k, v) in x {
-                match y.get(k) {
-                    Some(w) => diff(&format!("{path}/{k}"), v, w, out),
-                    None => out.push(format!("{path}/{k}: unexpected {v}")),
-                }
-            }
-            for (k, w) in y {
-                if !x.contains_key(k) {
-                    out.push(format!("{path}/{k}: missing, expected {w}"));
-                }
-            }
-        }
-        (Value::Array(x), Value::Array(y)) if x.len() == y.len() => {
-            for (i, (v, w)) in x.iter().zip(y).enumerate() {
-                diff(&format!("{path}/{i}"), v, w, out);
-            }
-        }
-        _ if a != b => out.push(format!("{path}: got {a}, expected {b}")),
-        _ => {}
-    }
-}
-
 fn validate(dir: &Path, file: &Path) -> Result<(), String> {
     let out = Command::new(envoy_bin())
         .args([
@@ -1098,85 +1104,6 @@ fn validate(dir: &Path, file: &Path) -> Result<(), String> {
     } else {
         Err(String::from_utf8_lossy(&out.stderr).into_owned())
     }
-}
-
-/// Envoy's API descriptors: envoy-types ships the FileDescriptorSet its Rust types were
-/// generated from (`src/generated/types.bin`), found through `cargo metadata` at the version
-/// Cargo.lock pins. `udpa.type.v1.TypedStruct` (cncf/xds) is not in that set; it is added by
-/// hand (two fields), its `value` staying an untyped `Struct` as it is for Envoy.
-fn envoy_descriptors() -> prost_reflect::DescriptorPool {
-    use prost_reflect::prost_types::{
-        DescriptorProto, FieldDescriptorProto, FileDescriptorProto,
-        field_descriptor_proto::{Label, Type},
-    };
-    let out = Command::new(env!("CARGO"))
-        // Not `--offline`: listing every platform's packages may need crates a Linux build
-        // never downloaded.
-        .args([
-            "metadata",
-            "--format-version",
-            "1",
-            "--locked",
-            "--manifest-path",
-        ])
-        .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("../../Cargo.toml"))
-        .output()
-        .expect("cargo metadata");
-    assert!(
-        out.status.success(),
-        "cargo metadata: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let meta: Value = serde_json::from_slice(&out.stdout).unwrap();
-    let manifest = meta["packages"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|p| p["name"] == "envoy-types")
-        .and_then(|p| p["manifest_path"].as_str())
-        .expect("envoy-types in cargo metadata");
-    let set = Path::new(manifest).with_file_name("src/generated/types.bin");
-    let bytes = std::fs::read(&set).unwrap_or_else(|e| panic!("{}: {e}", set.display()));
-    let mut pool = prost_reflect::DescriptorPool::decode(bytes.as_slice())
-        .unwrap_or_else(|e| panic!("{}: {e}", set.display()));
-    let field = |name: &str, number: i32, ty: Type, type_name: Option<&str>| FieldDescriptorProto {
-        name: Some(name.into()),
-        json_name: None,
-        number: Some(number),
-        label: Some(Label::Optional as i32),
-        r#type: Some(ty as i32),
-        type_name: type_name.map(str::to_owned),
-        ..Default::default()
-    };
-    pool.add_file_descriptor_proto(FileDescriptorProto {
-        name: Some("udpa/type/v1/typed_struct.proto".into()),
-        package: Some("udpa.type.v1".into()),
-        dependency: vec!["google/protobuf/struct.proto".into()],
-        message_type: vec![DescriptorProto {
-            name: Some("TypedStruct".into()),
-            field: vec![
-                field("type_url", 1, Type::String, None),
-                field("value", 2, Type::Message, Some(".google.protobuf.Struct")),
-            ],
-            ..Default::default()
-        }],
-        syntax: Some("proto3".into()),
-        ..Default::default()
-    })
-    .unwrap();
-    pool
-}
-
-/// `v` parsed as an `envoy.config.bootstrap.v3.Bootstrap` (proto3 JSON mapping, unknown fields
-/// rejected, every `typed_config` resolved), printed back in the canonical proto-JSON form:
-/// two bootstraps are the same proto exactly when these are equal.
-fn as_bootstrap_proto(pool: &prost_reflect::DescriptorPool, v: &Value) -> Result<Value, String> {
-    let desc = pool
-        .get_message_by_name("envoy.config.bootstrap.v3.Bootstrap")
-        .ok_or("no Bootstrap descriptor")?;
-    let msg = prost_reflect::DynamicMessage::deserialize(desc, v.clone())
-        .map_err(|e| format!("not a Bootstrap proto: {e}"))?;
-    serde_json::to_value(&msg).map_err(|e| e.to_string())
 }
 
 fn ips(case: &Case) -> Vec<IpAddr> {
@@ -1246,12 +1173,6 @@ fn golden_bootstraps() {
 fn bad_inputs_are_startup_errors() {
     let cases: Vec<(Case, &[&str])> =
         vec![
-        (
-            Case::new("eviction_not_multiple")
-                .annotation("sidecar.istio.io/statsFlushInterval", "10s")
-                .annotation("sidecar.istio.io/statsEvictionInterval", "15s"),
-            &["sidecar.istio.io/statsEvictionInterval", "15s", "multiple", "10s"],
-        ),
         (
             Case::new("bad_flush").annotation("sidecar.istio.io/statsFlushInterval", "soon"),
             &["sidecar.istio.io/statsFlushInterval", "soon", "duration"],

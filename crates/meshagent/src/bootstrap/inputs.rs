@@ -156,7 +156,9 @@ impl Inputs {
         let has_v4 = node.ips.iter().any(IpAddr::is_ipv4);
         let has_v6 = node.ips.iter().any(IpAddr::is_ipv6);
         let dual = cfg.bootstrap.dual_stack && has_v4 && has_v6;
-        let (wildcard, other_wildcard) = if v6_only {
+        // The wildcard's family follows the loopback's (pkg/bootstrap/config.go): IPv6 for an
+        // IPv6-only pod, or a dual-stack one whose first instance IP is IPv6.
+        let (wildcard, other_wildcard) = if node.localhost.is_ipv6() {
             ("::", "0.0.0.0")
         } else {
             ("0.0.0.0", "::")

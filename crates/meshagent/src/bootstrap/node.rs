@@ -93,12 +93,15 @@ pub fn instance_ips(
     out
 }
 
-/// The IP the agent reaches Envoy's admin on: `::1` for IPv6-only proxies or an IPv6
-/// INSTANCE_IP, else `127.0.0.1` (Istio: `pilot/cmd/pilot-agent/options/options.go`).
-pub fn localhost_for(ips: &[IpAddr], instance_ip: Option<IpAddr>) -> IpAddr {
+/// The loopback address of the bootstrap (admin, the agent and Prometheus clusters), which the
+/// agent then reaches Envoy's admin on: `::1` when every instance IP is IPv6, or, with dual
+/// stack on, when the first is; else `127.0.0.1`, also for a mixed pod without dual stack
+/// whose INSTANCE_IP is IPv6 (pkg/bootstrap/config.go: `AllIPv4`, `AllIPv6`, then
+/// `CheckIPFamilyTypeForFirstIPs` under `ISTIO_DUAL_STACK`).
+pub fn localhost_for(ips: &[IpAddr], dual_stack: bool) -> IpAddr {
     let v6_only = !ips.is_empty() && ips.iter().all(|i| i.is_ipv6());
-    let v6_instance = instance_ip.is_some_and(|i| i.is_ipv6() && !link_local(&i));
-    if v6_only || v6_instance {
+    let v6_first = dual_stack && ips.first().is_some_and(IpAddr::is_ipv6);
+    if v6_only || v6_first {
         IpAddr::from(std::net::Ipv6Addr::LOCALHOST)
     } else {
         IpAddr::from([127, 0, 0, 1])
@@ -117,15 +120,14 @@ pub fn node_id(cfg: &Config, ips: &[IpAddr]) -> String {
     )
 }
 
-/// Metadata keys whose values must be the strings "true"/"false" (Istio `StringBool`).
+/// Metadata keys whose values must be the strings "true"/"false" (Istio `StringBool`,
+/// pkg/model/proxy.go `NodeMetadata`; `HTTP10` and `UNPRIVILEGED_POD` are plain strings there).
 const STRING_BOOL_KEYS: &[&str] = &[
-    "HTTP10",
     "DNS_CAPTURE",
     "DNS_AUTO_ALLOCATE",
     "ENABLE_HBONE",
     "DISABLE_HBONE_SEND",
     "ENABLE_SELF_DISCOVERY",
-    "UNPRIVILEGED_POD",
     "EXIT_ON_ZERO_ACTIVE_CONNECTIONS",
     "INBOUND_LISTENER_EXACT_BALANCE",
     "OUTBOUND_LISTENER_EXACT_BALANCE",
@@ -151,9 +153,32 @@ fn validate(
     for (key, value) in meta {
         if STRING_BOOL_KEYS.contains(&key.as_str()) {
             match value {
-                Value::String(s) if s == "true" || s == "false" || s.is_empty() => {}
+                // Istio's StringBool reads what Go's `strconv.ParseBool` accepts
+                // (pkg/model `StringBool.UnmarshalJSON`): "1" or "T" start the proxy there.
+                Value::String(s)
+                    if s.is_empty()
+                        || matches!(
+                            s.as_str(),
+                            "1" | "t"
+                                | "T"
+                                | "TRUE"
+                                | "true"
+                                | "True"
+                                | "0"
+                                | "f"
+                                | "F"
+                                | "FALSE"
+                                | "false"
+                                | "False"
+                        ) => {}
                 Value::Bool(_) => {}
-                _ => return Err(err(key, value, "\"true\" or \"false\"")),
+                _ => {
+                    return Err(err(
+                        key,
+                        value,
+                        "\"true\" or \"false\" (or 1, t, T, TRUE, True, 0, f, F, FALSE, False)",
+                    ));
+                }
             }
         }
         if key == "POD_PORTS" {
@@ -244,6 +269,17 @@ pub fn metadata_with(
             .cloned()
             .unwrap_or_else(|| "node metadata".into())
     })?;
+    // A StringBool is written back as "true"/"false" whatever spelling it was read in
+    // ("T", "1", ...): Istio marshals the typed field.
+    for key in STRING_BOOL_KEYS {
+        if let Some(Value::String(v)) = meta.get_mut(*key) {
+            match v.as_str() {
+                "1" | "t" | "T" | "TRUE" | "True" => *v = "true".into(),
+                "0" | "f" | "F" | "FALSE" | "False" => *v = "false".into(),
+                _ => {}
+            }
+        }
+    }
     // Istio decodes these raw values into typed fields, sets its own, marshals the typed struct
     // (`omitempty`) and adds back every raw key the typed output lacks
     // (pkg/bootstrap/option/convert.go `nodeMetadataConverter`).
@@ -303,11 +339,25 @@ pub fn metadata_with(
             labels.insert(k.clone(), s(v));
         }
     }
+    // Istio overrides the `istio-locality` label with the sanitized locality label
+    // (`topology.istio.io/locality` first), dots turned into slashes
+    // (pkg/bootstrap/config.go `GetNodeMetaData`): istiod reads the node's locality from it.
+    let loc = ["topology.istio.io/locality", "istio-locality"]
+        .iter()
+        .find_map(|k| labels.get(*k).and_then(Value::as_str))
+        .filter(|l| !l.is_empty())
+        .map(sanitize_locality);
+    let mut static_labels = static_labels.unwrap_or_default();
+    if let Some(loc) = loc {
+        // Without a pod labels file, Istio's LABELS is the very map of STATIC_LABELS
+        // (ISTIO_METAJSON_LABELS), so the rewrite shows in both.
+        if cfg.pod_labels.is_empty() && !static_labels.is_empty() {
+            static_labels.insert("istio-locality".into(), Value::String(loc.clone()));
+        }
+        labels.insert("istio-locality".into(), Value::String(loc));
+    }
     meta.insert("LABELS".into(), Value::Object(labels));
-    meta.insert(
-        "STATIC_LABELS".into(),
-        Value::Object(static_labels.unwrap_or_default()),
-    );
+    meta.insert("STATIC_LABELS".into(), Value::Object(static_labels));
     {
         meta.insert(
             "ANNOTATIONS".into(),
@@ -447,6 +497,9 @@ const PROXY_CONFIG_WRAPPERS: &[&str] = &[
     "statsCompression",
 ];
 
+/// ProxyConfig's map fields (mesh/v1alpha1/proxy.proto `map<string, string>`).
+const PROXY_CONFIG_MAPS: &[&str] = &["proxyMetadata", "runtimeValues"];
+
 /// The ProxyConfig as Istio's `protomarshal.Marshal` writes it: proto-JSON, so scalar fields
 /// at their zero value (`""`, 0, false, empty lists and maps, enum value 0) are absent.
 pub fn proxy_config_json(pc: &crate::config::ProxyConfig) -> Value {
@@ -467,15 +520,28 @@ pub fn proxy_config_json(pc: &crate::config::ProxyConfig) -> Value {
             Value::Bool(b) => *b,
             Value::Number(n) => n.as_f64() != Some(0.0),
             Value::Array(a) => !a.is_empty(),
-            Value::Object(o) => !o.is_empty(),
+            // An empty map (proxyMetadata, runtimeValues) is left out; a message that is set
+            // is written even when empty (`tracing: {}`), as protojson does.
+            Value::Object(o) => !o.is_empty() || !PROXY_CONFIG_MAPS.contains(&k.as_str()),
         }
     });
     Value::Object(m)
 }
 
+/// A locality label's value as a locality: Kubernetes label values cannot hold `/`, so dots
+/// stand for them unless the value already has a `/` (pkg/model/proxy.go
+/// `SanitizeLocalityLabel`).
+fn sanitize_locality(l: &str) -> String {
+    if l.contains('/') {
+        l.to_owned()
+    } else {
+        l.replace('.', "/")
+    }
+}
+
 /// Locality `{region, zone, sub_zone}` from the `topology.istio.io/locality` label, else the
-/// legacy `istio-locality` label with dots read as slashes (pkg/model `GetLocalityLabel`,
-/// `ConvertLocality`).
+/// legacy `istio-locality` label, dots read as slashes (pkg/model `GetLocalityLabel`,
+/// `SanitizeLocalityLabel`, `ConvertLocality`).
 pub fn locality(meta: &Map<String, Value>) -> Value {
     locality_with(meta, &crate::platform::Locality::default())
 }
@@ -490,8 +556,8 @@ pub fn locality_with(meta: &Map<String, Value>, platform: &crate::platform::Loca
             .filter(|s| !s.is_empty())
     };
     let loc = label("topology.istio.io/locality")
-        .map(str::to_owned)
-        .or_else(|| label("istio-locality").map(|l| l.replace('.', "/")))
+        .or_else(|| label("istio-locality"))
+        .map(sanitize_locality)
         .unwrap_or_default();
     let mut out = Map::new();
     if loc.is_empty() {
@@ -594,9 +660,13 @@ mod tests {
         );
         let none = instance_ips(None, &[iface("lo", "127.0.0.1", true, true)], &[]);
         assert_eq!(none.len(), 2);
-        assert_eq!(localhost_for(&none, None), IpAddr::from([127, 0, 0, 1]));
+        assert_eq!(localhost_for(&none, false), IpAddr::from([127, 0, 0, 1]));
         let v6: Vec<IpAddr> = vec!["fd00::1".parse().unwrap()];
-        assert!(localhost_for(&v6, None).is_ipv6());
+        assert!(localhost_for(&v6, false).is_ipv6());
+        // A mixed pod with an IPv6 INSTANCE_IP: IPv4 unless dual stack is on.
+        let mixed: Vec<IpAddr> = vec!["fd00::1".parse().unwrap(), "10.0.0.1".parse().unwrap()];
+        assert!(localhost_for(&mixed, false).is_ipv4());
+        assert!(localhost_for(&mixed, true).is_ipv6());
     }
 
     #[test]

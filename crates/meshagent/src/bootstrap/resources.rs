@@ -112,23 +112,31 @@ pub(super) fn secure_metrics_listener(inp: &Inputs, port: u16, merged: bool) -> 
     } else {
         "secure_stats"
     };
+    // Istio's template: the chain matches TLS only (found by the TLS inspector), the peer is
+    // validated against ROOTCA in a combined validation context with an empty default, and
+    // the listener has no additional (dual-stack) address. Checked against the real
+    // pilot-agent by tests/compat_bootstrap.rs.
     let chain = json!({
+        "filter_chain_match": {"transport_protocol": "tls"},
         "transport_socket": {"name": "envoy.transport_sockets.tls", "typed_config": {
             "@type": "type.googleapis.com/envoy.extensions.transport_sockets.tls.v3.DownstreamTlsContext",
             "require_client_certificate": true,
             "common_tls_context": {
                 "tls_certificate_sds_secret_configs": [remote::sds_secret("default")],
-                "validation_context_sds_secret_config": remote::sds_secret("ROOTCA")
+                "combined_validation_context": {
+                    "default_validation_context": {},
+                    "validation_context_sds_secret_config": remote::sds_secret("ROOTCA")
+                }
             }
         }},
         "filters": [hcm(prefix, routes, vec![router()])]
     });
-    listener(
-        &inp.wildcard,
-        inp.additional_wildcard.as_deref(),
-        port,
-        chain,
-    )
+    let mut l = listener(&inp.wildcard, None, port, chain);
+    l["listener_filters"] = json!([{
+        "name": "envoy.filters.listener.tls_inspector",
+        "typed_config": {"@type": "type.googleapis.com/envoy.extensions.filters.listener.tls_inspector.v3.TlsInspector"}
+    }]);
+    l
 }
 
 pub(super) fn remote_service_cluster(
@@ -161,18 +169,29 @@ pub(super) fn remote_service_cluster(
 pub const SELF_DISCOVERY_CLUSTER: &str = "local_cluster";
 
 /// `ISTIO_META_ENABLE_SELF_DISCOVERY=true` (Istio 1.31, PR istio/istio#60765): a static EDS
-/// cluster fed over ADS, named by `cluster_manager.local_cluster_name`, which Envoy's
-/// zone-aware load balancer reads for the local zone's share of the proxy's own service.
-/// The config source follows the template's own lds/cds sources (ADS, no initial fetch
-/// timeout, V3) and, like every cluster of the template, it has `alt_stat_name: "<name>;"`
-/// (the `cluster_name` tag regex needs the `;`); the exact template text was not available,
-/// see README "Bootstrap".
+/// cluster fed over ADS (service name `local_cluster`), named by
+/// `cluster_manager.local_cluster_name`, which Envoy's zone-aware load balancer reads for the
+/// local zone's share of the proxy's own service; least-request with zone-aware routing from
+/// one endpoint up (`min_cluster_size: 1`), and, like every cluster of the template,
+/// `alt_stat_name: "<name>;"`. The shape is the real pilot-agent's
+/// (tools/packaging/common/envoy_bootstrap.json, checked by tests/compat_bootstrap.rs); with
+/// no `initial_fetch_timeout`, Envoy's default (15 s) bounds the wait for it.
 pub(super) fn self_discovery_cluster() -> Value {
     json!({
         "name": SELF_DISCOVERY_CLUSTER,
         "alt_stat_name": format!("{SELF_DISCOVERY_CLUSTER};"),
         "type": "EDS",
         "connect_timeout": "1s",
-        "eds_cluster_config": {"eds_config": {"ads": {}, "initial_fetch_timeout": "0s", "resource_api_version": "V3"}}
+        "load_balancing_policy": {"policies": [{"typed_extension_config": {
+            "name": "envoy.load_balancing_policies.least_request",
+            "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.load_balancing_policies.least_request.v3.LeastRequest",
+                "locality_lb_config": {"zone_aware_lb_config": {"min_cluster_size": "1"}}
+            }
+        }}]},
+        "eds_cluster_config": {
+            "eds_config": {"ads": {}, "resource_api_version": "V3"},
+            "service_name": SELF_DISCOVERY_CLUSTER
+        }
     })
 }

@@ -172,20 +172,21 @@ impl StatsInputs {
             }
         };
         let flush_interval = duration_annotation(cfg, ANNOTATION_FLUSH_INTERVAL)?;
-        let eviction_interval = duration_annotation(cfg, ANNOTATION_EVICTION_INTERVAL)?;
+        let mut eviction_interval = duration_annotation(cfg, ANNOTATION_EVICTION_INTERVAL)?;
         if let Some(e) = eviction_interval {
             // Envoy refuses an eviction interval that is not a multiple of the flush interval
-            // (5 s unless annotated).
+            // (5 s unless annotated). Istio logs it and leaves the eviction interval out
+            // (pkg/bootstrap/config.go `getStatsOptions`), and the proxy starts: so does
+            // meshagent, a pod that starts under Istio's agent must start here too.
             let flush = flush_interval.unwrap_or(Duration::from_secs(5));
             if flush.is_zero() || e.as_nanos() % flush.as_nanos() != 0 {
-                return Err(BootstrapError::Annotation {
-                    annotation: ANNOTATION_EVICTION_INTERVAL,
-                    value: cfg.pod_annotations[ANNOTATION_EVICTION_INTERVAL].clone(),
-                    reason: format!(
-                        "must be a multiple of the stats flush interval ({})",
-                        proto_duration(flush)
-                    ),
-                });
+                ::tracing::warn!(
+                    annotation = ANNOTATION_EVICTION_INTERVAL,
+                    value = %cfg.pod_annotations[ANNOTATION_EVICTION_INTERVAL],
+                    "stats eviction interval ignored: it must be a multiple of the stats flush interval ({})",
+                    proto_duration(flush)
+                );
+                eviction_interval = None;
             }
         }
         Ok(Self {

@@ -51,7 +51,8 @@ pub fn tracer(cfg: &Config) -> Result<Option<Tracer>, BootstrapError> {
             .and_then(Value::as_str)
             .unwrap_or("")
             .to_owned();
-        let token_path = cfg.proxy_config.config_path.join(LIGHTSTEP_TOKEN_FILE);
+        let token_path =
+            crate::bootstrap::go_join(&cfg.proxy_config.config_path, LIGHTSTEP_TOKEN_FILE);
         // Rendered as Istio renders it, but Envoy 1.40 has no Lightstep tracer: such a
         // bootstrap only starts an Envoy built with it.
         ::tracing::warn!(

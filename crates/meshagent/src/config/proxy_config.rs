@@ -91,18 +91,20 @@ pub enum InterceptionMode {
     None,
 }
 
-/// `ProxyConfig.proxyStatsMatcher`: extra Envoy stats to keep.
+/// `ProxyConfig.proxyStatsMatcher`: extra Envoy stats to keep. Empty lists are not
+/// serialized: proto-JSON leaves out empty repeated fields, and the node's `PROXY_CONFIG`
+/// metadata is proto-JSON.
 #[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct ProxyStatsMatcher {
     /// Stat name prefixes to include.
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub inclusion_prefixes: Vec<String>,
     /// Stat name suffixes to include.
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub inclusion_suffixes: Vec<String>,
     /// Stat name regular expressions to include.
-    #[serde(default)]
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub inclusion_regexps: Vec<String>,
 }
 
