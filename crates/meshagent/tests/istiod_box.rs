@@ -344,6 +344,23 @@ spec:
     )
 }
 
+/// `GET /` with `Host: host` over HTTP/1.1; the whole response, or None if it failed.
+async fn get_with_host(addr: std::net::SocketAddr, host: &str) -> Option<String> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let exchange = async {
+        let mut s = tokio::net::TcpStream::connect(addr).await.ok()?;
+        let req = format!("GET / HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n");
+        s.write_all(req.as_bytes()).await.ok()?;
+        let mut out = Vec::new();
+        s.read_to_end(&mut out).await.ok()?;
+        String::from_utf8(out).ok()
+    };
+    tokio::time::timeout(Duration::from_secs(10), exchange)
+        .await
+        .ok()
+        .flatten()
+}
+
 async fn mesh_through_istiod_box(net: u8, a_kind: AgentKind, b_kind: AgentKind) {
     let (port, b_app) = (free_port(), free_port());
     let istiod = IstiodBox::start_with(&mesh_config(net, port, b_app), Some(&mesh()), &[]).await;
@@ -365,14 +382,15 @@ async fn mesh_through_istiod_box(net: u8, a_kind: AgentKind, b_kind: AgentKind) 
     b.wait_ready(READY).await;
 
     let a_out: std::net::SocketAddr = format!("{a_ip}:{port}").parse().unwrap();
-    let (code, body) = wait_for("A → B through both sidecars", DEADLINE, || async {
-        meshagent_testkit::http_get(a_out, "/")
+    // The Host header names service b, as A's app would: istiod routes by it (anything else
+    // takes the allow-any route to PassthroughCluster).
+    let host = format!("b.default.svc.cluster.local:{port}");
+    let body = wait_for("A → B through both sidecars", DEADLINE, || async {
+        get_with_host(a_out, &host)
             .await
-            .ok()
-            .filter(|(c, _)| *c == 200)
+            .filter(|r| r.starts_with("HTTP/1.1 200"))
     })
     .await;
-    assert_eq!(code, 200);
     // B's Envoy saw A's workload certificate (istiod's inbound HCM forwards the client
     // certificate's URI in x-forwarded-client-cert): mTLS with identities from Istio's CA.
     assert!(
