@@ -226,6 +226,34 @@ async fn pilot_agent_against_istiod_box() {
     sidecar_against_istiod_box(AgentKind::PilotAgent).await;
 }
 
+/// Why istiod-box changes istiod's defaults: with `--istio-extensions` (istiod as installed)
+/// the config names Istio-proxy extensions (metadata exchange on clusters and listeners,
+/// istio.alpn, istio.stats) that upstream Envoy does not have, and Envoy rejects it.
+#[tokio::test(flavor = "multi_thread")]
+async fn upstream_envoy_rejects_istiods_default_extensions() {
+    let istiod = IstiodBox::start_with(CONFIG, Some(&mesh()), &["--istio-extensions"]).await;
+    let pod = PodSpec {
+        workload: "a",
+        namespace: "default",
+        service_account: "a",
+        ip: "127.0.0.1",
+        proxy_config: json!({}),
+    };
+    let sidecar = start_agent(&istiod, AgentKind::Meshagent, &pod).await;
+    wait_for("Envoy to reject istiod's clusters", DEADLINE, || async {
+        (envoy_counter(&sidecar, "cluster_manager.cds.update_rejected").await > 0).then_some(())
+    })
+    .await;
+    let log = sidecar.proc.log_text();
+    let rejection = log
+        .lines()
+        .find(|l| l.contains("istio.metadata_exchange") || l.contains("metadataexchange"))
+        .unwrap_or_else(|| {
+            panic!("Envoy's rejection should name the metadata exchange filter:\n{log}")
+        });
+    eprintln!("upstream Envoy on istiod's defaults: {rejection}");
+}
+
 // === a mesh: A calls B over mTLS with config from istiod ===
 
 /// Two pods on their own loopback addresses (`127.0.<net>.2` for a, `.3` for b, so istiod maps
