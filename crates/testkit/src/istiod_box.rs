@@ -176,7 +176,7 @@ impl IstiodBox {
             self.http,
             &format!(
                 "/token?namespace={namespace}&serviceAccount={sa}&dir={}",
-                dir.display()
+                query_escape(&dir.to_string_lossy())
             ),
         )
         .await
@@ -202,7 +202,20 @@ impl IstiodBox {
     }
 }
 
-/// Which agent a [`BoxAgent`] runs.
+/// `s` as a query value (Go's `url.Query` decodes `+` as a space, so it is escaped too).
+fn query_escape(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    for b in s.bytes() {
+        if b.is_ascii_alphanumeric() || b"/-_.~".contains(&b) {
+            out.push(char::from(b));
+        } else {
+            out.push_str(&format!("%{b:02X}"));
+        }
+    }
+    out
+}
+
+/// Which agent [`start_agent`] runs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum AgentKind {
     Meshagent,
