@@ -9,7 +9,7 @@ export ENVOY_BIN
 
 NEXTEST := $(shell cargo nextest --version >/dev/null 2>&1 && echo yes)
 
-.PHONY: all build agent pilot-agent test test-loaded lint unit envoy peers netpeers dnspeers wasmpeers metricspeers bench demo fuzz fuzz-tools clean-tools \
+.PHONY: all build agent pilot-agent istiod-box test test-loaded lint unit envoy peers netpeers dnspeers wasmpeers metricspeers bench demo fuzz fuzz-tools clean-tools \
 	deploytools deploy-validate imagetools image image-test orderfile
 
 all: build
@@ -137,6 +137,21 @@ $(PILOT_AGENT): compat/go.mod compat/go.sum
 	  -o $(PILOT_AGENT) istio.io/istio/pilot/cmd/pilot-agent
 	@$(PILOT_AGENT) version --short 2>/dev/null || true
 
+# istiod-box (compat/istiod-box): Istio's own control-plane code — config generation over
+# in-memory Kubernetes clients (pilot/test/xds), the Istio CA and its authenticators — on
+# loopback, the reference control plane of tests/istiod_box.rs. A package of the compat module,
+# so it builds against the same istio.io/istio pin as pilot-agent; no `agent` tag (that tag
+# leaves the Kubernetes client code out, which the fake server needs). The tests that start
+# pilot-agent against it use Istio's template beside it (ISTIO_TEMPLATE, above). Times on this
+# 2-core machine: compat/istiod-box/README.md.
+ISTIOD_BOX := $(TOOLS)/istio/istiod-box
+export ISTIOD_BOX
+export ISTIO_BOOTSTRAP_TEMPLATE := $(ISTIO_TEMPLATE)
+istiod-box: $(ISTIOD_BOX) $(ISTIO_TEMPLATE)
+$(ISTIOD_BOX): compat/go.mod compat/go.sum $(wildcard compat/istiod-box/*.go)
+	@[ -x "$(GO)" ] || { echo "Go is needed to build istiod-box (compat/): $(GO) not found" >&2; exit 1; }
+	cd compat && $(GOENV) $(GO) build -trimpath -ldflags "-s -w" -o $(ISTIOD_BOX) ./istiod-box
+
 # A strict Prometheus text-format parser for the status merge tests: a small Go program on
 # github.com/prometheus/common/expfmt (the parser of Prometheus' Go client libraries; it
 # rejects a repeated HELP/TYPE line, invalid UTF-8 and malformed samples), built from
@@ -153,7 +168,7 @@ lint:
 	cargo fmt --all -- --check
 	cargo clippy --workspace --all-targets -- -D warnings
 
-test: envoy peers netpeers dnspeers wasmpeers metricspeers pilot-agent deploy-validate lint build
+test: envoy peers netpeers dnspeers wasmpeers metricspeers pilot-agent istiod-box deploy-validate lint build
 ifeq ($(NEXTEST),yes)
 	cargo nextest run --workspace --no-fail-fast
 	# nextest does not run doctests (metrics: a label-count mismatch must not compile).

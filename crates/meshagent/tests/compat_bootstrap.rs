@@ -36,35 +36,10 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use bootstrap_support::{as_bootstrap_proto, diff, envoy_descriptors};
-use meshagent_testkit::{Proc, workspace_root};
+use meshagent_testkit::Proc;
+use meshagent_testkit::istiod_box::{istio_bootstrap_template, pilot_agent_bin as pilot_agent};
 use serde_json::{Map, Value, json};
 use tokio::time::Instant;
-
-/// The real pilot-agent: `PILOT_AGENT`, else `.tools/istio/pilot-agent` (`make pilot-agent`).
-fn pilot_agent() -> PathBuf {
-    let p = std::env::var_os("PILOT_AGENT")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| workspace_root().join(".tools/istio/pilot-agent"));
-    assert!(
-        p.exists(),
-        "the real pilot-agent is missing at {} (run `make pilot-agent`)",
-        p.display()
-    );
-    p
-}
-
-/// Istio's default bootstrap template of the pinned module, which `make pilot-agent` copies
-/// beside the binary (never into the repository). pilot-agent renders it from
-/// `./var/lib/istio/envoy/envoy_bootstrap_tmpl.json` (`pkg/bootstrap/instance.go`).
-fn istio_template(pilot_agent: &Path) -> PathBuf {
-    let p = pilot_agent.with_file_name("envoy_bootstrap.json");
-    assert!(
-        p.exists(),
-        "Istio's bootstrap template is missing at {} (run `make pilot-agent`)",
-        p.display()
-    );
-    p
-}
 
 /// Run by `sh -c` in the new network namespace, then `exec "$@"` (as in compat_iptables).
 const POD_NETNS: &str = "set -e; ip link set lo up; ip link add eth0 type veth peer name eth0p; \
@@ -762,7 +737,7 @@ struct Fixture {
     _dir: tempfile::TempDir,
 }
 
-fn fixture(pa: &Path) -> Fixture {
+fn fixture() -> Fixture {
     let dir = tempfile::tempdir().unwrap();
     let fake_envoy = dir.path().join("envoy");
     std::fs::write(&fake_envoy, FAKE_ENVOY).unwrap();
@@ -787,7 +762,7 @@ fn fixture(pa: &Path) -> Fixture {
     Fixture {
         fake_envoy,
         root_cert,
-        template: istio_template(pa),
+        template: istio_bootstrap_template(),
         _dir: dir,
     }
 }
@@ -1002,7 +977,7 @@ fn path_of(line: &str) -> &str {
 fn bootstraps_match_pilot_agent() {
     let pa = pilot_agent();
     let ma = PathBuf::from(env!("CARGO_BIN_EXE_meshagent"));
-    let fx = fixture(&pa);
+    let fx = fixture();
     let pool = envoy_descriptors();
     assert!(CASES.len() >= 40, "only {} cases", CASES.len());
     for (name, _) in KNOWN {

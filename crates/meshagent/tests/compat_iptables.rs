@@ -18,20 +18,7 @@ use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::process::Command;
 
-use meshagent_testkit::workspace_root;
-
-/// The real pilot-agent: `PILOT_AGENT`, else `.tools/istio/pilot-agent` (`make pilot-agent`).
-fn pilot_agent() -> PathBuf {
-    let p = std::env::var_os("PILOT_AGENT")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| workspace_root().join(".tools/istio/pilot-agent"));
-    assert!(
-        p.exists(),
-        "the real pilot-agent is missing at {} (run `make pilot-agent`)",
-        p.display()
-    );
-    p
-}
+use meshagent_testkit::istiod_box::pilot_agent_bin as pilot_agent;
 
 /// What one tool would apply: table input per family ("iptables-restore", "ip6tables-restore",
 /// "nft"), in order; or the failure.

@@ -17,6 +17,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 pub use serde_json::{Value, json};
 
 pub mod ca_client;
+pub mod istiod_box;
 pub mod kubelet;
 pub mod static_sds;
 

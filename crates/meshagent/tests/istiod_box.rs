@@ -1,0 +1,455 @@
+//! Agents against the real istiod code path: istiod-box (`compat/istiod-box`, Istio's config
+//! generation, CA and authenticators from the pinned istio.io/istio module) on loopback, with
+//! meshagent and with the real pilot-agent (`make pilot-agent`), each as a pod runs it with a
+//! real Envoy. Both must get their workload certificate from Istio's CA with the token
+//! istiod-box issued, and load the listeners and clusters istiod generated from the YAML.
+
+#![allow(clippy::unwrap_used)] // tests fail loudly by design
+
+use std::time::Duration;
+
+use meshagent_testkit::istiod_box::{
+    AgentKind, IstiodBox, PodSpec, dynamic_names, envoy_config_dump, envoy_counter, start_agent,
+    wait_for_envoy_cluster,
+};
+use meshagent_testkit::{DEADLINE, free_port, json, wait_for};
+
+const READY: Duration = Duration::from_secs(60);
+
+/// Workload a (pod a-5f7d9 in default, service account a) and service b in namespace ns.
+const CONFIG: &str = r#"
+apiVersion: v1
+kind: Namespace
+metadata:
+  name: ns
+---
+apiVersion: v1
+kind: Service
+metadata:
+  name: a
+  namespace: default
+spec:
+  clusterIP: 10.96.0.10
+  selector:
+    app: a
+  ports:
+  - name: http
+    port: 80
+    targetPort: 8080
+---
+apiVersion: v1
+kind: Pod
+metadata:
+  name: a-5f7d9
+  namespace: default
+  labels:
+    app: a
+spec:
+  serviceAccountName: a
+  containers:
+  - name: app
+    image: app
+status:
+  phase: Running
+  podIP: 127.0.0.1
+  podIPs:
+  - ip: 127.0.0.1
+  conditions:
+  - type: Ready
+    status: "True"
+---
+apiVersion: v1
+kind: Service
+metadata:
+  name: b
+  namespace: ns
+spec:
+  clusterIP: 10.96.0.11
+  selector:
+    app: b
+  ports:
+  - name: http
+    port: 80
+    targetPort: 8080
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata:
+  name: b-1
+  namespace: ns
+  labels:
+    kubernetes.io/service-name: b
+addressType: IPv4
+endpoints:
+- addresses:
+  - 127.0.0.3
+  conditions:
+    ready: true
+ports:
+- name: http
+  port: 8080
+  protocol: TCP
+---
+apiVersion: networking.istio.io/v1
+kind: ServiceEntry
+metadata:
+  name: external
+  namespace: ns
+spec:
+  hosts:
+  - api.example.com
+  location: MESH_EXTERNAL
+  ports:
+  - number: 443
+    name: tls
+    protocol: TLS
+  resolution: DNS
+"#;
+
+const SERVICE_C: &str = r#"
+apiVersion: v1
+kind: Service
+metadata:
+  name: c
+  namespace: ns
+spec:
+  clusterIP: 10.96.0.12
+  ports:
+  - name: http
+    port: 8080
+"#;
+
+/// The mesh with the capture listeners (15001/15006 in a pod) on free ports, so Envoys of
+/// tests running in parallel do not share them.
+fn mesh() -> String {
+    format!(
+        "proxyListenPort: {}\nproxyInboundListenPort: {}\n",
+        free_port(),
+        free_port()
+    )
+}
+
+async fn sidecar_against_istiod_box(kind: AgentKind) {
+    let istiod = IstiodBox::start_with(CONFIG, Some(&mesh()), &[]).await;
+    let pod = PodSpec {
+        workload: "a",
+        namespace: "default",
+        service_account: "a",
+        ip: "127.0.0.1",
+        proxy_config: json!({}),
+    };
+    let mut sidecar = start_agent(&istiod, kind, &pod).await;
+    sidecar.wait_ready(READY).await;
+
+    // The workload certificate from Istio's CA, for the identity in the token.
+    let ids = wait_for(
+        "Envoy to have the workload certificate",
+        DEADLINE,
+        || async {
+            let ids = sidecar.spiffe_ids().await;
+            (!ids.is_empty()).then_some(ids)
+        },
+    )
+    .await;
+    assert_eq!(ids, vec!["spiffe://cluster.local/ns/default/sa/a"]);
+
+    // istiod's listeners and clusters for this proxy, loaded by upstream Envoy.
+    wait_for_envoy_cluster(&sidecar, "outbound|80||b.ns.svc.cluster.local", DEADLINE).await;
+    let dump = envoy_config_dump(&sidecar).await.unwrap();
+    let (clusters, listeners) = dynamic_names(&dump);
+    for c in [
+        "outbound|443||api.example.com",
+        "outbound|80||a.default.svc.cluster.local",
+        "inbound|8080||",
+        "BlackHoleCluster",
+        "PassthroughCluster",
+    ] {
+        assert!(clusters.iter().any(|n| n == c), "no {c} in {clusters:?}");
+    }
+    for l in ["virtualOutbound", "virtualInbound", "0.0.0.0_80"] {
+        assert!(listeners.iter().any(|n| n == l), "no {l} in {listeners:?}");
+    }
+    for counter in [
+        "cluster_manager.cds.update_rejected",
+        "listener_manager.lds.update_rejected",
+    ] {
+        assert_eq!(envoy_counter(&sidecar, counter).await, 0, "{counter}");
+    }
+
+    // istiod sees the proxy (its own debug endpoints).
+    let proxies = wait_for("istiod to list the proxy", DEADLINE, || async {
+        let p = istiod.connected_proxies().await;
+        p.iter()
+            .any(|p| p.starts_with("a-5f7d9.default"))
+            .then_some(p)
+    })
+    .await;
+    let proxy_id = proxies
+        .iter()
+        .find(|p| p.starts_with("a-5f7d9.default"))
+        .unwrap();
+    let cd = istiod
+        .debug_json(&format!("/debug/config_dump?proxyID={proxy_id}"))
+        .await;
+    assert!(cd["configs"].is_array(), "{cd}");
+
+    // A live change is pushed; so is its removal.
+    istiod.apply(SERVICE_C).await;
+    wait_for_envoy_cluster(&sidecar, "outbound|8080||c.ns.svc.cluster.local", DEADLINE).await;
+    istiod.delete(SERVICE_C).await;
+    wait_for(
+        "Envoy to drop the deleted service's cluster",
+        DEADLINE,
+        || async {
+            let dump = envoy_config_dump(&sidecar).await?;
+            (!dynamic_names(&dump)
+                .0
+                .iter()
+                .any(|c| c == "outbound|8080||c.ns.svc.cluster.local"))
+            .then_some(())
+        },
+    )
+    .await;
+    assert_eq!(
+        envoy_counter(&sidecar, "cluster_manager.cds.update_rejected").await,
+        0
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn meshagent_against_istiod_box() {
+    sidecar_against_istiod_box(AgentKind::Meshagent).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn pilot_agent_against_istiod_box() {
+    sidecar_against_istiod_box(AgentKind::PilotAgent).await;
+}
+
+/// Why istiod-box changes istiod's defaults: with `--istio-extensions` (istiod as installed)
+/// the config names Istio-proxy extensions (metadata exchange on clusters and listeners,
+/// istio.alpn, istio.stats) that upstream Envoy does not have, and Envoy rejects it.
+#[tokio::test(flavor = "multi_thread")]
+async fn upstream_envoy_rejects_istiods_default_extensions() {
+    let istiod = IstiodBox::start_with(CONFIG, Some(&mesh()), &["--istio-extensions"]).await;
+    let pod = PodSpec {
+        workload: "a",
+        namespace: "default",
+        service_account: "a",
+        ip: "127.0.0.1",
+        proxy_config: json!({}),
+    };
+    let sidecar = start_agent(&istiod, AgentKind::Meshagent, &pod).await;
+    wait_for("Envoy to reject istiod's clusters", DEADLINE, || async {
+        (envoy_counter(&sidecar, "cluster_manager.cds.update_rejected").await > 0).then_some(())
+    })
+    .await;
+    let log = sidecar.proc.log_text();
+    let rejection = log
+        .lines()
+        .find(|l| l.contains("istio.metadata_exchange") || l.contains("metadataexchange"))
+        .unwrap_or_else(|| {
+            panic!("Envoy's rejection should name the metadata exchange filter:\n{log}")
+        });
+    eprintln!("upstream Envoy on istiod's defaults: {rejection}");
+}
+
+// === a mesh: A calls B over mTLS with config from istiod ===
+
+/// Two pods on their own loopback addresses (`127.0.<net>.2` for a, `.3` for b, so istiod maps
+/// each proxy to its pod by IP), service b on port `port`, and Sidecar resources that make
+/// istiod bind A's outbound listener and B's inbound listener to the pod addresses
+/// (`captureMode: NONE`: no iptables here) with B's inbound forwarding to B's app.
+fn mesh_config(net: u8, port: u16, b_app: u16) -> String {
+    let (a_ip, b_ip) = (format!("127.0.{net}.2"), format!("127.0.{net}.3"));
+    let pod = |name: &str, ip: &str| {
+        format!(
+            r#"apiVersion: v1
+kind: Pod
+metadata:
+  name: {name}-5f7d9
+  namespace: default
+  labels:
+    app: {name}
+    security.istio.io/tlsMode: istio
+spec:
+  serviceAccountName: {name}
+  containers:
+  - name: app
+    image: app
+status:
+  phase: Running
+  podIP: {ip}
+  podIPs:
+  - ip: {ip}
+  conditions:
+  - type: Ready
+    status: "True"
+"#
+        )
+    };
+    format!(
+        r#"{pod_a}---
+{pod_b}---
+apiVersion: v1
+kind: Service
+metadata:
+  name: b
+  namespace: default
+spec:
+  clusterIP: 10.96.{net}.11
+  selector:
+    app: b
+  ports:
+  - name: http
+    port: {port}
+    targetPort: {port}
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata:
+  name: b-1
+  namespace: default
+  labels:
+    kubernetes.io/service-name: b
+addressType: IPv4
+endpoints:
+- addresses:
+  - {b_ip}
+  conditions:
+    ready: true
+  targetRef:
+    kind: Pod
+    name: b-5f7d9
+    namespace: default
+ports:
+- name: http
+  port: {port}
+  protocol: TCP
+---
+apiVersion: networking.istio.io/v1
+kind: Sidecar
+metadata:
+  name: a
+  namespace: default
+spec:
+  workloadSelector:
+    labels:
+      app: a
+  egress:
+  - port:
+      number: {port}
+      protocol: HTTP
+      name: http
+    bind: {a_ip}
+    captureMode: NONE
+    hosts:
+    - ./*
+---
+apiVersion: networking.istio.io/v1
+kind: Sidecar
+metadata:
+  name: b
+  namespace: default
+spec:
+  workloadSelector:
+    labels:
+      app: b
+  ingress:
+  - port:
+      number: {port}
+      protocol: HTTP
+      name: http
+    bind: {b_ip}
+    defaultEndpoint: 127.0.0.1:{b_app}
+    captureMode: NONE
+  egress:
+  - hosts:
+    - ./*
+"#,
+        pod_a = pod("a", &a_ip),
+        pod_b = pod("b", &b_ip),
+    )
+}
+
+/// `GET /` with `Host: host` over HTTP/1.1; the whole response, or None if it failed.
+async fn get_with_host(addr: std::net::SocketAddr, host: &str) -> Option<String> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let exchange = async {
+        let mut s = tokio::net::TcpStream::connect(addr).await.ok()?;
+        let req = format!("GET / HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n");
+        s.write_all(req.as_bytes()).await.ok()?;
+        let mut out = Vec::new();
+        s.read_to_end(&mut out).await.ok()?;
+        String::from_utf8(out).ok()
+    };
+    tokio::time::timeout(Duration::from_secs(10), exchange)
+        .await
+        .ok()
+        .flatten()
+}
+
+async fn mesh_through_istiod_box(net: u8, a_kind: AgentKind, b_kind: AgentKind) {
+    let (port, b_app) = (free_port(), free_port());
+    let istiod = IstiodBox::start_with(&mesh_config(net, port, b_app), Some(&mesh()), &[]).await;
+    let l = tokio::net::TcpListener::bind(("127.0.0.1", b_app))
+        .await
+        .unwrap();
+    tokio::spawn(meshagent_testkit::identity_app("b", l, Duration::ZERO));
+    let (a_ip, b_ip) = (format!("127.0.{net}.2"), format!("127.0.{net}.3"));
+    let pod = |workload, ip| PodSpec {
+        workload,
+        namespace: "default",
+        service_account: workload,
+        ip,
+        proxy_config: json!({}),
+    };
+    let mut a = start_agent(&istiod, a_kind, &pod("a", &a_ip)).await;
+    let mut b = start_agent(&istiod, b_kind, &pod("b", &b_ip)).await;
+    a.wait_ready(READY).await;
+    b.wait_ready(READY).await;
+
+    let a_out: std::net::SocketAddr = format!("{a_ip}:{port}").parse().unwrap();
+    // The Host header names service b, as A's app would: istiod routes by it (anything else
+    // takes the allow-any route to PassthroughCluster).
+    let host = format!("b.default.svc.cluster.local:{port}");
+    let body = wait_for("A → B through both sidecars", DEADLINE, || async {
+        get_with_host(a_out, &host)
+            .await
+            .filter(|r| r.starts_with("HTTP/1.1 200"))
+    })
+    .await;
+    // B's Envoy saw A's workload certificate (istiod's inbound HCM forwards the client
+    // certificate's URI in x-forwarded-client-cert): mTLS with identities from Istio's CA.
+    assert!(
+        body.contains("hello from b; caller identity: spiffe://cluster.local/ns/default/sa/a"),
+        "{body}"
+    );
+    for (s, id) in [(&a, "a"), (&b, "b")] {
+        assert_eq!(
+            s.spiffe_ids().await,
+            vec![format!("spiffe://cluster.local/ns/default/sa/{id}")]
+        );
+        for counter in [
+            "cluster_manager.cds.update_rejected",
+            "listener_manager.lds.update_rejected",
+        ] {
+            assert_eq!(envoy_counter(s, counter).await, 0, "{id}: {counter}");
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn mesh_meshagent_to_meshagent() {
+    mesh_through_istiod_box(11, AgentKind::Meshagent, AgentKind::Meshagent).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn mesh_pilot_agent_to_pilot_agent() {
+    mesh_through_istiod_box(12, AgentKind::PilotAgent, AgentKind::PilotAgent).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn mesh_meshagent_to_pilot_agent() {
+    mesh_through_istiod_box(13, AgentKind::Meshagent, AgentKind::PilotAgent).await;
+}

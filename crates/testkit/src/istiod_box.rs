@@ -1,0 +1,371 @@
+//! istiod-box (`compat/istiod-box`, `make istiod-box`): Istio's own control-plane code (config
+//! generation, CA, authenticators) on loopback, run as a process, plus the agents — meshagent
+//! and the real pilot-agent — started against it exactly as a pod runs them.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Duration;
+
+use crate::{
+    Proc, Sidecar, Value, envoy_bin, free_addr, free_port, http_get, http_with_body, json,
+    wait_for, workspace_bin, workspace_root,
+};
+
+/// How long istiod-box may take to start: building the first push context of Istio's fake
+/// server and generating the CA's RSA keys take a few seconds on a loaded 2-core machine.
+pub const ISTIOD_BOX_START: Duration = Duration::from_secs(90);
+
+/// The istiod-box binary: `ISTIOD_BOX`, else `.tools/istio/istiod-box`. Missing fails the
+/// test (never a skip).
+pub fn istiod_box_bin() -> PathBuf {
+    let p = std::env::var_os("ISTIOD_BOX")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| workspace_root().join(".tools/istio/istiod-box"));
+    assert!(
+        p.exists(),
+        "istiod-box not found at {}: run `make istiod-box` (or set ISTIOD_BOX)",
+        p.display()
+    );
+    p
+}
+
+/// The real pilot-agent: `PILOT_AGENT`, else `.tools/istio/pilot-agent` (`make pilot-agent`).
+pub fn pilot_agent_bin() -> PathBuf {
+    let p = std::env::var_os("PILOT_AGENT")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| workspace_root().join(".tools/istio/pilot-agent"));
+    assert!(
+        p.exists(),
+        "pilot-agent not found at {}: run `make pilot-agent` (or set PILOT_AGENT)",
+        p.display()
+    );
+    p
+}
+
+/// Istio's default Envoy bootstrap template (`tools/packaging/common/envoy_bootstrap.json` of
+/// the pinned istio.io/istio module), which pilot-agent reads from
+/// `./var/lib/istio/envoy/envoy_bootstrap_tmpl.json`: `ISTIO_BOOTSTRAP_TEMPLATE`, else the copy
+/// `make istiod-box` puts in `.tools/istio/` (it is never part of the repository).
+pub fn istio_bootstrap_template() -> PathBuf {
+    let p = std::env::var_os("ISTIO_BOOTSTRAP_TEMPLATE")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| workspace_root().join(".tools/istio/envoy_bootstrap.json"));
+    assert!(
+        p.exists(),
+        "Istio's bootstrap template not found at {}: run `make istiod-box` (it copies it from \
+         the Go module cache) or set ISTIO_BOOTSTRAP_TEMPLATE",
+        p.display()
+    );
+    p
+}
+
+/// A running istiod-box.
+pub struct IstiodBox {
+    // Declared first so it is dropped (and its log printed) before `dir` is deleted.
+    pub proc: Proc,
+    pub dir: tempfile::TempDir,
+    /// ADS + Istio CA over TLS (istiod's 15012).
+    pub grpc_tls: SocketAddr,
+    /// ADS in plaintext (istiod's 15010).
+    pub grpc_plain: SocketAddr,
+    /// istiod's debug endpoints, `/ready`, `/jwks`, `/token`, `/apply`.
+    pub http: SocketAddr,
+    root_cert: PathBuf,
+}
+
+impl IstiodBox {
+    /// Starts istiod-box with `config` (Kubernetes objects and Istio resources) and waits for
+    /// its ready line.
+    pub async fn start(config: &str) -> IstiodBox {
+        Self::start_with(config, None, &[]).await
+    }
+
+    /// [`IstiodBox::start`] with a mesh config and extra flags.
+    pub async fn start_with(config: &str, mesh: Option<&str>, args: &[&str]) -> IstiodBox {
+        let dir = tempfile::tempdir().unwrap();
+        let config_path = dir.path().join("config.yaml");
+        std::fs::write(&config_path, config).unwrap();
+        let ready_file = dir.path().join("ready.json");
+        let mut cmd = Command::new(istiod_box_bin());
+        cmd.arg("--config")
+            .arg(&config_path)
+            .arg("--ready-file")
+            .arg(&ready_file)
+            .arg("--state-dir")
+            .arg(dir.path().join("state"))
+            .args(args);
+        if let Some(mesh) = mesh {
+            let mesh_path = dir.path().join("mesh.yaml");
+            std::fs::write(&mesh_path, mesh).unwrap();
+            cmd.arg("--mesh").arg(mesh_path);
+        }
+        let mut proc = Proc::spawn("istiod-box", cmd, dir.path());
+        let deadline = tokio::time::Instant::now() + ISTIOD_BOX_START;
+        let ready: Value = loop {
+            if let Ok(text) = std::fs::read_to_string(&ready_file) {
+                break serde_json::from_str(&text)
+                    .unwrap_or_else(|e| panic!("istiod-box ready file {text:?}: {e}"));
+            }
+            if let Some(status) = proc.try_wait() {
+                panic!("istiod-box exited before it was ready: {status}");
+            }
+            if tokio::time::Instant::now() >= deadline {
+                panic!("istiod-box not ready after {ISTIOD_BOX_START:?}");
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        };
+        let addr = |k: &str| -> SocketAddr {
+            ready[k]
+                .as_str()
+                .and_then(|s| s.parse().ok())
+                .unwrap_or_else(|| panic!("istiod-box ready line lacks {k}: {ready}"))
+        };
+        let b = IstiodBox {
+            grpc_tls: addr("grpc_tls"),
+            grpc_plain: addr("grpc_plain"),
+            http: addr("http"),
+            root_cert: PathBuf::from(ready["root_cert"].as_str().unwrap()),
+            proc,
+            dir,
+        };
+        let (code, body) = http_get(b.http, "/ready").await.unwrap();
+        assert_eq!(code, 200, "istiod-box /ready: {body}");
+        b
+    }
+
+    pub fn root_cert_path(&self) -> &Path {
+        &self.root_cert
+    }
+
+    /// `POST /apply`: creates or updates the objects; returns istiod-box's account of them.
+    pub async fn apply(&self, yaml: &str) -> String {
+        self.post("/apply", yaml).await
+    }
+
+    /// `POST /delete`: deletes the objects.
+    pub async fn delete(&self, yaml: &str) -> String {
+        self.post("/delete", yaml).await
+    }
+
+    async fn post(&self, path: &str, yaml: &str) -> String {
+        let (code, body) = http_with_body("POST", self.http, path, yaml.as_bytes())
+            .await
+            .unwrap();
+        assert_eq!(code, 200, "istiod-box {path}: {body}");
+        body
+    }
+
+    /// A service account token for `namespace`/`sa` signed by istiod-box's issuer.
+    pub async fn token(&self, namespace: &str, sa: &str) -> String {
+        let (code, body) = http_get(
+            self.http,
+            &format!("/token?namespace={namespace}&serviceAccount={sa}"),
+        )
+        .await
+        .unwrap();
+        assert_eq!(code, 200, "istiod-box /token: {body}");
+        body.trim().to_owned()
+    }
+
+    /// Writes a token for `namespace`/`sa` and the root certificate where an agent running in
+    /// `dir` reads them (`./var/run/secrets/tokens/istio-token`,
+    /// `./var/run/secrets/istio/root-cert.pem`); istiod-box writes them itself.
+    pub async fn write_token(&self, dir: &Path, namespace: &str, sa: &str) {
+        let (code, body) = http_get(
+            self.http,
+            &format!(
+                "/token?namespace={namespace}&serviceAccount={sa}&dir={}",
+                query_escape(&dir.to_string_lossy())
+            ),
+        )
+        .await
+        .unwrap();
+        assert_eq!(code, 200, "istiod-box /token: {body}");
+    }
+
+    /// GET of one of istiod's debug endpoints (`/debug/syncz`, `/debug/config_dump?proxyID=`).
+    pub async fn debug_json(&self, path: &str) -> Value {
+        let (code, body) = http_get(self.http, path).await.unwrap();
+        assert_eq!(code, 200, "istiod-box {path}: {body}");
+        serde_json::from_str(&body).unwrap_or_else(|e| panic!("{path}: {e}: {body}"))
+    }
+
+    /// Proxies connected to istiod (`/debug/syncz`), as their proxy IDs.
+    pub async fn connected_proxies(&self) -> Vec<String> {
+        let v = self.debug_json("/debug/syncz").await;
+        v.as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(|p| p["proxy"].as_str().map(str::to_owned))
+            .collect()
+    }
+}
+
+/// `s` as a query value (Go's `url.Query` decodes `+` as a space, so it is escaped too).
+fn query_escape(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    for b in s.bytes() {
+        if b.is_ascii_alphanumeric() || b"/-_.~".contains(&b) {
+            out.push(char::from(b));
+        } else {
+            out.push_str(&format!("%{b:02X}"));
+        }
+    }
+    out
+}
+
+/// Which agent [`start_agent`] runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum AgentKind {
+    Meshagent,
+    PilotAgent,
+}
+
+/// One pod's sidecar against istiod-box.
+pub struct PodSpec<'a> {
+    /// The workload; the pod is `<workload>-5f7d9`.
+    pub workload: &'a str,
+    pub namespace: &'a str,
+    pub service_account: &'a str,
+    /// The pod IP (a loopback address; one per pod so istiod maps proxies to pods).
+    pub ip: &'a str,
+    /// ProxyConfig fields added to the defaults (free ports, Envoy binary, drain durations).
+    pub proxy_config: Value,
+}
+
+/// Starts `kind` as `pilot-agent proxy sidecar` for `pod` against `istiod`, as a pod runs it:
+/// Istio's env vars, the token and root at Istio's relative paths in its own working
+/// directory, every fixed port moved to a free one so tests run in parallel.
+pub async fn start_agent(istiod: &IstiodBox, kind: AgentKind, pod: &PodSpec<'_>) -> Sidecar {
+    let cwd = tempfile::tempdir().unwrap();
+    istiod
+        .write_token(cwd.path(), pod.namespace, pod.service_account)
+        .await;
+    if kind == AgentKind::PilotAgent {
+        // pilot-agent reads its template relative to its cwd (pkg/bootstrap/config.go).
+        let tmpl = cwd
+            .path()
+            .join("var/lib/istio/envoy/envoy_bootstrap_tmpl.json");
+        std::fs::create_dir_all(tmpl.parent().unwrap()).unwrap();
+        std::fs::copy(istio_bootstrap_template(), &tmpl).unwrap();
+    }
+    let (status, admin, envoy_status) = (free_addr(), free_addr(), free_addr());
+    // `localhost:<port>` → server name istiod.istio-system.svc (Istio's rule for a local
+    // discovery address), which istiod-box's serving certificate carries.
+    let istiod_addr = format!("localhost:{}", istiod.grpc_tls.port());
+    let mut pc = json!({
+        "discoveryAddress": istiod_addr,
+        "binaryPath": envoy_bin(),
+        "proxyAdminPort": admin.port(),
+        "statusPort": status.port(),
+        "terminationDrainDuration": "2s",
+        "drainDuration": "2s",
+    });
+    for (k, v) in pod.proxy_config.as_object().into_iter().flatten() {
+        pc[k] = v.clone();
+    }
+    let program = match kind {
+        AgentKind::Meshagent => workspace_bin("meshagent"),
+        AgentKind::PilotAgent => pilot_agent_bin(),
+    };
+    let mut cmd = Command::new(program);
+    cmd.args([
+        "proxy",
+        "sidecar",
+        "--domain",
+        &format!("{}.svc.cluster.local", pod.namespace),
+        "--proxyLogLevel=warning",
+        "--log_output_level=default:info",
+    ])
+    .current_dir(cwd.path())
+    .env_clear()
+    .env("PATH", std::env::var_os("PATH").unwrap_or_default())
+    .env("POD_NAME", format!("{}-5f7d9", pod.workload))
+    .env("POD_NAMESPACE", pod.namespace)
+    .env("SERVICE_ACCOUNT", pod.service_account)
+    .env("INSTANCE_IP", pod.ip)
+    .env("CA_ADDR", &istiod_addr)
+    .env("PILOT_CERT_PROVIDER", "istiod")
+    .env("ISTIO_META_CLUSTER_ID", "Kubernetes")
+    .env("ISTIO_META_WORKLOAD_NAME", pod.workload)
+    .env("ISTIO_META_MESH_ID", "cluster.local")
+    .env("ENVOY_STATUS_PORT", envoy_status.port().to_string())
+    .env("ENVOY_PROMETHEUS_PORT", free_port().to_string())
+    .env("PROXY_CONFIG", pc.to_string())
+    .env("CLOUD_PLATFORM", "none")
+    .env("RUST_BACKTRACE", "1");
+    let name = match kind {
+        AgentKind::Meshagent => format!("meshagent-{}", pod.workload),
+        AgentKind::PilotAgent => format!("pilot-agent-{}", pod.workload),
+    };
+    let proc = Proc::spawn(&name, cmd, cwd.path());
+    Sidecar {
+        proc,
+        cwd,
+        status,
+        admin,
+        envoy_status,
+    }
+}
+
+/// Envoy's `/config_dump` of `sidecar` (its admin port), parsed.
+pub async fn envoy_config_dump(sidecar: &Sidecar) -> Option<Value> {
+    match http_get(sidecar.admin, "/config_dump").await {
+        Ok((200, body)) => serde_json::from_str(&body).ok(),
+        _ => None,
+    }
+}
+
+/// Names of the dynamic clusters (active and warming) and listeners in a `/config_dump`.
+pub fn dynamic_names(dump: &Value) -> (Vec<String>, Vec<String>) {
+    let (mut clusters, mut listeners) = (vec![], vec![]);
+    for cfg in dump["configs"].as_array().into_iter().flatten() {
+        let t = cfg["@type"].as_str().unwrap_or("");
+        if t.ends_with("ClustersConfigDump") {
+            for list in ["dynamic_active_clusters", "dynamic_warming_clusters"] {
+                for c in cfg[list].as_array().into_iter().flatten() {
+                    if let Some(n) = c["cluster"]["name"].as_str() {
+                        clusters.push(n.to_owned());
+                    }
+                }
+            }
+        } else if t.ends_with("ListenersConfigDump") {
+            for l in cfg["dynamic_listeners"].as_array().into_iter().flatten() {
+                if let Some(n) = l["name"].as_str() {
+                    listeners.push(n.to_owned());
+                }
+            }
+        }
+    }
+    (clusters, listeners)
+}
+
+/// Waits until `sidecar`'s Envoy has cluster `name`.
+pub async fn wait_for_envoy_cluster(sidecar: &Sidecar, name: &str, timeout: Duration) {
+    wait_for(
+        &format!("Envoy to have cluster {name}"),
+        timeout,
+        || async {
+            let dump = envoy_config_dump(sidecar).await?;
+            dynamic_names(&dump)
+                .0
+                .iter()
+                .any(|c| c == name)
+                .then_some(())
+        },
+    )
+    .await
+}
+
+/// Envoy's counter `name` from its admin `/stats` (0 if absent).
+pub async fn envoy_counter(sidecar: &Sidecar, name: &str) -> u64 {
+    let path = format!("/stats?filter=^{}$", name.replace('.', "\\."));
+    let Ok((200, body)) = http_get(sidecar.admin, &path).await else {
+        return 0;
+    };
+    body.lines()
+        .find_map(|l| l.strip_prefix(&format!("{name}: ")))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(0)
+}
