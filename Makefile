@@ -183,7 +183,7 @@ test-loaded:
 	RUNS=$(or $(RUNS),3) .ci/test-loaded
 
 # Benchmarks (not tests): release builds against real Envoy and devplane; results go to BENCHMARKS.md.
-bench: envoy agent netpeers dnspeers wasmpeers
+bench: envoy agent netpeers dnspeers wasmpeers pilot-agent istiod-box
 	cargo build --release --bins
 	cargo bench -p meshagent --bench sds
 	cargo bench -p meshagent --bench xds
@@ -196,6 +196,7 @@ bench: envoy agent netpeers dnspeers wasmpeers
 	MESHAGENT_BIN=$(AGENT_BIN) cargo bench -p meshagent --bench grpc
 	MESHAGENT_BIN=$(AGENT_BIN) cargo bench -p meshagent --bench dns_push
 	MESHAGENT_BIN=$(AGENT_BIN) cargo bench -p meshagent --bench storm
+	MESHAGENT_BIN=$(AGENT_BIN) cargo bench -p meshagent --bench side_by_side
 
 # Fuzzing (not part of `make test`, which replays fuzz/corpus through the same entry points
 # in tests/fuzz_corpus.rs): a short libFuzzer run of every target. cargo-fuzz needs nightly

@@ -137,6 +137,7 @@ async fn sidecar_against_istiod_box(kind: AgentKind) {
         service_account: "a",
         ip: "127.0.0.1",
         proxy_config: json!({}),
+        env: &[],
     };
     let mut sidecar = start_agent(&istiod, kind, &pod).await;
     sidecar.wait_ready(READY).await;
@@ -238,6 +239,7 @@ async fn upstream_envoy_rejects_istiods_default_extensions() {
         service_account: "a",
         ip: "127.0.0.1",
         proxy_config: json!({}),
+        env: &[],
     };
     let sidecar = start_agent(&istiod, AgentKind::Meshagent, &pod).await;
     wait_for("Envoy to reject istiod's clusters", DEADLINE, || async {
@@ -403,6 +405,7 @@ async fn mesh_through_istiod_box(net: u8, a_kind: AgentKind, b_kind: AgentKind) 
         service_account: workload,
         ip,
         proxy_config: json!({}),
+        env: &[],
     };
     let mut a = start_agent(&istiod, a_kind, &pod("a", &a_ip)).await;
     let mut b = start_agent(&istiod, b_kind, &pod("b", &b_ip)).await;

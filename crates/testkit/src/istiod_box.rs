@@ -232,6 +232,9 @@ pub struct PodSpec<'a> {
     pub ip: &'a str,
     /// ProxyConfig fields added to the defaults (free ports, Envoy binary, drain durations).
     pub proxy_config: Value,
+    /// Container env added to Istio's (e.g. `ECC_SIGNATURE_ALGORITHM`, which pilot-agent reads
+    /// once at start, so ProxyConfig `proxyMetadata` cannot set it).
+    pub env: &'a [(&'a str, &'a str)],
 }
 
 /// Starts `kind` as `pilot-agent proxy sidecar` for `pod` against `istiod`, as a pod runs it:
@@ -294,7 +297,8 @@ pub async fn start_agent(istiod: &IstiodBox, kind: AgentKind, pod: &PodSpec<'_>)
     .env("ENVOY_PROMETHEUS_PORT", free_port().to_string())
     .env("PROXY_CONFIG", pc.to_string())
     .env("CLOUD_PLATFORM", "none")
-    .env("RUST_BACKTRACE", "1");
+    .env("RUST_BACKTRACE", "1")
+    .envs(pod.env.iter().copied());
     let name = match kind {
         AgentKind::Meshagent => format!("meshagent-{}", pod.workload),
         AgentKind::PilotAgent => format!("pilot-agent-{}", pod.workload),

@@ -1,0 +1,216 @@
+//! meshagent beside the real pilot-agent, one run, same machine, same Envoy, same istiod-box
+//! (Istio's own config generation and CA, `compat/istiod-box`): each round starts one agent as
+//! a pod runs it (`proxy sidecar`, token and root in its working directory, RSA-2048 or ECDSA
+//! keys) and measures, for the agent process alone (not its Envoy):
+//!
+//! * start to ready: `spawn()` → `/healthz/ready` 200 (first CSR signed by Istio's CA, SDS,
+//!   istiod's config through the agent, Envoy LIVE);
+//! * memory once ready and settled (10 s after ready, then the last of five 1 s samples):
+//!   VmRSS, RssAnon, Pss (`smaps_rollup`: shared pages divided among their mappers) and the
+//!   peak VmHWM since start, which is what a memory limit sees;
+//! * idle CPU while connected: user + system time over `SIDE_IDLE_SECS` (default 60) after
+//!   settling, as a share of one core.
+//!
+//! Rounds alternate the agents (`SIDE_ROUNDS`, default 5, each per key type); medians are
+//! printed with the ratio meshagent / pilot-agent. Run: `make bench`, or `make agent
+//! pilot-agent istiod-box envoy && MESHAGENT_BIN=$PWD/target/dist/meshagent cargo bench -p
+//! meshagent --bench side_by_side`.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+use std::time::Duration;
+
+use meshagent_testkit::istiod_box::{AgentKind, IstiodBox, PodSpec, start_agent};
+use meshagent_testkit::{free_port, http_get, json};
+use tokio::time::Instant;
+
+const CONFIG: &str = r#"
+apiVersion: v1
+kind: Service
+metadata:
+  name: a
+  namespace: default
+spec:
+  clusterIP: 10.96.0.10
+  selector:
+    app: a
+  ports:
+  - name: http
+    port: 80
+    targetPort: 8080
+---
+apiVersion: v1
+kind: Pod
+metadata:
+  name: a-5f7d9
+  namespace: default
+  labels:
+    app: a
+spec:
+  serviceAccountName: a
+  containers:
+  - name: app
+    image: app
+status:
+  phase: Running
+  podIP: 127.0.0.1
+  podIPs:
+  - ip: 127.0.0.1
+  conditions:
+  - type: Ready
+    status: "True"
+"#;
+
+fn env_num(name: &str, default: u64) -> u64 {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .filter(|&n| n > 0)
+        .unwrap_or(default)
+}
+
+/// `/proc/<pid>/status` field in KiB.
+fn status_kib(pid: u32, key: &str) -> f64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .unwrap_or_default()
+        .lines()
+        .find_map(|l| l.strip_prefix(key))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap_or(f64::NAN)
+}
+
+/// Pss in KiB from `/proc/<pid>/smaps_rollup`.
+fn pss_kib(pid: u32) -> f64 {
+    std::fs::read_to_string(format!("/proc/{pid}/smaps_rollup"))
+        .unwrap_or_default()
+        .lines()
+        .find_map(|l| l.strip_prefix("Pss:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap_or(f64::NAN)
+}
+
+/// User + system CPU seconds of `pid` (all its threads), from `/proc/<pid>/stat`.
+fn cpu_secs(pid: u32) -> f64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    // Fields after the command name, which is in parentheses and may hold spaces.
+    let rest = stat.rsplit_once(')').map_or("", |(_, r)| r);
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    // utime and stime are fields 14 and 15 of the whole line: 12 and 13 after ") state".
+    let ticks: f64 = f
+        .get(11..13)
+        .map(|t| t.iter().filter_map(|v| v.parse::<f64>().ok()).sum())
+        .unwrap_or(f64::NAN);
+    // /proc reports ticks of USER_HZ, which the kernel ABI fixes at 100 on Linux.
+    ticks / 100.0
+}
+
+/// The figures of one round, in this order.
+const FIGURES: [&str; 6] = [
+    "start to ready, ms",
+    "VmRSS settled, MiB",
+    "RssAnon settled, MiB",
+    "Pss settled, MiB",
+    "VmHWM peak, MiB",
+    "idle CPU, % of a core",
+];
+
+fn median(v: &[f64]) -> f64 {
+    let mut v: Vec<f64> = v.iter().copied().filter(|x| x.is_finite()).collect();
+    if v.is_empty() {
+        return f64::NAN;
+    }
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+async fn one_round(istiod: &IstiodBox, kind: AgentKind, ecdsa: bool, idle: Duration) -> [f64; 6] {
+    let env: &[(&str, &str)] = if ecdsa {
+        &[("ECC_SIGNATURE_ALGORITHM", "ECDSA")]
+    } else {
+        &[]
+    };
+    let pod = PodSpec {
+        workload: "a",
+        namespace: "default",
+        service_account: "a",
+        ip: "127.0.0.1",
+        proxy_config: json!({}),
+        env,
+    };
+    let t0 = Instant::now();
+    let mut sidecar = start_agent(istiod, kind, &pod).await;
+    let pid = sidecar.proc.pid();
+    let deadline = t0 + Duration::from_secs(60);
+    loop {
+        if let Ok((200, _)) = http_get(sidecar.status, "/healthz/ready").await {
+            break;
+        }
+        if Instant::now() > deadline {
+            sidecar.proc.print_log();
+            panic!("{kind:?} not ready within 60 s");
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let ready_ms = t0.elapsed().as_secs_f64() * 1000.0;
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    let mut last = [f64::NAN; 3];
+    for _ in 0..5 {
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        last = [
+            status_kib(pid, "VmRSS:"),
+            status_kib(pid, "RssAnon:"),
+            pss_kib(pid),
+        ];
+    }
+    let hwm = status_kib(pid, "VmHWM:");
+    let c0 = cpu_secs(pid);
+    tokio::time::sleep(idle).await;
+    let idle_share = (cpu_secs(pid) - c0) / idle.as_secs_f64();
+    sidecar.proc.kill();
+    [
+        ready_ms,
+        last[0] / 1024.0,
+        last[1] / 1024.0,
+        last[2] / 1024.0,
+        hwm / 1024.0,
+        idle_share * 100.0,
+    ]
+}
+
+#[tokio::main(flavor = "current_thread")]
+async fn main() {
+    let rounds = env_num("SIDE_ROUNDS", 5);
+    let idle = Duration::from_secs(env_num("SIDE_IDLE_SECS", 60));
+    let mesh = format!(
+        "proxyListenPort: {}\nproxyInboundListenPort: {}\n",
+        free_port(),
+        free_port()
+    );
+    let istiod = IstiodBox::start_with(CONFIG, Some(&mesh), &[]).await;
+    println!(
+        "side by side: {rounds} rounds per agent and key type, idle window {} s, one istiod-box, \
+         Envoy {}",
+        idle.as_secs(),
+        meshagent_testkit::envoy_bin().display()
+    );
+    for ecdsa in [false, true] {
+        let keys = if ecdsa { "ECDSA P-256" } else { "RSA-2048" };
+        // [agent][figure] → samples; agent 0 is pilot-agent, 1 meshagent.
+        let mut by_kind: [[Vec<f64>; 6]; 2] = Default::default();
+        for _ in 0..rounds {
+            for (i, kind) in [AgentKind::PilotAgent, AgentKind::Meshagent]
+                .into_iter()
+                .enumerate()
+            {
+                let r = one_round(&istiod, kind, ecdsa, idle).await;
+                for (f, v) in r.into_iter().enumerate() {
+                    by_kind[i][f].push(v);
+                }
+            }
+        }
+        println!("\n{keys}: medians of {rounds} (pilot-agent | meshagent | ratio)");
+        for (f, name) in FIGURES.iter().enumerate() {
+            let (p, m) = (median(&by_kind[0][f]), median(&by_kind[1][f]));
+            println!("  {name:<24} {p:>9.2} | {m:>9.2} | {:>6.3}", m / p);
+        }
+    }
+}
