@@ -740,7 +740,9 @@ mod tests {
             );
         }
         assert_eq!(
-            call(s.clone(), "127.0.0.1:1", "GET", "/debug/certz").await.0,
+            call(s.clone(), "127.0.0.1:1", "GET", "/debug/certz")
+                .await
+                .0,
             StatusCode::NOT_FOUND
         );
         let (code, body) = call(s.clone(), "127.0.0.1:1", "GET", "/").await;

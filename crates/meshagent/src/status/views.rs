@@ -54,7 +54,7 @@ fn key_type(cert: &x509_parser::certificate::X509Certificate<'_>) -> String {
             384 => "ECDSA P-384".to_owned(),
             n => format!("ECDSA {n}"),
         },
-        Ok(PublicKey::Unknown(_)) | Ok(_) => cert.public_key().algorithm.algorithm.to_id_string(),
+        Ok(_) => cert.public_key().algorithm.algorithm.to_id_string(),
         Err(e) => format!("unparsable ({e})"),
     }
 }
@@ -89,10 +89,10 @@ fn describe_cert(der: &[u8], now: SystemTime) -> Value {
                     x509_parser::extensions::GeneralName::IPAddress(ip) => match ip.len() {
                         4 => std::net::Ipv4Addr::from(<[u8; 4]>::try_from(*ip).unwrap_or_default())
                             .to_string(),
-                        16 => std::net::Ipv6Addr::from(
-                            <[u8; 16]>::try_from(*ip).unwrap_or_default(),
-                        )
-                        .to_string(),
+                        16 => {
+                            std::net::Ipv6Addr::from(<[u8; 16]>::try_from(*ip).unwrap_or_default())
+                                .to_string()
+                        }
                         _ => format!("{ip:?}"),
                     },
                     other => other.to_string(),
@@ -122,9 +122,10 @@ fn ders(pem: &str) -> Vec<CertificateDer<'static>> {
 /// A chain: the leaf described, the rest counted.
 fn describe_chain(pem: &str, now: SystemTime) -> Value {
     let certs = ders(pem);
-    let mut leaf = certs
-        .first()
-        .map_or_else(|| json!({"error": "no certificate"}), |d| describe_cert(d, now));
+    let mut leaf = certs.first().map_or_else(
+        || json!({"error": "no certificate"}),
+        |d| describe_cert(d, now),
+    );
     leaf["chainLength"] = json!(certs.len());
     leaf
 }
@@ -207,7 +208,12 @@ fn resource(
         v["lastError"] = json!(e);
     }
     if ca_workload {
-        v["nextRetry"] = json!(status.next_retry.filter(|_| state_name == "Failing").map(time));
+        v["nextRetry"] = json!(
+            status
+                .next_retry
+                .filter(|_| state_name == "Failing")
+                .map(time)
+        );
         v["nextRotation"] = json!(status.next_rotation.map(time));
     }
     match state {
@@ -230,18 +236,36 @@ fn output_certs(dir: &Path, now: SystemTime) -> Value {
     let read = |f: &str| {
         crate::fsio::read_bounded(&dir.join(f), 4 << 20)
             .map(|b| String::from_utf8_lossy(&b).into_owned())
-            .map_err(|e| e.to_string())
+            .map_err(|e| {
+                let missing = matches!(
+                    &e,
+                    crate::fsio::ReadError::Io { kind, .. } if *kind == std::io::ErrorKind::NotFound
+                );
+                (e.to_string(), missing)
+            })
     };
+    let mut missing = false;
     let chain = match read("cert-chain.pem") {
         Ok(p) => describe_chain(&p, now),
-        Err(e) => json!({"error": e}),
+        Err((e, m)) => {
+            missing = m;
+            json!({"error": e})
+        }
     };
     let roots = match read("root-cert.pem") {
         Ok(p) => describe_roots(&p, now),
-        Err(e) => json!({"error": e}),
+        Err((e, _)) => json!({"error": e}),
+    };
+    let state = if chain["serial"].is_string() {
+        "Available"
+    } else if missing {
+        "Initializing"
+    } else {
+        "Failing"
     };
     json!({
         "dir": dir.display().to_string(),
+        "state": state,
         "certificate": chain,
         "roots": roots,
     })
@@ -257,7 +281,10 @@ pub fn certz(src: &CertzSource, now: SystemTime) -> Value {
     // asked for them (CA mode issues `default` on its own).
     let mut resources = Vec::new();
     if src.mode != IdentityMode::ExternalSds {
-        for name in [crate::identity::store::WORKLOAD, crate::identity::store::ROOT] {
+        for name in [
+            crate::identity::store::WORKLOAD,
+            crate::identity::store::ROOT,
+        ] {
             let key = src.store.resolve(name).to_owned();
             let (state, subs) = snapshot
                 .iter()
@@ -275,11 +302,33 @@ pub fn certz(src: &CertzSource, now: SystemTime) -> Value {
     for (key, state, subs) in &snapshot {
         resources.push(resource(src, &status, key, key, state, *subs, now));
     }
+    let output = src.output_certs.as_ref().map(|d| {
+        let mut o = output_certs(d, now);
+        // Whether the files hold the certificate being served (a failing write leaves the
+        // previous one there).
+        let served = resources
+            .first()
+            .map(|r| r["certificate"]["serial"].clone())
+            .unwrap_or_default();
+        o["current"] = json!(!served.is_null() && o["certificate"]["serial"] == served);
+        // Not (yet) the served certificate: being written, or the write is failing (it is
+        // retried with backoff and the error is the identity status' last error).
+        if o["current"] == false && !served.is_null() {
+            match &status.last_error {
+                Some(e) => {
+                    o["state"] = json!("Failing");
+                    o["lastError"] = json!(e);
+                }
+                None => o["state"] = json!("Initializing"),
+            }
+        }
+        o
+    });
     json!({
         "mode": format!("{:?}", src.mode),
         "sdsSocket": src.sds_socket.display().to_string(),
         "resources": resources,
-        "outputCerts": src.output_certs.as_ref().map(|d| output_certs(d, now)),
+        "outputCerts": output,
     })
 }
 
@@ -363,7 +412,11 @@ pub fn page(certz: Option<&Value>, xdsz: Option<&Value>, facts: &PageFacts) -> S
                         .map(|a| a.iter().map(txt).collect::<Vec<_>>().join(", "))
                         .unwrap_or_default();
                     (
-                        format!("{sans}<br><small>{} · serial {}</small>", txt(&cert["keyType"]), txt(&cert["serial"])),
+                        format!(
+                            "{sans}<br><small>{} · serial {}</small>",
+                            txt(&cert["keyType"]),
+                            txt(&cert["serial"])
+                        ),
                         txt(&cert["notAfter"]),
                     )
                 } else if let Some(roots) = r["roots"].as_array() {
@@ -460,7 +513,9 @@ mod tests {
     fn cert() -> (String, SystemTime) {
         let mut p = rcgen::CertificateParams::new(vec!["svc.example".into()]).unwrap();
         p.subject_alt_names.push(rcgen::SanType::URI(
-            "spiffe://cluster.local/ns/default/sa/app".try_into().unwrap(),
+            "spiffe://cluster.local/ns/default/sa/app"
+                .try_into()
+                .unwrap(),
         ));
         let key = rcgen::KeyPair::generate().unwrap();
         let c = p.self_signed(&key).unwrap();
@@ -482,10 +537,77 @@ mod tests {
             .iter()
             .map(|v| v.as_str().unwrap())
             .collect();
-        assert!(sans.contains(&"spiffe://cluster.local/ns/default/sa/app"), "{sans:?}");
+        assert!(
+            sans.contains(&"spiffe://cluster.local/ns/default/sa/app"),
+            "{sans:?}"
+        );
         assert!(!d.to_string().contains("PRIVATE"));
         let roots = describe_roots(&format!("{pem}{pem}"), now);
         assert_eq!(roots.as_array().unwrap().len(), 2);
+    }
+
+    #[test]
+    fn certz_states_follow_the_store_and_the_ca() {
+        use crate::identity::store::{Aliases, ROOT, SecretStore, WORKLOAD};
+        let (store, _files) = SecretStore::new(Aliases::default());
+        let (tx, rx) = tokio::sync::watch::channel(crate::identity::IdentityStatus::default());
+        let src = CertzSource {
+            mode: IdentityMode::Ca,
+            ca_addr: Some("istiod:15012".into()),
+            external_sds: None,
+            sds_socket: "/s".into(),
+            output_certs: None,
+            cwd: "/".into(),
+            status: rx,
+            store: store.clone(),
+        };
+        let now = SystemTime::now();
+        let c = certz(&src, now);
+        assert_eq!(c["resources"][0]["name"], WORKLOAD);
+        assert_eq!(c["resources"][0]["state"], "Initializing");
+        assert_eq!(c["resources"][1]["name"], ROOT);
+        let retry = now + Duration::from_secs(5);
+        tx.send_modify(|s| {
+            s.last_error = Some("connection refused".into());
+            s.next_retry = Some(retry);
+        });
+        let c = certz(&src, now);
+        assert_eq!(c["resources"][0]["state"], "Failing");
+        assert_eq!(c["resources"][0]["lastError"], "connection refused");
+        assert_eq!(c["resources"][0]["nextRetry"], time(retry));
+        let (pem, _) = cert();
+        store.set(
+            WORKLOAD,
+            SecretState::Ready(Arc::new(SecretData::Cert {
+                chain: pem,
+                key: "-----BEGIN PRIVATE KEY-----".into(),
+            })),
+        );
+        tx.send_modify(|s| s.last_error = None);
+        let c = certz(&src, now);
+        assert_eq!(c["resources"][0]["state"], "Available");
+        assert_eq!(c["resources"][0]["nextRetry"], Value::Null);
+        assert!(c["resources"][0]["certificate"]["serial"].is_string());
+        assert!(!c.to_string().contains("PRIVATE"));
+        store.set(
+            "file-root:/nonexistent/r.pem",
+            SecretState::Failed("cannot read".into()),
+        );
+        // Not subscribed: a file resource nobody asked for is not kept.
+        assert_eq!(certz(&src, now)["resources"].as_array().unwrap().len(), 2);
+        let _sub = store.subscribe("file-root:/nonexistent/r.pem");
+        store.set(
+            "file-root:/nonexistent/r.pem",
+            SecretState::Failed("cannot read".into()),
+        );
+        let c = certz(&src, now);
+        let f = &c["resources"][2];
+        assert_eq!(
+            (&f["state"], &f["lastError"]),
+            (&json!("Failing"), &json!("cannot read"))
+        );
+        assert_eq!(f["source"]["kind"], "files");
+        assert_eq!(f["source"]["files"][0], "/nonexistent/r.pem");
     }
 
     #[test]

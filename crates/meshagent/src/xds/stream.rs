@@ -410,7 +410,9 @@ pub async fn run(
             // Dropping `down` ends Envoy's stream with OK; Envoy reconnects if it still wants to.
         }
         End::Connect(s) => {
-            shared.view.upstream_ended(&format!("connect: {:?}: {}", s.code(), s.message()));
+            shared
+                .view
+                .upstream_ended(&format!("connect: {:?}: {}", s.code(), s.message()));
             if s.code() == tonic::Code::Unavailable {
                 m.istiod_connection_failures.inc();
                 tracing::warn!(id, upstream = %addr, error = %s.message(), "failed to connect to upstream XDS server {addr}");

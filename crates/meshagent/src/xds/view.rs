@@ -123,7 +123,12 @@ impl PairView {
     }
 
     /// A response from upstream on its way to the client (or to an interceptor).
-    pub fn on_response(&mut self, len: usize, p: &wire::Peek<'_>, intercepted: Option<&'static str>) {
+    pub fn on_response(
+        &mut self,
+        len: usize,
+        p: &wire::Peek<'_>,
+        intercepted: Option<&'static str>,
+    ) {
         let Some(t) = self.entry(p.type_url) else {
             return;
         };
@@ -294,10 +299,7 @@ impl XdsView {
     /// The JSON of `/debug/xdsz`. `address` is the upstream target; `connections` its live
     /// connections now.
     pub fn to_json(&self, address: &str, connections: usize) -> Value {
-        let pairs: Vec<PairHandle> = lock(&self.pairs)
-            .iter()
-            .filter_map(Weak::upgrade)
-            .collect();
+        let pairs: Vec<PairHandle> = lock(&self.pairs).iter().filter_map(Weak::upgrade).collect();
         let mut clients: Vec<Value> = pairs.iter().map(|p| lock(p).to_json()).collect();
         clients.sort_by_key(|c| c["id"].as_u64());
         let u = lock(&self.upstream);
