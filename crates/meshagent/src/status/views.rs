@@ -216,8 +216,8 @@ fn resource(
         );
         v["nextRotation"] = json!(status.next_rotation.map(time));
     }
-    match state {
-        SecretState::Ready(d) => match d.as_ref() {
+    if let SecretState::Ready(d) = state {
+        match d.as_ref() {
             SecretData::Cert { chain, .. } => v["certificate"] = describe_chain(chain, now),
             SecretData::Root { pem, crl } => {
                 v["roots"] = describe_roots(pem, now);
@@ -225,8 +225,7 @@ fn resource(
                     v["crl"] = json!(crl.display().to_string());
                 }
             }
-        },
-        _ => {}
+        }
     }
     v
 }
@@ -448,6 +447,21 @@ pub fn page(certz: Option<&Value>, xdsz: Option<&Value>, facts: &PageFacts) -> S
                 ));
             }
             h.push_str("</table>");
+            let o = &c["outputCerts"];
+            if o.is_object() {
+                let state = o["state"].as_str().unwrap_or("");
+                h.push_str(&format!(
+                    "<p id=\"output-certs\">OUTPUT_CERTS <code>{}</code>: <span class=\"{}\">{}</span>, expires {}{}</p>",
+                    txt(&o["dir"]),
+                    cls(state),
+                    esc(state),
+                    txt(&o["certificate"]["notAfter"]),
+                    match &o["lastError"] {
+                        Value::Null => String::new(),
+                        e => format!(" — {}", txt(e)),
+                    },
+                ));
+            }
         }
     }
     // xDS.
@@ -487,8 +501,9 @@ pub fn page(certz: Option<&Value>, xdsz: Option<&Value>, facts: &PageFacts) -> S
                         String::new()
                     };
                     h.push_str(&format!(
-                        "<tr><td>#{} <small>{}</small></td><td>{}</td><td class=\"{}\">{}</td><td>{}</td><td>{}</td><td>{}</td><td>{detail}</td></tr>",
+                        "<tr><td>#{} {} <small>{}</small></td><td>{}</td><td class=\"{}\">{}</td><td>{}</td><td>{}</td><td>{}</td><td>{detail}</td></tr>",
                         txt(&c["id"]),
+                        txt(&c["api"]),
                         txt(&c["node"]),
                         esc(short),
                         cls(state),
