@@ -9,7 +9,7 @@ export ENVOY_BIN
 
 NEXTEST := $(shell cargo nextest --version >/dev/null 2>&1 && echo yes)
 
-.PHONY: all build agent pilot-agent istiod-box test test-loaded lint unit envoy peers netpeers dnspeers wasmpeers metricspeers bench demo fuzz fuzz-tools clean-tools \
+.PHONY: all build agent pilot-agent istiod-box test test-loaded lint unit envoy peers netpeers dnspeers wasmpeers metricspeers chromiumpeers bench demo fuzz fuzz-tools clean-tools \
 	deploytools deploy-validate imagetools image image-test orderfile
 
 all: build
@@ -90,6 +90,13 @@ netpeers:
 
 # Debian DNS peers for the DNS proxy tests and benchmark: dnsmasq (upstream and baseline),
 # dig (a real resolver client), dnsperf (load). Installed only when missing.
+# Debian's Chromium renders the status page (tests/status_views.rs: --dump-dom and a
+# screenshot under target/test-artifacts/).
+chromiumpeers:
+	@if command -v chromium >/dev/null; then :; \
+	else echo "installing chromium"; \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; fi
+
 dnspeers:
 	@if command -v dnsmasq >/dev/null && command -v dig >/dev/null && command -v dnsperf >/dev/null; then :; \
 	else echo "installing dnsmasq bind9-dnsutils dnsperf"; \
@@ -168,7 +175,7 @@ lint:
 	cargo fmt --all -- --check
 	cargo clippy --workspace --all-targets -- -D warnings
 
-test: envoy peers netpeers dnspeers wasmpeers metricspeers pilot-agent istiod-box deploy-validate lint build
+test: envoy peers netpeers dnspeers wasmpeers metricspeers chromiumpeers pilot-agent istiod-box deploy-validate lint build
 ifeq ($(NEXTEST),yes)
 	cargo nextest run --workspace --no-fail-fast
 	# nextest does not run doctests (metrics: a label-count mismatch must not compile).

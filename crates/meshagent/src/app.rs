@@ -71,6 +71,8 @@ pub struct Agent {
     pub tasks: Tasks,
     /// Supervised internal servers that are down (SDS, xDS proxy): not ready while any is.
     pub servers: crate::supervise::Servers,
+    /// What the status server's operability views read (`/debug/certz`, `/debug/xdsz`, `/`).
+    pub views: status::views::Views,
 }
 
 impl Agent {
@@ -86,6 +88,7 @@ impl Agent {
             name_table: tokio::sync::watch::Sender::new(None),
             tasks: Tasks::new(),
             servers: crate::supervise::Servers::new(),
+            views: Default::default(),
         }
     }
 
@@ -183,6 +186,7 @@ impl Agent {
                 .await
                 .map_err(|source| AppError::StatusPort { port, source })?;
             let state = status::StatusState {
+                views: self.views.clone(),
                 readiness: self.readiness.clone(),
                 registry: self.registry.clone(),
                 drain: self.drain.clone(),
@@ -255,6 +259,7 @@ impl Agent {
         if envoy_enabled || cfg.identity.output_certs.is_some() {
             let _ = identity_slot.set(identity.status());
         }
+        let _ = self.views.identity.set(identity.certz_source());
         // Istio starts the DNS proxy before the xDS proxy (`initLocalDNSServer`): it answers
         // SERVFAIL (or forwards, in `:53` root mode) until the first table arrives. An
         // unreadable resolv.conf or an address that cannot be bound is a startup error.
@@ -313,6 +318,7 @@ impl Agent {
             xds_opts.ecds = Arc::new(crate::wasm::WasmRewrite { converter });
         }
         let xds = crate::xds::start_with(xds_opts, &self.cwd, &self.registry, services.clone())?;
+        let _ = self.views.xds.set(xds.xdsz());
         // The NDS table feeds the DNS readiness probe and /debug/ndsz; PCDS trust anchors go
         // into ROOTCA. Both forwarders end when the xDS proxy drops its senders.
         let mut names = xds.name_table();

@@ -108,6 +108,28 @@ pub struct IdentityStatus {
     pub last_error: Option<String>,
     /// `NotAfter` of the served workload certificate.
     pub cert_expiry: Option<SystemTime>,
+    /// When the next CSR goes out after a failure (`/debug/certz`).
+    pub next_retry: Option<SystemTime>,
+    /// When the served workload certificate is due to be rotated (`/debug/certz`).
+    pub next_rotation: Option<SystemTime>,
+}
+
+/// Where the served secrets come from, for `/debug/certz` (never key material).
+#[derive(Debug, Clone)]
+pub struct CertzSource {
+    pub mode: IdentityMode,
+    /// `CA_ADDR` in CA mode.
+    pub ca_addr: Option<String>,
+    /// The external SDS socket that owns `default`/`ROOTCA` (external SDS mode).
+    pub external_sds: Option<PathBuf>,
+    /// The socket our SDS server listens on.
+    pub sds_socket: PathBuf,
+    /// `OUTPUT_CERTS`, absolute.
+    pub output_certs: Option<PathBuf>,
+    /// The agent's working directory (`file-*` names resolve against it).
+    pub cwd: PathBuf,
+    pub status: watch::Receiver<IdentityStatus>,
+    pub store: Arc<SecretStore>,
 }
 
 /// How certificates are obtained.
@@ -158,6 +180,10 @@ pub struct IdentityHandle {
     mode: IdentityMode,
     store: Arc<SecretStore>,
     tasks: Vec<JoinHandle<()>>,
+    ca_addr: Option<String>,
+    external_sds: Option<PathBuf>,
+    output_certs: Option<PathBuf>,
+    cwd: PathBuf,
 }
 
 impl IdentityHandle {
@@ -190,6 +216,20 @@ impl IdentityHandle {
     /// The secret table (for the status server's debug views and tests).
     pub fn store(&self) -> &Arc<SecretStore> {
         &self.store
+    }
+
+    /// What `/debug/certz` reads: the store, the status and where secrets come from.
+    pub fn certz_source(&self) -> CertzSource {
+        CertzSource {
+            mode: self.mode.clone(),
+            ca_addr: self.ca_addr.clone(),
+            external_sds: self.external_sds.clone(),
+            sds_socket: self.socket.clone(),
+            output_certs: self.output_certs.clone(),
+            cwd: self.cwd.clone(),
+            status: self.status.clone(),
+            store: self.store.clone(),
+        }
     }
 
     /// Waits for every task to finish after the shutdown token was cancelled.
@@ -361,6 +401,12 @@ pub async fn start_with(
         None
     };
 
+    let ca_addr = (mode == IdentityMode::Ca).then(|| id.ca_addr.clone());
+    let external_sds = serve_only_files.then(|| external.clone());
+    let output_certs = id
+        .output_certs
+        .as_ref()
+        .map(|d| crate::fsio::under(&cwd, d));
     let (store, file_requests) = SecretStore::new(aliases);
     let (status_tx, status_rx) = watch::channel(IdentityStatus {
         not_ready: (mode == IdentityMode::Ca)
@@ -433,6 +479,10 @@ pub async fn start_with(
             mode,
             store,
             tasks,
+            ca_addr,
+            external_sds,
+            output_certs,
+            cwd: cwd.clone(),
         });
     };
     tracing::info!(socket = %socket.display(), "SDS server listening");
@@ -481,6 +531,10 @@ pub async fn start_with(
         mode,
         store,
         tasks,
+        ca_addr,
+        external_sds,
+        output_certs,
+        cwd,
     })
 }
 

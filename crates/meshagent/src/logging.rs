@@ -30,6 +30,7 @@ use std::collections::HashMap;
 use std::fmt::{self, Write as _};
 use std::fs::{File, OpenOptions};
 use std::io::{self, Write};
+use std::sync::atomic::{AtomicU8, Ordering as AtomicOrdering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -166,6 +167,40 @@ pub fn scope_of(target: &str) -> &'static str {
         .map_or("default", |(_, scope)| scope)
 }
 
+fn level_code(l: LevelFilter) -> u8 {
+    match l.into_level() {
+        None => 0,
+        Some(Level::ERROR) => 1,
+        Some(Level::WARN) => 2,
+        Some(Level::INFO) => 3,
+        Some(Level::DEBUG) => 4,
+        Some(_) => 5,
+    }
+}
+
+fn level_of_code(c: u8) -> LevelFilter {
+    match c {
+        0 => LevelFilter::OFF,
+        1 => LevelFilter::ERROR,
+        2 => LevelFilter::WARN,
+        3 => LevelFilter::INFO,
+        4 => LevelFilter::DEBUG,
+        _ => LevelFilter::TRACE,
+    }
+}
+
+/// Istio's name of a level (`none` for off: `fatal`/`none` both hide everything here).
+pub fn level_name_of(l: LevelFilter) -> &'static str {
+    match level_code(l) {
+        0 => "none",
+        1 => "error",
+        2 => "warn",
+        3 => "info",
+        4 => "debug",
+        _ => "debug",
+    }
+}
+
 /// `debug`, `info`, … as a filter: `fatal` and `none` show nothing here (a scope at `fatal`
 /// hides errors in Istio, and the agent logs nothing at fatal).
 fn parse_level(level: &str) -> Option<LevelFilter> {
@@ -206,7 +241,12 @@ fn apply_levels(
 /// Per-scope output levels, stack-trace levels and caller flags.
 #[derive(Debug, Clone)]
 pub struct ScopeConfig {
+    /// The levels from the flags (`/logging?reset` returns to them).
     output: HashMap<&'static str, LevelFilter>,
+    /// The levels in force, one per [`SCOPES`] entry: the status server's `/logging` changes
+    /// them at run time, so the filter reads them on each event (a relaxed atomic load; Istio
+    /// reads an atomic per scope too, `pkg/log/scope.go` `outputLevel`).
+    live: Arc<[AtomicU8]>,
     stack: HashMap<&'static str, LevelFilter>,
     callers: HashMap<&'static str, bool>,
 }
@@ -231,16 +271,54 @@ impl ScopeConfig {
                 *c = true;
             }
         }
+        let live = SCOPES
+            .iter()
+            .map(|s| AtomicU8::new(level_code(output[s])))
+            .collect();
         Ok(Self {
             output,
+            live,
             stack,
             callers,
         })
     }
 
-    /// The output level of `scope` (every scope we map to is in [`SCOPES`]).
+    /// The output level of `scope` in force (every scope we map to is in [`SCOPES`]).
     pub fn level(&self, scope: &str) -> LevelFilter {
-        self.output.get(scope).copied().unwrap_or(LevelFilter::INFO)
+        SCOPES
+            .binary_search(&scope)
+            .ok()
+            .and_then(|i| self.live.get(i))
+            .map_or(LevelFilter::INFO, |l| {
+                level_of_code(l.load(AtomicOrdering::Relaxed))
+            })
+    }
+
+    /// Every scope with its level in force, in [`SCOPES`] order.
+    pub fn levels(&self) -> Vec<(&'static str, LevelFilter)> {
+        SCOPES.iter().map(|s| (*s, self.level(s))).collect()
+    }
+
+    /// Applies `scope:level[,scope:level]` (the `--log_output_level` syntax) on top of the
+    /// levels in force; nothing changes when any item is invalid.
+    pub fn update(&self, arg: &str) -> Result<(), LoggingError> {
+        let mut levels: HashMap<&'static str, LevelFilter> = self.levels().into_iter().collect();
+        apply_levels(&mut levels, arg)?;
+        self.store(&levels);
+        Ok(())
+    }
+
+    /// Back to the levels the flags gave.
+    pub fn reset(&self) {
+        self.store(&self.output);
+    }
+
+    fn store(&self, levels: &HashMap<&'static str, LevelFilter>) {
+        for (i, s) in SCOPES.iter().enumerate() {
+            if let (Some(l), Some(a)) = (levels.get(s), self.live.get(i)) {
+                a.store(level_code(*l), AtomicOrdering::Relaxed);
+            }
+        }
     }
 
     fn enabled(&self, meta: &Metadata<'_>) -> bool {
@@ -289,7 +367,7 @@ impl<S> Filter<S> for ScopeFilter {
     }
 
     fn max_level_hint(&self) -> Option<LevelFilter> {
-        self.0.output.values().copied().max()
+        self.0.levels().into_iter().map(|(_, l)| l).max()
     }
 }
 
@@ -654,15 +732,44 @@ pub fn logs_to_stderr() -> bool {
     TO_STDERR.load(std::sync::atomic::Ordering::Relaxed)
 }
 
+/// The installed subscriber's scopes, for the status server's `/logging`.
+static INSTALLED: std::sync::OnceLock<Arc<ScopeConfig>> = std::sync::OnceLock::new();
+
 /// Installs the global subscriber.
 pub fn init(opts: &LogOptions) -> Result<(), LoggingError> {
     let scopes = Arc::new(ScopeConfig::parse(opts)?);
     let writer = LogWriter::open(&opts.targets)?;
     let to_stderr = writer.0.iter().any(|t| matches!(t, Target::Stderr));
-    subscriber(scopes, opts.as_json, writer)
+    subscriber(scopes.clone(), opts.as_json, writer)
         .try_init()
         .map_err(|e| LoggingError::Install(e.to_string()))?;
+    let _ = INSTALLED.set(scopes);
     TO_STDERR.store(to_stderr, std::sync::atomic::Ordering::Relaxed);
+    Ok(())
+}
+
+/// The scope levels in force, `None` when this process installed no subscriber (tests).
+pub fn levels() -> Option<Vec<(&'static str, &'static str)>> {
+    INSTALLED.get().map(|s| {
+        s.levels()
+            .into_iter()
+            .map(|(k, l)| (k, level_name_of(l)))
+            .collect()
+    })
+}
+
+/// Changes levels at run time (`--log_output_level` syntax), or resets them to the flags'
+/// with `arg == None`. Every callsite's cached interest is recomputed, so a scope raised to
+/// `debug` logs at once and one lowered stops costing anything.
+pub fn set_levels(arg: Option<&str>) -> Result<(), LoggingError> {
+    let Some(s) = INSTALLED.get() else {
+        return Err(LoggingError::Install("no log subscriber installed".into()));
+    };
+    match arg {
+        Some(a) => s.update(a)?,
+        None => s.reset(),
+    }
+    tracing::callsite::rebuild_interest_cache();
     Ok(())
 }
 

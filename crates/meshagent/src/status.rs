@@ -8,6 +8,10 @@
 //! | `POST /quitquitquit`, `POST /drain` | loopback | shutdown without drain; drain listeners now |
 //! | `/debug/ndsz` | loopback | the DNS name table as JSON, 404 `{}` until one arrived |
 //! | `/debug/config_dump` | loopback, `--profiling` | the effective agent configuration as JSON |
+//! | `/debug/certz` | loopback | every served secret: state, identity, validity, source ([`views`]) |
+//! | `/debug/xdsz` | loopback | per xDS client and type: sent version/nonce, ACK/NACK ([`views`]) |
+//! | `GET /logging`, `POST /logging?level=…` / `?reset` | loopback | scope levels, changed at run time |
+//! | `GET /` | loopback | an HTML status page (identity, xDS, DNS, readiness) |
 //!
 //! Go's `/debug/pprof/*` has no Rust equivalent worth shipping (no runtime profiler in the
 //! binary); with `--profiling` (default on) the loopback-only `/debug/config_dump` takes its
@@ -19,6 +23,7 @@ pub mod lines;
 pub mod merge;
 pub mod probes;
 pub mod ready;
+pub mod views;
 
 use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
@@ -62,6 +67,8 @@ pub struct StatusState {
     pub name_table: Option<NameTableWatch>,
     /// `/debug/config_dump` body; `None` disables it (`--profiling=false`).
     pub config_dump: Option<Arc<serde_json::Value>>,
+    /// Sources of `/debug/certz`, `/debug/xdsz` and the page, set as subsystems start.
+    pub views: views::Views,
 }
 
 pub fn router(state: StatusState) -> axum::Router {
@@ -75,6 +82,10 @@ pub fn router(state: StatusState) -> axum::Router {
         .route("/app-lifecycle/{container}/{kind}", any(app_probe))
         .route("/debug/ndsz", any(ndsz))
         .route("/debug/config_dump", any(config_dump))
+        .route("/debug/certz", any(certz))
+        .route("/debug/xdsz", any(xdsz))
+        .route("/logging", any(logging))
+        .route("/", any(page))
         .with_state(state)
         .layer(tower_http::compression::CompressionLayer::new().gzip(true))
 }
@@ -424,6 +435,148 @@ async fn config_dump(
     json(StatusCode::OK, dump)
 }
 
+/// `/debug/certz` as JSON, 404 `{}` until identity has started.
+async fn certz_value(s: &StatusState) -> Option<serde_json::Value> {
+    let src = s.views.identity.get()?.clone();
+    tokio::task::spawn_blocking(move || views::certz(&src, std::time::SystemTime::now()))
+        .await
+        .ok()
+}
+
+async fn certz(
+    State(s): State<StatusState>,
+    ConnectInfo(peer): ConnectInfo<SocketAddr>,
+) -> Response {
+    if !loopback(&peer) {
+        return forbidden(&peer);
+    }
+    match certz_value(&s).await {
+        Some(v) => json(StatusCode::OK, &v),
+        None => json(StatusCode::NOT_FOUND, &serde_json::json!({})),
+    }
+}
+
+async fn xdsz(
+    State(s): State<StatusState>,
+    ConnectInfo(peer): ConnectInfo<SocketAddr>,
+) -> Response {
+    if !loopback(&peer) {
+        return forbidden(&peer);
+    }
+    match s.views.xds.get() {
+        Some(x) => json(StatusCode::OK, &x.to_json()),
+        None => json(StatusCode::NOT_FOUND, &serde_json::json!({})),
+    }
+}
+
+fn levels_json() -> serde_json::Value {
+    crate::logging::levels().map_or_else(
+        || serde_json::json!({}),
+        |l| {
+            serde_json::Value::Object(
+                l.into_iter()
+                    .map(|(k, v)| (k.to_owned(), serde_json::Value::from(v)))
+                    .collect(),
+            )
+        },
+    )
+}
+
+/// `GET /logging`: every scope's level. `POST /logging?level=scope:level[,…]` applies them
+/// with `--log_output_level`'s parser (Istio's `processLevels`), `POST /logging?reset`
+/// returns to the flags' levels. Both loopback only.
+async fn logging(ConnectInfo(peer): ConnectInfo<SocketAddr>, method: Method, uri: Uri) -> Response {
+    if !loopback(&peer) {
+        return forbidden(&peer);
+    }
+    if method == Method::GET {
+        return json(StatusCode::OK, &levels_json());
+    }
+    if method != Method::POST {
+        return (StatusCode::METHOD_NOT_ALLOWED, "method not allowed\n").into_response();
+    }
+    let query = uri.query().unwrap_or("");
+    let mut level = None;
+    let mut reset = false;
+    for pair in query.split('&').filter(|p| !p.is_empty()) {
+        let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
+        match k {
+            "level" => level = Some(percent_decode(v)),
+            "reset" => reset = true,
+            _ => {}
+        }
+    }
+    let result = match (level.as_deref(), reset) {
+        (Some(l), false) => crate::logging::set_levels(Some(l)).map(|()| l.to_owned()),
+        (None, true) => crate::logging::set_levels(None).map(|()| "reset".to_owned()),
+        _ => {
+            return (
+                StatusCode::BAD_REQUEST,
+                "expected ?level=scope:level[,scope:level] or ?reset\n",
+            )
+                .into_response();
+        }
+    };
+    match result {
+        Ok(what) => {
+            tracing::info!(%peer, change = %what, "log levels changed through /logging");
+            json(StatusCode::OK, &levels_json())
+        }
+        Err(e) => (StatusCode::BAD_REQUEST, format!("{e}\n")).into_response(),
+    }
+}
+
+/// `%XX` decoding of a query value (`:` and `,` may arrive encoded).
+fn percent_decode(v: &str) -> String {
+    let b = v.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        let hex = |c: u8| (c as char).to_digit(16);
+        if b[i] == b'%'
+            && i + 2 < b.len()
+            && let (Some(h), Some(l)) = (hex(b[i + 1]), hex(b[i + 2]))
+        {
+            out.push((h * 16 + l) as u8);
+            i += 3;
+        } else {
+            out.push(if b[i] == b'+' { b' ' } else { b[i] });
+            i += 1;
+        }
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+/// `GET /`: the HTML status page.
+async fn page(
+    State(s): State<StatusState>,
+    ConnectInfo(peer): ConnectInfo<SocketAddr>,
+    method: Method,
+) -> Response {
+    if !loopback(&peer) {
+        return forbidden(&peer);
+    }
+    if method != Method::GET && method != Method::HEAD {
+        return (StatusCode::METHOD_NOT_ALLOWED, "method not allowed\n").into_response();
+    }
+    let certz = certz_value(&s).await;
+    let xdsz = s.views.xds.get().map(|x| x.to_json());
+    let facts = views::PageFacts {
+        ready: s.readiness.check().await,
+        dns_names: s
+            .name_table
+            .as_ref()
+            .and_then(|w| w.borrow().as_ref().map(|t| t.len())),
+        proxy_type: format!("{:?}", s.proxy_type).to_lowercase(),
+    };
+    (
+        StatusCode::OK,
+        [(axum::http::header::CONTENT_TYPE, "text/html; charset=utf-8")],
+        views::page(certz.as_ref(), xdsz.as_ref(), &facts),
+    )
+        .into_response()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -457,6 +610,7 @@ mod tests {
             metrics_localhost_only: false,
             name_table: None,
             config_dump: None,
+            views: Default::default(),
         }
     }
 
@@ -571,6 +725,29 @@ mod tests {
         let (code, body) = call(s.clone(), "127.0.0.1:1", "GET", "/stats/prometheus").await;
         assert_eq!(code, StatusCode::OK);
         assert!(body.contains("istio_agent_scrapes_total 1"), "{body}");
+
+        for (m, path) in [
+            ("GET", "/debug/certz"),
+            ("GET", "/debug/xdsz"),
+            ("GET", "/logging"),
+            ("POST", "/logging?level=default:debug"),
+            ("GET", "/"),
+        ] {
+            assert_eq!(
+                call(s.clone(), "[::ffff:192.0.2.1]:1", m, path).await.0,
+                StatusCode::FORBIDDEN,
+                "{m} {path}"
+            );
+        }
+        assert_eq!(
+            call(s.clone(), "127.0.0.1:1", "GET", "/debug/certz")
+                .await
+                .0,
+            StatusCode::NOT_FOUND
+        );
+        let (code, body) = call(s.clone(), "127.0.0.1:1", "GET", "/").await;
+        assert_eq!(code, StatusCode::OK);
+        assert!(body.contains("Identity has not started"), "{body}");
 
         let (code, body) = call(s, "192.0.2.1:1", "GET", "/app-health/x/livez").await;
         assert_eq!(

@@ -45,6 +45,7 @@ pub mod authority;
 pub mod codec;
 pub mod intercept;
 pub mod stream;
+pub mod view;
 pub mod wire;
 
 use std::convert::Infallible;
@@ -265,6 +266,25 @@ pub struct XdsProxyHandle {
     health: watch::Sender<Option<Health>>,
     metrics: Metrics,
     task: tokio::task::JoinHandle<()>,
+    view: XdszSource,
+}
+
+/// What `/debug/xdsz` reads (see [`view`]).
+#[derive(Clone)]
+pub struct XdszSource {
+    view: Arc<view::XdsView>,
+    address: String,
+    shared: std::sync::Weak<stream::Shared>,
+}
+
+impl XdszSource {
+    pub fn to_json(&self) -> serde_json::Value {
+        let connections = self
+            .shared
+            .upgrade()
+            .map_or(0, |s| s.upstream.connections());
+        self.view.to_json(&self.address, connections)
+    }
 }
 
 impl XdsProxyHandle {
@@ -297,6 +317,11 @@ impl XdsProxyHandle {
 
     pub fn metrics(&self) -> &Metrics {
         &self.metrics
+    }
+
+    /// The per-stream bookkeeping behind `/debug/xdsz`.
+    pub fn xdsz(&self) -> XdszSource {
+        self.view.clone()
     }
 
     /// Waits until the server has stopped (after the shutdown token is cancelled).
@@ -351,7 +376,11 @@ pub fn start_with(
         interceptors,
         health: health_rx,
         metrics: metrics.clone(),
+        view: Arc::default(),
     });
+    let view = shared.view.clone();
+    let view_addr = opts.target.addr.clone();
+    let view_shared = Arc::downgrade(&shared);
     prewarm(&shared, shutdown.clone());
     let service = AdsServer {
         shared,
@@ -414,6 +443,11 @@ pub fn start_with(
         health,
         metrics,
         task,
+        view: XdszSource {
+            view,
+            address: view_addr,
+            shared: view_shared,
+        },
     })
 }
 

@@ -87,6 +87,7 @@ async fn d4_accept_loop_survives_running_out_of_file_descriptors() {
         metrics_localhost_only: false,
         name_table: None,
         config_dump: None,
+        views: Default::default(),
     };
     let port = free_port();
     let addr = SocketAddr::from(([127, 0, 0, 1], port));

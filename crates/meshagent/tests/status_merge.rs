@@ -118,6 +118,7 @@ async fn start_status(envoy: Option<SocketAddr>, targets: Vec<ScrapeTarget>) -> 
         metrics_localhost_only: false,
         name_table: None,
         config_dump: None,
+        views: Default::default(),
     };
     let port = free_port();
     let listener = status::bind(port).await.unwrap();

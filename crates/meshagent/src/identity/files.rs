@@ -284,6 +284,15 @@ fn source_dirs(source: &Source) -> HashSet<PathBuf> {
     dirs
 }
 
+/// The files behind a `file-*` resource name and the directories watched for it, for
+/// `/debug/certz`. Blocking (canonicalize, stat): call it on the blocking pool.
+pub fn describe(name: &str, cwd: &Path) -> Option<(Vec<PathBuf>, Vec<PathBuf>)> {
+    let source = parse_name(name, cwd).ok()?;
+    let mut dirs: Vec<PathBuf> = source_dirs(&source).into_iter().collect();
+    dirs.sort();
+    Some((source_files(&source), dirs))
+}
+
 /// Only content changes trigger a reload (Istio's fsnotify mask: create, write, rename,
 /// remove); open/read/close-without-write and metadata events are our own reads or noise.
 fn is_content_event(kind: &EventKind) -> bool {

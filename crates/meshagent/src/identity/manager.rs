@@ -503,7 +503,10 @@ impl SecretManager {
                         "workload certificate issued"
                     );
                     let export_failing = export.as_ref().and_then(|e| e.failing.clone());
+                    let rotate_at = now + delay;
                     self.set_status(|s| {
+                        s.next_retry = None;
+                        s.next_rotation = Some(rotate_at);
                         s.not_ready = export_failing
                             .as_ref()
                             .filter(|_| self.output_gates_readiness)
@@ -535,8 +538,10 @@ impl SecretManager {
                         tracing::debug!(error = %msg, retry_in = %crate::logging::dur(delay), "CSR failed again");
                     }
                     let expired = current.as_ref().is_none_or(|c| c.expire <= now);
+                    let retry_at = now + delay;
                     self.set_status(|s| {
                         s.last_error = Some(msg.clone());
+                        s.next_retry = Some(retry_at);
                         if expired {
                             s.not_ready = Some(match &current {
                                 None => format!("no workload certificate yet: {msg}"),

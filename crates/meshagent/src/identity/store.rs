@@ -229,6 +229,22 @@ impl SecretStore {
         self.changed.subscribe()
     }
 
+    /// Every resource with its state and live subscriptions, sorted by name (for
+    /// `/debug/certz`; the `Arc`s are cloned, no secret is copied).
+    pub fn snapshot(&self) -> Vec<(String, SecretState, usize)> {
+        let mut v: Vec<_> = lock(&self.entries)
+            .iter()
+            .map(|(k, e)| (k.clone(), e.state.clone(), e.subscribers))
+            .collect();
+        v.sort_by(|a, b| a.0.cmp(&b.0));
+        v
+    }
+
+    /// The aliases of this mode (`default`/`ROOTCA` served from files).
+    pub fn aliases(&self) -> &Aliases {
+        &self.aliases
+    }
+
     /// The ready data of `name`, if any.
     pub fn ready(&self, name: &str) -> Option<Arc<SecretData>> {
         match self.get(name).0 {

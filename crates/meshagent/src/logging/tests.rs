@@ -346,3 +346,26 @@ fn lists_as_go_prints_them() {
     assert_eq!(list(["192.0.2.2", "fd00::2"]), "[192.0.2.2 fd00::2]");
     assert_eq!(list(Vec::<u8>::new()), "[]");
 }
+
+#[test]
+fn runtime_level_changes_and_reset() {
+    let opts = LogOptions {
+        output_level: "xdsproxy:warn".into(),
+        ..LogOptions::default()
+    };
+    let s = ScopeConfig::parse(&opts).unwrap();
+    assert_eq!(s.level("xdsproxy"), LevelFilter::WARN);
+    s.update("xdsproxy:debug,dns:error").unwrap();
+    assert_eq!(s.level("xdsproxy"), LevelFilter::DEBUG);
+    assert_eq!(s.level("dns"), LevelFilter::ERROR);
+    // An invalid item changes nothing, with `--log_output_level`'s error.
+    let e = s.update("sds:debug,dns:bogus").unwrap_err();
+    assert_eq!(e.to_string(), "invalid output level 'bogus'");
+    assert_eq!(s.level("sds"), LevelFilter::INFO);
+    s.update("all:none").unwrap();
+    assert_eq!(level_name_of(s.level("default")), "none");
+    s.reset();
+    assert_eq!(s.level("xdsproxy"), LevelFilter::WARN);
+    assert_eq!(s.level("grpc"), LevelFilter::OFF);
+    assert_eq!(s.level("default"), LevelFilter::INFO);
+}

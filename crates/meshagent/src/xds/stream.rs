@@ -95,6 +95,8 @@ pub struct Shared {
     pub interceptors: Vec<Arc<dyn Interceptor>>,
     pub health: watch::Receiver<Option<Health>>,
     pub metrics: Metrics,
+    /// `/debug/xdsz` bookkeeping ([`super::view`]).
+    pub view: Arc<super::view::XdsView>,
 }
 
 /// An in-flight or finished dial of istiod.
@@ -303,6 +305,7 @@ pub async fn run(
     let mut health = shared.health.clone();
     health.borrow_and_update();
     let mut seen_lds = false;
+    let view = shared.view.register(id, api, conn.conn);
     tracing::debug!(id, ?api, upstream = %addr, "downstream stream connected");
 
     // The hand-over slot toward the client, reserved whenever it is free.
@@ -341,6 +344,7 @@ pub async fn run(
             r = &mut connect, if upstream.is_none() => match r {
                 Ok((s, l)) => {
                     tracing::debug!(id, upstream = %addr, "connected to upstream XDS server");
+                    shared.view.upstream_connected(&view);
                     upstream = Some(s);
                     lease = Some(l);
                 }
@@ -358,12 +362,12 @@ pub async fn run(
                 Err(_) => break End::Downstream(Some(Status::cancelled("Envoy stream closed"))),
             },
             (meta, verdict) = pending.next(), if !pending.is_empty() && room => {
-                if let Some(out) = apply_verdict(api, id, &meta, verdict, &up_tx) {
+                if let Some(out) = apply_verdict(api, id, &meta, verdict, &up_tx, &view) {
                     enqueue(&mut queue, &mut queued, &mut full_since, out);
                 }
             },
             m = async { upstream.as_mut()?.message().await.transpose() }, if upstream.is_some() && room && pending.len() < MAX_PENDING => match m {
-                Some(Ok(msg)) => match on_response(&shared, api, id, msg, &mut pending) {
+                Some(Ok(msg)) => match on_response(&shared, api, id, msg, &mut pending, &view) {
                     Ok(Some(out)) => enqueue(&mut queue, &mut queued, &mut full_since, out),
                     Ok(None) => {}
                     Err(end) => break end,
@@ -372,7 +376,7 @@ pub async fn run(
                 Some(Err(s)) => break End::Upstream(Some(s)),
             },
             m = downstream.message(), if up_tx.capacity() > AGENT_HEADROOM => match m {
-                Ok(Some(msg)) => on_request(&shared, api, msg, &up_tx, &mut seen_lds),
+                Ok(Some(msg)) => on_request(&shared, api, msg, &up_tx, &mut seen_lds, &view),
                 Ok(None) => break End::Downstream(None),
                 Err(s) => break End::Downstream(Some(s)),
             },
@@ -406,6 +410,9 @@ pub async fn run(
             // Dropping `down` ends Envoy's stream with OK; Envoy reconnects if it still wants to.
         }
         End::Connect(s) => {
+            shared
+                .view
+                .upstream_ended(&format!("connect: {:?}: {}", s.code(), s.message()));
             if s.code() == tonic::Code::Unavailable {
                 m.istiod_connection_failures.inc();
                 tracing::warn!(id, upstream = %addr, error = %s.message(), "failed to connect to upstream XDS server {addr}");
@@ -422,6 +429,10 @@ pub async fn run(
         }
         End::Upstream(s) => {
             let t = termination_type(s.as_ref());
+            shared.view.upstream_ended(&match &s {
+                Some(s) => format!("{t}: {:?}: {}", s.code(), s.message()),
+                None => "upstream closed the stream".to_owned(),
+            });
             if t == "error"
                 && let Some(l) = &lease
             {
@@ -580,19 +591,23 @@ fn on_request(
     msg: Bytes,
     up: &mpsc::Sender<Bytes>,
     seen_lds: &mut bool,
+    view: &super::view::PairHandle,
 ) {
     let m = &shared.metrics;
     m.requests.inc();
     m.downstream_max.set_max(msg.len() as f64);
-    let first_lds = !*seen_lds
-        && match wire::peek(api.request_kind(), &msg) {
-            Ok(p) => p.type_url == meshagent_proto::type_url::LISTENER,
-            Err(e) => {
-                // Forwarded anyway: the proxy does not judge Envoy's requests; istiod will.
-                tracing::debug!(error = %e, "cannot peek at an Envoy request");
-                false
-            }
-        };
+    // One pass over the top-level field headers, for the first LDS and for /debug/xdsz.
+    let first_lds = match wire::peek(api.request_kind(), &msg) {
+        Ok(p) => {
+            super::view::XdsView::pair(view).on_request(api, &msg, &p);
+            !*seen_lds && p.type_url == meshagent_proto::type_url::LISTENER
+        }
+        Err(e) => {
+            // Forwarded anyway: the proxy does not judge Envoy's requests; istiod will.
+            tracing::debug!(error = %e, "cannot peek at an Envoy request");
+            false
+        }
+    };
     send_up(up, msg);
     if first_lds {
         *seen_lds = true;
@@ -658,6 +673,7 @@ fn apply_verdict(
     meta: &Meta,
     verdict: Result<Verdict, InterceptError>,
     up: &mpsc::Sender<Bytes>,
+    view: &super::view::PairHandle,
 ) -> Option<Bytes> {
     match verdict {
         Ok(Verdict::Forward(b)) => Some(b),
@@ -669,6 +685,11 @@ fn apply_verdict(
         }
         Err(e) => {
             tracing::warn!(id, type_url = %meta.type_url, nonce = %meta.nonce, error = %e, "intercepted response rejected; NACK upstream");
+            super::view::XdsView::pair(view).on_agent_nack(
+                &meta.type_url,
+                &meta.nonce,
+                &e.to_string(),
+            );
             send_up(up, meta.nack(api, &e));
             None
         }
@@ -687,6 +708,7 @@ fn on_response(
     id: u64,
     msg: Bytes,
     pending: &mut Pending,
+    view: &super::view::PairHandle,
 ) -> Result<Option<Bytes>, End> {
     let m = &shared.metrics;
     m.responses.inc();
@@ -706,11 +728,16 @@ fn on_response(
             )))));
         }
     };
-    match shared
+    let interceptor = shared
         .interceptors
         .iter()
-        .find(|i| i.type_url() == p.type_url)
-    {
+        .find(|i| i.type_url() == p.type_url);
+    super::view::XdsView::pair(view).on_response(
+        msg.len(),
+        &p,
+        interceptor.map(|i| intercepted_name(i.type_url())),
+    );
+    match interceptor {
         Some(i) => {
             let meta = Meta::of(&p);
             let verdict = i.on_response(api, msg, meta.clone());
@@ -726,6 +753,18 @@ fn on_response(
             );
             Ok(None)
         }
+    }
+}
+
+/// What `/debug/xdsz` calls an intercepted type.
+fn intercepted_name(type_url: &str) -> &'static str {
+    use meshagent_proto::type_url as t;
+    match type_url {
+        t::NAME_TABLE => "NDS",
+        t::PROXY_CONFIG => "PCDS",
+        t::EXTENSION_CONFIG => "ECDS",
+        t::HEALTH_INFO => "health",
+        _ => "agent",
     }
 }
 
