@@ -19,46 +19,12 @@
 
 use std::time::Duration;
 
-use meshagent_testkit::istiod_box::{AgentKind, IstiodBox, PodSpec, start_agent};
+use meshagent_testkit::istiod_box::{AgentKind, IstiodBox, PodSpec, WORKLOAD_A, start_agent};
 use meshagent_testkit::{free_port, http_get, json};
+use support::cpu_secs;
 use tokio::time::Instant;
 
-const CONFIG: &str = r#"
-apiVersion: v1
-kind: Service
-metadata:
-  name: a
-  namespace: default
-spec:
-  clusterIP: 10.96.0.10
-  selector:
-    app: a
-  ports:
-  - name: http
-    port: 80
-    targetPort: 8080
----
-apiVersion: v1
-kind: Pod
-metadata:
-  name: a-5f7d9
-  namespace: default
-  labels:
-    app: a
-spec:
-  serviceAccountName: a
-  containers:
-  - name: app
-    image: app
-status:
-  phase: Running
-  podIP: 127.0.0.1
-  podIPs:
-  - ip: 127.0.0.1
-  conditions:
-  - type: Ready
-    status: "True"
-"#;
+mod support;
 
 fn env_num(name: &str, default: u64) -> u64 {
     std::env::var(name)
@@ -86,21 +52,6 @@ fn pss_kib(pid: u32) -> f64 {
         .find_map(|l| l.strip_prefix("Pss:"))
         .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
         .unwrap_or(f64::NAN)
-}
-
-/// User + system CPU seconds of `pid` (all its threads), from `/proc/<pid>/stat`.
-fn cpu_secs(pid: u32) -> f64 {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
-    // Fields after the command name, which is in parentheses and may hold spaces.
-    let rest = stat.rsplit_once(')').map_or("", |(_, r)| r);
-    let f: Vec<&str> = rest.split_whitespace().collect();
-    // utime and stime are fields 14 and 15 of the whole line: 12 and 13 after ") state".
-    let ticks: f64 = f
-        .get(11..13)
-        .map(|t| t.iter().filter_map(|v| v.parse::<f64>().ok()).sum())
-        .unwrap_or(f64::NAN);
-    // /proc reports ticks of USER_HZ, which the kernel ABI fixes at 100 on Linux.
-    ticks / 100.0
 }
 
 /// The figures of one round, in this order.
@@ -185,7 +136,7 @@ async fn main() {
         free_port(),
         free_port()
     );
-    let istiod = IstiodBox::start_with(CONFIG, Some(&mesh), &[]).await;
+    let istiod = IstiodBox::start_with(WORKLOAD_A, Some(&mesh), &[]).await;
     println!(
         "side by side: {rounds} rounds per agent and key type, idle window {} s, one istiod-box, \
          Envoy {}",

@@ -9,54 +9,19 @@
 use std::time::Duration;
 
 use meshagent_testkit::istiod_box::{
-    AgentKind, IstiodBox, PodSpec, dynamic_names, envoy_config_dump, envoy_counter, start_agent,
-    wait_for_envoy_cluster,
+    AgentKind, IstiodBox, PodSpec, WORKLOAD_A, dynamic_names, envoy_config_dump, envoy_counter,
+    start_agent, wait_for_envoy_cluster,
 };
 use meshagent_testkit::{DEADLINE, free_port, json, wait_for};
 
 const READY: Duration = Duration::from_secs(60);
 
-/// Workload a (pod a-5f7d9 in default, service account a) and service b in namespace ns.
-const CONFIG: &str = r#"
+/// Service b in namespace ns, its endpoint, and an external ServiceEntry.
+const REST: &str = r#"
 apiVersion: v1
 kind: Namespace
 metadata:
   name: ns
----
-apiVersion: v1
-kind: Service
-metadata:
-  name: a
-  namespace: default
-spec:
-  clusterIP: 10.96.0.10
-  selector:
-    app: a
-  ports:
-  - name: http
-    port: 80
-    targetPort: 8080
----
-apiVersion: v1
-kind: Pod
-metadata:
-  name: a-5f7d9
-  namespace: default
-  labels:
-    app: a
-spec:
-  serviceAccountName: a
-  containers:
-  - name: app
-    image: app
-status:
-  phase: Running
-  podIP: 127.0.0.1
-  podIPs:
-  - ip: 127.0.0.1
-  conditions:
-  - type: Ready
-    status: "True"
 ---
 apiVersion: v1
 kind: Service
@@ -106,6 +71,11 @@ spec:
   resolution: DNS
 "#;
 
+/// Workload a (testkit's) and the rest.
+fn config() -> String {
+    format!("{WORKLOAD_A}---\n{REST}")
+}
+
 const SERVICE_C: &str = r#"
 apiVersion: v1
 kind: Service
@@ -130,7 +100,7 @@ fn mesh() -> String {
 }
 
 async fn sidecar_against_istiod_box(kind: AgentKind) {
-    let istiod = IstiodBox::start_with(CONFIG, Some(&mesh()), &[]).await;
+    let istiod = IstiodBox::start_with(&config(), Some(&mesh()), &[]).await;
     let pod = PodSpec {
         workload: "a",
         namespace: "default",
@@ -232,7 +202,7 @@ async fn pilot_agent_against_istiod_box() {
 /// istio.alpn, istio.stats) that upstream Envoy does not have, and Envoy rejects it.
 #[tokio::test(flavor = "multi_thread")]
 async fn upstream_envoy_rejects_istiods_default_extensions() {
-    let istiod = IstiodBox::start_with(CONFIG, Some(&mesh()), &["--istio-extensions"]).await;
+    let istiod = IstiodBox::start_with(&config(), Some(&mesh()), &["--istio-extensions"]).await;
     let pod = PodSpec {
         workload: "a",
         namespace: "default",

@@ -215,6 +215,45 @@ fn query_escape(s: &str) -> String {
     out
 }
 
+/// Workload a: Service `a` in `default` (port 80 → 8080) selecting the running pod
+/// `a-5f7d9` (service account `a`, IP 127.0.0.1), the pod of a [`PodSpec`] with workload `a`.
+pub const WORKLOAD_A: &str = r#"
+apiVersion: v1
+kind: Service
+metadata:
+  name: a
+  namespace: default
+spec:
+  clusterIP: 10.96.0.10
+  selector:
+    app: a
+  ports:
+  - name: http
+    port: 80
+    targetPort: 8080
+---
+apiVersion: v1
+kind: Pod
+metadata:
+  name: a-5f7d9
+  namespace: default
+  labels:
+    app: a
+spec:
+  serviceAccountName: a
+  containers:
+  - name: app
+    image: app
+status:
+  phase: Running
+  podIP: 127.0.0.1
+  podIPs:
+  - ip: 127.0.0.1
+  conditions:
+  - type: Ready
+    status: "True"
+"#;
+
 /// Which agent [`start_agent`] runs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum AgentKind {
