@@ -8,6 +8,7 @@ use std::collections::HashMap;
 use std::ffi::OsString;
 use std::path::{Path, PathBuf};
 
+use clap::error::ErrorKind;
 use clap::{Args, CommandFactory, FromArgMatches, Parser, Subcommand};
 use serde_json::json;
 
@@ -246,7 +247,22 @@ pub fn parse_args(argv: impl IntoIterator<Item = OsString>) -> Result<Parsed, cl
     let mut cmd = Cli::command().bin_name(bin);
     cmd.build();
     let (kept, dropped_flags) = strip_unknown_flags(&cmd, argv);
-    let matches = cmd.try_get_matches_from_mut(kept)?;
+    let matches = match cmd.try_get_matches_from_mut(kept) {
+        Ok(m) => m,
+        // No subcommand (also after root flags pilot-agent does not know, which it tolerates):
+        // Istio's root command has no Run, so cobra prints its help on stdout and exits 0
+        // (pilot/cmd/pilot-agent/app/cmd.go). A DisplayHelp error is what `--help` gives.
+        Err(e)
+            if matches!(
+                e.kind(),
+                ErrorKind::MissingSubcommand | ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand
+            ) =>
+        {
+            let help = cmd.render_help().to_string();
+            return Err(clap::Error::raw(ErrorKind::DisplayHelp, help));
+        }
+        Err(e) => return Err(e),
+    };
     let cli = Cli::from_arg_matches(&matches)?;
     Ok(Parsed { cli, dropped_flags })
 }

@@ -275,3 +275,43 @@ fn non_utf8_env_value_exits_nonzero_naming_the_variable() {
         String::from_utf8_lossy(&out.stderr)
     );
 }
+
+/// `pilot-agent` alone, or with root flags it does not know, prints its help on stdout and
+/// exits 0 (cobra: the root command has no Run and tolerates unknown flags); an unknown
+/// subcommand is an error. The real pilot-agent beside meshagent for each.
+#[test]
+fn root_help_and_unknown_subcommand_exit_as_pilot_agent_does() {
+    let dir = tempfile::tempdir().unwrap();
+    let pilot_agent = meshagent_testkit::istiod_box::pilot_agent_bin();
+    for args in [
+        &[][..],
+        &["--bogus"][..],
+        &["--log_as_json", "--bogus=1"][..],
+    ] {
+        for exe in [meshagent(), pilot_agent.as_path()] {
+            let out = run(dir.path(), exe, args, &[]);
+            let stdout = String::from_utf8_lossy(&out.stdout);
+            assert_eq!(
+                out.status.code(),
+                Some(0),
+                "{} {args:?}: {out:?}",
+                exe.display()
+            );
+            assert!(
+                stdout.contains("Usage:") && stdout.contains("proxy"),
+                "{} {args:?}: no help on stdout: {stdout}",
+                exe.display()
+            );
+        }
+    }
+    for exe in [meshagent(), pilot_agent.as_path()] {
+        let out = run(dir.path(), exe, &["bogus"], &[]);
+        assert!(!out.status.success(), "{} bogus: {out:?}", exe.display());
+        let text = format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(text.contains("bogus"), "{} bogus: {text}", exe.display());
+    }
+}
