@@ -249,6 +249,11 @@ mod imp {
 mod tests {
     use super::*;
 
+    /// The tests that call [`release`] take this: a release running in a parallel test reads
+    /// smaps before another test's forced write and madvises after it (the window the module
+    /// documents), which would undo that write.
+    static RELEASES: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
     fn rss_file_kib() -> u64 {
         let s = std::fs::read_to_string("/proc/self/status").unwrap();
         s.lines()
@@ -263,6 +268,9 @@ mod tests {
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
     fn release_drops_file_pages_and_keeps_the_process_working() {
         static WRITTEN: std::sync::Mutex<Vec<u64>> = std::sync::Mutex::new(Vec::new());
+        let _one = RELEASES
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
         WRITTEN.lock().unwrap().extend(0..1000);
         let before = rss_file_kib();
         let covered = release();
@@ -292,6 +300,9 @@ mod tests {
         #[repr(C, align(4096))]
         struct Page([u8; 4096]);
         static MARKER: Page = Page([0x11; 4096]);
+        let _one = RELEASES
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
         let addr = std::hint::black_box(&raw const MARKER) as usize;
         let mem = std::fs::OpenOptions::new()
             .read(true)

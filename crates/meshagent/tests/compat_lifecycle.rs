@@ -7,11 +7,13 @@
 //! other difference fails.
 #![allow(clippy::unwrap_used)] // tests fail loudly by design
 
-use std::process::{Command, ExitStatus};
+use std::process::ExitStatus;
 use std::time::Duration;
 
 use meshagent_testkit::istiod_box::{AgentKind, IstiodBox, PodSpec, WORKLOAD_A, start_agent};
-use meshagent_testkit::{Proc, Sidecar, free_port, http, http_get, json, wait_for};
+use meshagent_testkit::{
+    Proc, Sidecar, alive, envoy_children_of, free_port, http, http_get, json, signal, wait_for,
+};
 
 const READY: Duration = Duration::from_secs(60);
 
@@ -21,41 +23,6 @@ enum Case {
     SigtermNeverReady,
     QuitQuitQuit,
     EnvoyKilled,
-}
-
-/// The children of `pid` (its Envoy): every process whose parent it is. (Not
-/// `/proc/<pid>/task/<pid>/children`, which lists only the main thread's: Go starts Envoy
-/// from whichever thread runs the goroutine.)
-fn children(pid: u32) -> Vec<u32> {
-    std::fs::read_dir("/proc")
-        .unwrap()
-        .filter_map(|e| e.ok()?.file_name().to_str()?.parse::<u32>().ok())
-        .filter(|p| {
-            std::fs::read_to_string(format!("/proc/{p}/stat"))
-                .ok()
-                .and_then(|s| {
-                    let (_, rest) = s.rsplit_once(") ")?;
-                    rest.split_whitespace().nth(1)?.parse::<u32>().ok()
-                })
-                == Some(pid)
-        })
-        .collect()
-}
-
-fn alive(pid: u32) -> bool {
-    // A zombie (exited, not yet reaped) counts as gone.
-    std::fs::read_to_string(format!("/proc/{pid}/stat"))
-        .ok()
-        .and_then(|s| s.rsplit_once(") ").map(|(_, r)| !r.starts_with('Z')))
-        .unwrap_or(false)
-}
-
-fn signal(pid: u32, sig: &str) {
-    let st = Command::new("kill")
-        .args([sig, &pid.to_string()])
-        .status()
-        .unwrap();
-    assert!(st.success(), "kill {sig} {pid}");
 }
 
 async fn wait_exit(p: &mut Proc, within: Duration) -> ExitStatus {
@@ -93,7 +60,7 @@ async fn run(istiod: &IstiodBox, kind: AgentKind, case: Case) -> ExitStatus {
     let mut sc = start_agent(istiod, kind, &pod).await;
     let pid = sc.proc.pid();
     let envoy = wait_for("the agent to start Envoy", READY, || {
-        let c = children(pid);
+        let c = envoy_children_of(pid);
         async move { (c.len() == 1).then(|| c[0]) }
     })
     .await;
@@ -112,8 +79,15 @@ async fn run(istiod: &IstiodBox, kind: AgentKind, case: Case) -> ExitStatus {
         }
         Case::QuitQuitQuit => {
             wait_ready(&sc).await;
-            let (code, body) = http("POST", sc.status, "/quitquitquit").await.unwrap();
-            assert_eq!(code, 200, "{kind:?} /quitquitquit: {body}");
+            match (kind, http("POST", sc.status, "/quitquitquit").await) {
+                (_, Ok((code, body))) => assert_eq!(code, 200, "{kind:?} /quitquitquit: {body}"),
+                // pilot-agent's handler signals the exit before it writes the answer, and
+                // with the drain skipped (pkg/envoy/agent.go, terminate) the process may be
+                // gone before the answer is: the connection then closes without one.
+                // meshagent answers first (COMPAT.md).
+                (AgentKind::PilotAgent, Err(e)) => eprintln!("pilot-agent /quitquitquit: {e}"),
+                (AgentKind::Meshagent, Err(e)) => panic!("meshagent /quitquitquit: {e}"),
+            }
         }
         Case::EnvoyKilled => {
             wait_ready(&sc).await;

@@ -10,7 +10,9 @@ use std::process::Command;
 use std::time::Duration;
 
 use meshagent::config::{self, MapEnv, ProxyFlags, ProxyType};
-use meshagent_testkit::{DEADLINE, Proc, envoy_bin, free_port, http, http_get, wait_for};
+use meshagent_testkit::{
+    DEADLINE, Proc, children_of, envoy_bin, free_port, http, http_get, signal, wait_for,
+};
 
 struct AgentUnderTest {
     proc: Proc,
@@ -99,34 +101,6 @@ async fn wait_exit(p: &mut Proc, within: Duration) -> std::process::ExitStatus {
         async move { s }
     })
     .await
-}
-
-fn children_of(pid: u32) -> Vec<u32> {
-    std::fs::read_dir("/proc")
-        .unwrap()
-        .filter_map(|e| e.ok()?.file_name().to_str()?.parse::<u32>().ok())
-        .filter(|p| {
-            std::fs::read_to_string(format!("/proc/{p}/stat"))
-                .ok()
-                .and_then(|s| s.rsplit_once(") ").map(|(_, r)| r.to_owned()))
-                .and_then(|r| {
-                    r.split_whitespace()
-                        .nth(1)
-                        .and_then(|pp| pp.parse::<u32>().ok())
-                })
-                == Some(pid)
-        })
-        .collect()
-}
-
-fn signal(pid: u32, sig: &str) {
-    assert!(
-        Command::new("kill")
-            .args([sig, &pid.to_string()])
-            .status()
-            .unwrap()
-            .success()
-    );
 }
 
 #[tokio::test(flavor = "multi_thread")]

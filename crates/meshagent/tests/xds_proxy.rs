@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use meshagent::xds::Health;
 use meshagent_proto::type_url;
-use meshagent_testkit::{DEADLINE, Devplane, json, wait_for};
+use meshagent_testkit::{DEADLINE, Devplane, json, signal, wait_for};
 use xds_support::*;
 
 async fn envoy_through_agent(delta: bool) {
@@ -428,16 +428,6 @@ async fn twenty_mib_request_passes_the_agent_and_devplane_refuses_it_as_istiod()
         .unwrap();
     let (_, again) = next_response(&mut stream2, "CDS on a new stream").await;
     assert!(!again.resources.is_empty());
-}
-
-/// Sends a signal to a process by pid (SIGSTOP/SIGCONT to pause Envoy).
-fn signal(pid: u32, sig: &str) {
-    let ok = std::process::Command::new("kill")
-        .args([sig, &pid.to_string()])
-        .status()
-        .unwrap()
-        .success();
-    assert!(ok, "kill {sig} {pid}");
 }
 
 /// F10: a paused Envoy slows the upstream read instead of growing the agent's memory: while

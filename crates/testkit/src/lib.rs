@@ -264,6 +264,53 @@ impl Drop for Proc {
     }
 }
 
+/// The parent pid and state letter of `pid` from `/proc/<pid>/stat` (the fields after the
+/// parenthesised command name, which may itself hold spaces and parentheses).
+fn stat_of(pid: u32) -> Option<(u32, char)> {
+    let s = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let (_, rest) = s.rsplit_once(") ")?;
+    let mut f = rest.split_whitespace();
+    let state = f.next()?.chars().next()?;
+    Some((f.next()?.parse().ok()?, state))
+}
+
+/// Every live process whose parent is `pid`. (Not `/proc/<pid>/task/<pid>/children`, which
+/// lists only the main thread's children: Go starts Envoy from whichever thread runs the
+/// goroutine.)
+pub fn children_of(pid: u32) -> Vec<u32> {
+    std::fs::read_dir("/proc")
+        .expect("read /proc")
+        .filter_map(|e| e.ok()?.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|&p| matches!(stat_of(p), Some((pp, st)) if pp == pid && st != 'Z'))
+        .collect()
+}
+
+/// The children of `pid` that run Envoy (`/proc/<p>/comm` is `envoy`). An agent may have
+/// other short-lived children: the Go runtime of pilot-agent forks one while it starts.
+pub fn envoy_children_of(pid: u32) -> Vec<u32> {
+    children_of(pid)
+        .into_iter()
+        .filter(|p| {
+            std::fs::read_to_string(format!("/proc/{p}/comm")).is_ok_and(|c| c.trim() == "envoy")
+        })
+        .collect()
+}
+
+/// Whether `pid` runs; a zombie (exited, not yet reaped) counts as gone.
+pub fn alive(pid: u32) -> bool {
+    matches!(stat_of(pid), Some((_, st)) if st != 'Z')
+}
+
+/// Sends signal `sig` (as `kill(1)` names it: `-TERM`, `-KILL`, `-STOP`...) to `pid`; panics
+/// naming both when it cannot be sent.
+pub fn signal(pid: u32, sig: &str) {
+    let ok = Command::new("kill")
+        .args([sig, &pid.to_string()])
+        .status()
+        .is_ok_and(|s| s.success());
+    assert!(ok, "kill {sig} {pid}");
+}
+
 /// Writes `contents` to `path` atomically (temp file + rename), as config pushers do.
 pub fn write_atomic(path: &Path, contents: &[u8]) {
     let tmp = path.with_extension("tmp~");
