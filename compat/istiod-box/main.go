@@ -238,6 +238,9 @@ func main() {
 	// istiod's gRPC server options (pilot/pkg/bootstrap/server.go initSecureDiscoveryService):
 	// keepalive enforcement matching agents' pings, message size limits.
 	grpcOpts := istiogrpc.ServerOptions(keepalive.DefaultOption(), func(int64) {})
+	// The TLS server (the CA's) also records what each agent asks the CA for (csrs.go).
+	csrs := &csrLog{}
+	tlsOpts := istiogrpc.ServerOptions(keepalive.DefaultOption(), func(int64) {}, csrs.interceptor)
 	roots := x509.NewCertPool()
 	roots.AppendCertsFromPEM(rootPEM)
 	tlsCreds := credentials.NewTLS(&tls.Config{
@@ -248,7 +251,7 @@ func main() {
 		ClientCAs:  roots,
 		MinVersion: tls.VersionTLS12,
 	})
-	tlsSrv := grpc.NewServer(append(grpcOpts, grpc.Creds(tlsCreds))...)
+	tlsSrv := grpc.NewServer(append(tlsOpts, grpc.Creds(tlsCreds))...)
 	ds.Discovery.Register(tlsSrv)
 	caSrv.Register(tlsSrv)
 	plainSrv := grpc.NewServer(grpcOpts...)
@@ -260,6 +263,8 @@ func main() {
 	// mux (localhost callers need no authentication: pilot/pkg/xds/debug.go).
 	ds.Discovery.InitDebug(mux, false, func() map[string]string { return nil })
 	box.routes(mux)
+	// GET /csrs: the CreateCertificate calls received (csrs.go); DELETE /csrs clears them.
+	mux.HandleFunc("/csrs", csrs.serve)
 	httpSrv := &http.Server{Handler: mux, ReadHeaderTimeout: 10 * time.Second}
 
 	serveErr := make(chan error, 3)

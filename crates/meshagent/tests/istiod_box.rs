@@ -362,11 +362,13 @@ async fn get_with_host(addr: std::net::SocketAddr, host: &str) -> Option<String>
 }
 
 async fn mesh_through_istiod_box(net: u8, a_kind: AgentKind, b_kind: AgentKind) {
-    let (port, b_app) = (free_port(), free_port());
-    let istiod = IstiodBox::start_with(&mesh_config(net, port, b_app), Some(&mesh()), &[]).await;
-    let l = tokio::net::TcpListener::bind(("127.0.0.1", b_app))
+    // B's app listens before anything else starts: a port picked free and bound later can be
+    // taken meanwhile by istiod-box's or another test's ephemeral ports.
+    let l = tokio::net::TcpListener::bind(("127.0.0.1", 0))
         .await
         .unwrap();
+    let (port, b_app) = (free_port(), l.local_addr().unwrap().port());
+    let istiod = IstiodBox::start_with(&mesh_config(net, port, b_app), Some(&mesh()), &[]).await;
     tokio::spawn(meshagent_testkit::identity_app("b", l, Duration::ZERO));
     let (a_ip, b_ip) = (format!("127.0.{net}.2"), format!("127.0.{net}.3"));
     let pod = |workload, ip| PodSpec {
