@@ -298,12 +298,32 @@ fn error_chain(e: &dyn std::error::Error) -> String {
 pub const STREAM_WINDOW: u32 = 2 << 20;
 pub const CONNECTION_WINDOW: u32 = 8 * STREAM_WINDOW;
 
+/// The `:authority` (and `:scheme`) of requests on a connection to `target`, as grpc-go sets
+/// them for Istio's clients: over TLS the credentials' server name, without a port (grpc-go
+/// `clientconn.go` `determineAuthority` prefers `TransportCredentials.Info().ServerName`, which
+/// Istio sets in `pilot/pkg/grpc/tls.go` and `pkg/istio-agent/xds_proxy.go`); in plaintext
+/// the dialled `host:port`. A gateway or proxy in front of istiod (a remote cluster's
+/// east-west gateway) may route on it.
+fn origin(target: &Target) -> String {
+    match &target.tls {
+        Some(tls) if tls.server_name.parse::<std::net::Ipv6Addr>().is_ok() => {
+            format!("https://[{}]", tls.server_name)
+        }
+        Some(tls) => format!("https://{}", tls.server_name),
+        None => format!("http://{}", target.addr),
+    }
+}
+
 fn endpoint(target: &Target, keepalive: Keepalive) -> Result<Endpoint, DialError> {
+    let bad = |e: &dyn std::fmt::Display| DialError::Address {
+        addr: target.addr.clone(),
+        reason: e.to_string(),
+    };
+    let origin: http::Uri = origin(target).parse().map_err(|e| bad(&e))?;
+    // The URI only carries the origin: the connector dials `target.addr` itself.
     Ok(Endpoint::from_shared(format!("http://{}", target.addr))
-        .map_err(|e| DialError::Address {
-            addr: target.addr.clone(),
-            reason: e.to_string(),
-        })?
+        .map_err(|e| bad(&e))?
+        .origin(origin)
         .connect_timeout(Duration::from_secs(5))
         .http2_keep_alive_interval(keepalive.interval)
         .keep_alive_timeout(keepalive.timeout)
@@ -542,6 +562,35 @@ mod tests {
         assert_eq!(wire.message(), "boom");
         let other = transport_status(tonic::Status::permission_denied("no"));
         assert_eq!(other.code(), tonic::Code::PermissionDenied);
+    }
+
+    #[test]
+    fn authority_is_the_tls_server_name_or_the_address() {
+        let t = |addr: &str, name: Option<&str>| Target {
+            addr: addr.to_owned(),
+            tls: name.map(|n| Tls {
+                roots: Roots::System,
+                server_name: n.to_owned(),
+                client_cert: None,
+            }),
+        };
+        let cases = [
+            (
+                t("localhost:15012", Some(ISTIOD_SVC)),
+                "https://istiod.istio-system.svc",
+            ),
+            (t("10.0.0.1:15012", Some("10.0.0.1")), "https://10.0.0.1"),
+            (t("[fd00::1]:15012", Some("fd00::1")), "https://[fd00::1]"),
+            (
+                t("istiod.istio-system.svc:15010", None),
+                "http://istiod.istio-system.svc:15010",
+            ),
+        ];
+        for (target, want) in cases {
+            assert_eq!(origin(&target), want);
+            let uri: http::Uri = want.parse().unwrap();
+            assert!(endpoint(&target, Keepalive::default()).is_ok(), "{uri}");
+        }
     }
 
     #[test]

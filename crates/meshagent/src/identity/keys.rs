@@ -3,13 +3,17 @@
 //! Keys are generated with aws-lc (through rcgen) and exported in the PEM type Istio writes:
 //! PKCS#1 `RSA PRIVATE KEY`, SEC1 `EC PRIVATE KEY` (with the curve parameters, as Go's
 //! `x509.MarshalECPrivateKey`), or PKCS#8 `PRIVATE KEY` with `PKCS8_KEY=true`. Envoy accepts all
-//! three. The CSR has an empty subject and a single URI SAN; rcgen marks the SAN extension
-//! critical exactly when the subject is empty (RFC 5280 §4.2.1.6), which is what Go does too.
+//! three. The CSR is the one Istio's `GenCSRTemplate` makes, byte for byte in its structure
+//! (checked against the real pilot-agent's by `tests/compat_identity.rs`): a subject of one
+//! empty Organization (`O=""` as a PrintableString: `pkix.Name{Organization: []string{""}}`)
+//! and a single URI SAN in a critical extension (`BuildSubjectAltNameExtension`).
 
 use std::fmt;
 
 use aws_lc_rs::encoding::AsDer;
-use rcgen::{CertificateParams, DistinguishedName, KeyPair, RsaKeySize, SanType};
+use rcgen::{
+    CertificateParams, CustomExtension, DistinguishedName, DnType, DnValue, KeyPair, RsaKeySize,
+};
 
 use crate::config::{EccCurve, IdentityConfig};
 
@@ -116,7 +120,7 @@ impl WorkloadKey {
         &self.pem
     }
 
-    /// A PEM CSR with an empty subject and one critical URI SAN `san`.
+    /// A PEM CSR with the subject `O=""` and one critical URI SAN `san`, as Istio's.
     pub fn csr(&self, san: &str) -> Result<String, KeyError> {
         let fail = |reason: String| KeyError::Csr {
             san: san.to_owned(),
@@ -124,11 +128,28 @@ impl WorkloadKey {
         };
         let mut params = CertificateParams::default();
         params.distinguished_name = DistinguishedName::new();
-        params.subject_alt_names = vec![SanType::URI(
-            san.to_owned()
-                .try_into()
-                .map_err(|e: rcgen::Error| fail(e.to_string()))?,
-        )];
+        params.distinguished_name.push(
+            DnType::OrganizationName,
+            DnValue::PrintableString(
+                "".try_into()
+                    .map_err(|e: rcgen::Error| fail(e.to_string()))?,
+            ),
+        );
+        // rcgen marks its own SAN extension critical only under an empty subject (RFC 5280
+        // §4.2.1.6); Istio's is critical under `O=""`, so the extension is written here:
+        // GeneralNames with one uniformResourceIdentifier [6] IA5String.
+        if !san.is_ascii() {
+            return Err(fail("a URI SAN must be ASCII (IA5String)".into()));
+        }
+        let names = yasna::construct_der(|w| {
+            w.write_sequence(|w| {
+                w.next()
+                    .write_tagged_implicit(yasna::Tag::context(6), |w| w.write_ia5_string(san));
+            });
+        });
+        let mut ext = CustomExtension::from_oid_content(&[2, 5, 29, 17], names);
+        ext.set_criticality(true);
+        params.custom_extensions = vec![ext];
         params
             .serialize_request(&self.pair)
             .and_then(|c| c.pem())
@@ -245,7 +266,7 @@ mod tests {
     }
 
     #[test]
-    fn csr_has_one_critical_uri_san_and_empty_subject() {
+    fn csr_has_istios_subject_and_one_critical_uri_san() {
         let san = "spiffe://cluster.local/ns/default/sa/a";
         for kind in [KeyKind::EcdsaP256, KeyKind::Rsa(2048)] {
             let k = WorkloadKey::generate(spec(kind, false)).unwrap();
@@ -254,7 +275,14 @@ mod tests {
             let der = CertificateSigningRequestDer::from_pem_slice(pem.as_bytes()).unwrap();
             let (_, csr) = X509CertificationRequest::from_der(der.as_ref()).unwrap();
             csr.verify_signature().unwrap();
-            assert_eq!(csr.certification_request_info.subject.iter().count(), 0);
+            // SEQUENCE { SET { SEQUENCE { id-at-organizationName, PrintableString "" } } }: the
+            // bytes of the real pilot-agent's CSR subject (tests/compat_identity.rs).
+            assert_eq!(
+                csr.certification_request_info.subject.as_raw(),
+                [
+                    0x30, 0x0b, 0x31, 0x09, 0x30, 0x07, 0x06, 0x03, 0x55, 0x04, 0x0a, 0x13, 0x00
+                ]
+            );
             let exts: Vec<_> = csr.requested_extensions().into_iter().flatten().collect();
             assert_eq!(exts.len(), 1, "{exts:?}");
             let ParsedExtension::SubjectAlternativeName(s) = exts[0] else {

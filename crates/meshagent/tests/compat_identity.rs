@@ -1,0 +1,415 @@
+//! Differential: the workload identity each agent obtains, the real pilot-agent beside
+//! meshagent, each run as a pod runs it against istiod-box (Istio's CA and authenticators)
+//! with a real Envoy (testkit `start_agent`). For every case (key type and size, PKCS#8,
+//! certificate TTL, OUTPUT_CERTS) and both agents, compared:
+//!
+//! - **the CSRs sent to the CA** until Envoy holds its certificates, as istiod-box's CA
+//!   received them (`GET /csrs`, compat/istiod-box/csrs.go): subject, public key (algorithm,
+//!   size, curve), signature algorithm, the requested extensions (OID, criticality, SANs as
+//!   names, other values as bytes), other attributes; the request's `validity_duration` and
+//!   metadata; the gRPC request headers; whether a client certificate was presented; the CA's
+//!   answer;
+//! - **the SDS resources Envoy ends with** (its `/config_dump`, secrets): names, which kind
+//!   (certificate or validation context), every certificate of a chain or bundle described
+//!   (subject, issuer, SANs, key, lifetime, extensions), the private key redacted, the
+//!   bundle equal to istiod-box's root;
+//! - **the OUTPUT_CERTS files**: names, modes, the PEM blocks of each (labels and the
+//!   certificates described as above).
+//!
+//! Ignored as volatile, each with its reason: serial numbers, signatures, key and
+//! public-key bytes, validity instants (each run's keys and times differ; the lifetime is
+//! compared); `version_info`/`last_updated` of secrets (set by each agent's SDS server at its
+//! own time); the `user-agent`, `grpc-accept-encoding`, `grpc-timeout` and `te` request
+//! headers (the gRPC library's, grpc-go against tonic; no CA reads them). Where meshagent
+//! differs on purpose (COMPAT.md, "Deliberate differences") the difference is listed in
+//! `DELIBERATE` with that row's reason; any other difference fails.
+#![allow(clippy::unwrap_used)] // tests fail loudly by design
+
+use std::collections::BTreeMap;
+use std::os::unix::fs::PermissionsExt;
+use std::path::Path;
+use std::time::Duration;
+
+use base64::Engine as _;
+use meshagent_testkit::istiod_box::{
+    AgentKind, IstiodBox, PodSpec, WORKLOAD_A, envoy_config_dump, start_agent,
+};
+use meshagent_testkit::{Value, http, http_get, json, wait_for};
+use x509_parser::pem::{Pem, parse_x509_pem};
+use x509_parser::prelude::*;
+
+const READY: Duration = Duration::from_secs(60);
+
+/// Headers that only name the gRPC library or its transport defaults (see the module doc).
+const VOLATILE_HEADERS: &[&str] = &["user-agent", "grpc-accept-encoding", "grpc-timeout", "te"];
+
+/// Differences meshagent makes on purpose: (case or `*`, path prefix, COMPAT.md row).
+const DELIBERATE: &[(&str, &str, &str)] = &[];
+
+struct Case {
+    name: &'static str,
+    env: &'static [(&'static str, &'static str)],
+}
+
+const CASES: &[Case] = &[
+    Case {
+        name: "default_rsa",
+        env: &[],
+    },
+    Case {
+        name: "rsa_4096",
+        env: &[("WORKLOAD_RSA_KEY_SIZE", "4096")],
+    },
+    Case {
+        name: "ecdsa_p256",
+        env: &[("ECC_SIGNATURE_ALGORITHM", "ECDSA")],
+    },
+    Case {
+        name: "ecdsa_p384",
+        env: &[("ECC_SIGNATURE_ALGORITHM", "ECDSA"), ("ECC_CURVE", "P384")],
+    },
+    Case {
+        name: "secret_ttl_12h",
+        env: &[("SECRET_TTL", "12h")],
+    },
+    Case {
+        name: "output_certs_rsa",
+        env: &[("OUTPUT_CERTS", "<dir>")],
+    },
+    Case {
+        name: "output_certs_pkcs8",
+        env: &[("OUTPUT_CERTS", "<dir>"), ("PKCS8_KEY", "true")],
+    },
+    Case {
+        name: "output_certs_ecdsa",
+        env: &[
+            ("OUTPUT_CERTS", "<dir>"),
+            ("ECC_SIGNATURE_ALGORITHM", "ECDSA"),
+        ],
+    },
+];
+
+fn hex(b: &[u8]) -> String {
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+/// A public key: algorithm OID, size in bits, and the parameters' OID (the EC curve).
+fn describe_spki(spki: &SubjectPublicKeyInfo<'_>) -> Value {
+    let params = spki
+        .algorithm
+        .parameters
+        .as_ref()
+        .and_then(|p| p.as_oid().ok())
+        .map(|o| o.to_id_string());
+    json!({
+        "algorithm": spki.algorithm.algorithm.to_id_string(),
+        "bits": spki.parsed().map(|k| k.key_size()).unwrap_or(0),
+        "parameters": params,
+    })
+}
+
+/// One extension: its OID and criticality; SANs as names, anything else as its bytes.
+fn describe_extension(e: &X509Extension<'_>) -> Value {
+    let value = match e.parsed_extension() {
+        ParsedExtension::SubjectAlternativeName(san) => json!(
+            san.general_names
+                .iter()
+                .map(ToString::to_string)
+                .collect::<Vec<_>>()
+        ),
+        _ => json!(hex(e.value)),
+    };
+    json!({"oid": e.oid.to_id_string(), "critical": e.critical, "value": value})
+}
+
+fn describe_csr(pem_text: &str) -> Value {
+    let (_, pem) = parse_x509_pem(pem_text.as_bytes()).expect("CSR PEM");
+    let (_, csr) = X509CertificationRequest::from_der(&pem.contents).expect("CSR DER");
+    let info = &csr.certification_request_info;
+    let mut extensions = Vec::new();
+    let mut attributes = Vec::new();
+    for a in info.attributes() {
+        match a.parsed_attribute() {
+            ParsedCriAttribute::ExtensionRequest(r) => {
+                extensions.extend(r.extensions.iter().map(describe_extension));
+            }
+            _ => attributes.push(json!({"oid": a.oid.to_id_string(), "value": hex(a.value)})),
+        }
+    }
+    json!({
+        "pem_label": pem.label,
+        "version": info.version.0,
+        "subject": info.subject.to_string(),
+        // The encoding too (string types, empty attributes), not only the printed form.
+        "subject_der": hex(info.subject.as_raw()),
+        "public_key": describe_spki(&info.subject_pki),
+        "signature_algorithm": csr.signature_algorithm.algorithm.to_id_string(),
+        "extensions": extensions,
+        "attributes": attributes,
+    })
+}
+
+/// A certificate, without what differs between any two issuances (serial, key, signature,
+/// instants); `root` is istiod-box's root certificate (DER), to say whether this is it.
+fn describe_cert(der: &[u8], root: &[u8]) -> Value {
+    let (_, c) = X509Certificate::from_der(der).expect("certificate DER");
+    let v = c.validity();
+    json!({
+        "subject": c.subject().to_string(),
+        "issuer": c.issuer().to_string(),
+        "public_key": describe_spki(c.public_key()),
+        "signature_algorithm": c.signature_algorithm.algorithm.to_id_string(),
+        "lifetime_s": v.not_after.timestamp() - v.not_before.timestamp(),
+        "is_ca": c.is_ca(),
+        "extensions": c.extensions().iter().map(|e| {
+            // Key identifiers are hashes of each run's keys.
+            let volatile = e.oid == x509_parser::oid_registry::OID_X509_EXT_SUBJECT_KEY_IDENTIFIER
+                || e.oid == x509_parser::oid_registry::OID_X509_EXT_AUTHORITY_KEY_IDENTIFIER;
+            if volatile {
+                json!({"oid": e.oid.to_id_string(), "critical": e.critical})
+            } else {
+                describe_extension(e)
+            }
+        }).collect::<Vec<_>>(),
+        "is_istiod_box_root": der == root,
+    })
+}
+
+/// The PEM blocks of `text`: labels, certificates described.
+fn describe_pem_blocks(text: &[u8], root: &[u8]) -> Value {
+    let mut out = Vec::new();
+    for pem in Pem::iter_from_buffer(text) {
+        let pem = pem.expect("PEM block");
+        if pem.label == "CERTIFICATE" {
+            out.push(
+                json!({"label": pem.label, "certificate": describe_cert(&pem.contents, root)}),
+            );
+        } else {
+            out.push(json!({"label": pem.label}));
+        }
+    }
+    json!(out)
+}
+
+/// The secrets of Envoy's `/config_dump`, by name.
+fn describe_secrets(dump: &Value, root: &[u8]) -> BTreeMap<String, Value> {
+    let b64 = base64::engine::general_purpose::STANDARD;
+    let mut out = BTreeMap::new();
+    for cfg in dump["configs"].as_array().into_iter().flatten() {
+        if !cfg["@type"]
+            .as_str()
+            .unwrap_or("")
+            .ends_with("SecretsConfigDump")
+        {
+            continue;
+        }
+        for s in cfg["dynamic_active_secrets"]
+            .as_array()
+            .into_iter()
+            .flatten()
+        {
+            let name = s["name"].as_str().unwrap_or("").to_owned();
+            let secret = &s["secret"];
+            let bytes = |v: &Value| b64.decode(v.as_str().unwrap_or("")).unwrap_or_default();
+            let desc = if let Some(tls) = secret.get("tls_certificate") {
+                json!({
+                    "kind": "tls_certificate",
+                    "certificate_chain": describe_pem_blocks(&bytes(&tls["certificate_chain"]["inline_bytes"]), root),
+                    // Envoy redacts keys in dumps; anything else would be a leak.
+                    "private_key": String::from_utf8_lossy(&bytes(&tls["private_key"]["inline_bytes"])),
+                    "fields": tls.as_object().map(|o| o.keys().cloned().collect::<Vec<_>>()),
+                })
+            } else if let Some(vc) = secret.get("validation_context") {
+                json!({
+                    "kind": "validation_context",
+                    "trusted_ca": describe_pem_blocks(&bytes(&vc["trusted_ca"]["inline_bytes"]), root),
+                    "fields": vc.as_object().map(|o| o.keys().cloned().collect::<Vec<_>>()),
+                })
+            } else {
+                json!({"kind": "other", "secret": secret})
+            };
+            out.insert(name, desc);
+        }
+    }
+    out
+}
+
+/// The OUTPUT_CERTS directory: its mode and, per visible file, mode and PEM blocks.
+/// meshagent publishes the set as the kubelet does (COMPAT.md, "OUTPUT_CERTS written"): a
+/// `..<ts>` generation and a `..data` link beside the names, which are links into it. Names
+/// starting with `..` are that mechanism and are not compared; modes are the targets'.
+fn describe_output(dir: &Path, root: &[u8]) -> Value {
+    let mut files = BTreeMap::new();
+    for e in std::fs::read_dir(dir).unwrap() {
+        let e = e.unwrap();
+        let name = e.file_name().to_string_lossy().into_owned();
+        if name.starts_with("..") {
+            continue;
+        }
+        let path = e.path();
+        let mode = std::fs::metadata(&path).unwrap().permissions().mode() & 0o7777;
+        let text = std::fs::read(&path).unwrap();
+        files.insert(
+            name,
+            json!({"mode": format!("{mode:o}"), "pem": describe_pem_blocks(&text, root)}),
+        );
+    }
+    let dir_mode = std::fs::metadata(dir).unwrap().permissions().mode() & 0o7777;
+    json!({"dir_mode": format!("{dir_mode:o}"), "files": files})
+}
+
+fn describe_request(r: &Value) -> Value {
+    let mut headers = BTreeMap::new();
+    for (k, v) in r["headers"].as_object().into_iter().flatten() {
+        if !VOLATILE_HEADERS.contains(&k.as_str()) {
+            headers.insert(k.clone(), v.clone());
+        }
+    }
+    json!({
+        "csr": describe_csr(r["csr"].as_str().unwrap()),
+        "validity_duration": r["validity_duration"],
+        "metadata": r["metadata"],
+        "headers": headers,
+        "client_cert": r["client_cert"],
+        "code": r["code"],
+    })
+}
+
+/// What one agent obtained in one case.
+async fn observe(istiod: &IstiodBox, kind: AgentKind, case: &Case, root: &[u8]) -> Value {
+    let (code, _) = http("DELETE", istiod.http, "/csrs").await.unwrap();
+    assert_eq!(code, 204, "DELETE /csrs");
+    // OUTPUT_CERTS is a volume in a pod (an emptyDir): it exists before the agent starts, and
+    // Istio writes into it without creating it (security/pkg/nodeagent/util/util.go).
+    let out_dir = tempfile::tempdir().unwrap();
+    std::fs::set_permissions(out_dir.path(), std::fs::Permissions::from_mode(0o777)).unwrap();
+    let out_path = out_dir.path().to_str().unwrap().to_owned();
+    let env: Vec<(&str, &str)> = case
+        .env
+        .iter()
+        .map(|&(k, v)| {
+            if k == "OUTPUT_CERTS" {
+                (k, out_path.as_str())
+            } else {
+                (k, v)
+            }
+        })
+        .collect();
+    let pod = PodSpec {
+        workload: "a",
+        namespace: "default",
+        service_account: "a",
+        ip: "127.0.0.1",
+        proxy_config: json!({}),
+        env: &env,
+    };
+    let sc = start_agent(istiod, kind, &pod).await;
+    let secrets = wait_for(
+        &format!(
+            "{kind:?} {}: Envoy to hold `default` and `ROOTCA`",
+            case.name
+        ),
+        READY,
+        || async {
+            let dump = envoy_config_dump(&sc).await?;
+            let s = describe_secrets(&dump, root);
+            (s.contains_key("default") && s.contains_key("ROOTCA")).then_some(s)
+        },
+    )
+    .await;
+    let files = if case.env.iter().any(|(k, _)| *k == "OUTPUT_CERTS") {
+        let dir = out_dir.path().to_owned();
+        wait_for(
+            &format!("{kind:?} {}: OUTPUT_CERTS files", case.name),
+            READY,
+            || {
+                let ok = ["key.pem", "cert-chain.pem", "root-cert.pem"]
+                    .iter()
+                    .all(|f| dir.join(f).exists());
+                async move { ok.then_some(()) }
+            },
+        )
+        .await;
+        describe_output(&dir, root)
+    } else {
+        Value::Null
+    };
+    let (code, body) = http_get(istiod.http, "/csrs").await.unwrap();
+    assert_eq!(code, 200, "GET /csrs: {body}");
+    let records: Vec<Value> = serde_json::from_str(&body).unwrap();
+    json!({
+        "csrs": records.iter().map(describe_request).collect::<Vec<_>>(),
+        "sds": secrets,
+        "output_certs": files,
+    })
+}
+
+/// Paths (`a.b[2].c`) where `a` and `b` differ, with both values.
+fn diff(path: &str, a: &Value, b: &Value, out: &mut Vec<(String, Value, Value)>) {
+    match (a, b) {
+        (Value::Object(x), Value::Object(y)) => {
+            let keys: std::collections::BTreeSet<_> = x.keys().chain(y.keys()).collect();
+            for k in keys {
+                let (va, vb) = (
+                    x.get(k).unwrap_or(&Value::Null),
+                    y.get(k).unwrap_or(&Value::Null),
+                );
+                diff(&format!("{path}.{k}"), va, vb, out);
+            }
+        }
+        (Value::Array(x), Value::Array(y)) if x.len() == y.len() => {
+            for (i, (va, vb)) in x.iter().zip(y).enumerate() {
+                diff(&format!("{path}[{i}]"), va, vb, out);
+            }
+        }
+        _ if a != b => out.push((path.to_owned(), a.clone(), b.clone())),
+        _ => {}
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn identity_matches_pilot_agent() {
+    let mesh = format!(
+        "proxyListenPort: {}\nproxyInboundListenPort: {}\n",
+        meshagent_testkit::free_port(),
+        meshagent_testkit::free_port()
+    );
+    let istiod = IstiodBox::start_with(WORKLOAD_A, Some(&mesh), &[]).await;
+    let root_pem = std::fs::read(istiod.root_cert_path()).unwrap();
+    let root = parse_x509_pem(&root_pem).unwrap().1.contents;
+    let mut unexpected = Vec::new();
+    let mut listed = Vec::new();
+    for case in CASES {
+        let pilot = observe(&istiod, AgentKind::PilotAgent, case, &root).await;
+        let ours = observe(&istiod, AgentKind::Meshagent, case, &root).await;
+        // Sanity: both asked the CA at least once and were answered.
+        for (who, o) in [("pilot-agent", &pilot), ("meshagent", &ours)] {
+            let csrs = o["csrs"].as_array().unwrap();
+            assert!(
+                !csrs.is_empty() && csrs.iter().all(|c| c["code"] == "OK"),
+                "{} {who}: {o:#}",
+                case.name
+            );
+        }
+        let mut d = Vec::new();
+        diff("", &pilot, &ours, &mut d);
+        for (path, p, m) in d {
+            let line = format!("{}: {path}: pilot-agent {p} | meshagent {m}", case.name);
+            match DELIBERATE
+                .iter()
+                .find(|(c, prefix, _)| (*c == "*" || *c == case.name) && path.starts_with(prefix))
+            {
+                Some((_, _, why)) => listed.push(format!("{line} (COMPAT.md: {why})")),
+                None => unexpected.push(line),
+            }
+        }
+        if std::env::var_os("COMPAT_IDENTITY_SHOW").is_some() {
+            eprintln!("{} pilot-agent: {pilot:#}", case.name);
+        }
+        eprintln!("{}: compared", case.name);
+    }
+    for l in &listed {
+        eprintln!("listed: {l}");
+    }
+    assert!(unexpected.is_empty(), "{}", unexpected.join("\n"));
+}
