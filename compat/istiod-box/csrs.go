@@ -58,28 +58,11 @@ func (l *csrLog) interceptor(ctx context.Context, req any, info *grpc.UnaryServe
 	}
 	rec := csrRecord{
 		Time:             time.Now().UTC().Format(time.RFC3339Nano),
-		Headers:          map[string][]string{},
 		CSR:              r.GetCsr(),
 		ValidityDuration: r.GetValidityDuration(),
 		Metadata:         json.RawMessage("null"),
 	}
-	if p, ok := peer.FromContext(ctx); ok {
-		rec.Peer = p.Addr.String()
-		if ti, ok := p.AuthInfo.(credentials.TLSInfo); ok {
-			rec.ClientCert = len(ti.State.PeerCertificates) > 0
-		}
-	}
-	if md, ok := metadata.FromIncomingContext(ctx); ok {
-		for k, vs := range md {
-			for _, v := range vs {
-				if k == "authorization" {
-					scheme, _, _ := strings.Cut(v, " ")
-					v = scheme + " <redacted>"
-				}
-				rec.Headers[k] = append(rec.Headers[k], v)
-			}
-		}
-	}
+	rec.Peer, rec.ClientCert, rec.Headers = callInfo(ctx)
 	if r.GetMetadata() != nil {
 		if b, err := protojson.Marshal(r.GetMetadata()); err == nil {
 			rec.Metadata = b
@@ -94,6 +77,30 @@ func (l *csrLog) interceptor(ctx context.Context, req any, info *grpc.UnaryServe
 	}
 	l.mu.Unlock()
 	return resp, err
+}
+
+// callInfo is the caller's address, whether it presented a TLS client certificate, and its
+// gRPC request headers with authorization values cut to their scheme.
+func callInfo(ctx context.Context) (addr string, clientCert bool, headers map[string][]string) {
+	headers = map[string][]string{}
+	if p, ok := peer.FromContext(ctx); ok {
+		addr = p.Addr.String()
+		if ti, ok := p.AuthInfo.(credentials.TLSInfo); ok {
+			clientCert = len(ti.State.PeerCertificates) > 0
+		}
+	}
+	if md, ok := metadata.FromIncomingContext(ctx); ok {
+		for k, vs := range md {
+			for _, v := range vs {
+				if k == "authorization" {
+					scheme, _, _ := strings.Cut(v, " ")
+					v = scheme + " <redacted>"
+				}
+				headers[k] = append(headers[k], v)
+			}
+		}
+	}
+	return addr, clientCert, headers
 }
 
 // serve answers GET /csrs (the record, oldest first, as JSON) and DELETE /csrs (clears it).

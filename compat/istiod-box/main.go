@@ -241,6 +241,9 @@ func main() {
 	// The TLS server (the CA's) also records what each agent asks the CA for (csrs.go).
 	csrs := &csrLog{}
 	tlsOpts := istiogrpc.ServerOptions(keepalive.DefaultOption(), func(int64) {}, csrs.interceptor)
+	// ... and the streams each opens, with their first request's node (streams.go).
+	streams := &streamLog{}
+	tlsOpts = append(tlsOpts, grpc.ChainStreamInterceptor(streams.interceptor))
 	roots := x509.NewCertPool()
 	roots.AppendCertsFromPEM(rootPEM)
 	tlsCreds := credentials.NewTLS(&tls.Config{
@@ -265,6 +268,8 @@ func main() {
 	box.routes(mux)
 	// GET /csrs: the CreateCertificate calls received (csrs.go); DELETE /csrs clears them.
 	mux.HandleFunc("/csrs", csrs.serve)
+	// GET /streams: the gRPC streams opened on the TLS port (streams.go); DELETE clears them.
+	mux.HandleFunc("/streams", streams.serve)
 	httpSrv := &http.Server{Handler: mux, ReadHeaderTimeout: 10 * time.Second}
 
 	serveErr := make(chan error, 3)

@@ -34,7 +34,7 @@ use base64::Engine as _;
 use meshagent_testkit::istiod_box::{
     AgentKind, IstiodBox, PodSpec, WORKLOAD_A, envoy_config_dump, start_agent,
 };
-use meshagent_testkit::{Value, http, http_get, json, wait_for};
+use meshagent_testkit::{Value, http, http_get, json, json_diff, wait_for};
 use x509_parser::pem::{Pem, parse_x509_pem};
 use x509_parser::prelude::*;
 
@@ -344,29 +344,6 @@ async fn observe(istiod: &IstiodBox, kind: AgentKind, case: &Case, root: &[u8]) 
     })
 }
 
-/// Paths (`a.b[2].c`) where `a` and `b` differ, with both values.
-fn diff(path: &str, a: &Value, b: &Value, out: &mut Vec<(String, Value, Value)>) {
-    match (a, b) {
-        (Value::Object(x), Value::Object(y)) => {
-            let keys: std::collections::BTreeSet<_> = x.keys().chain(y.keys()).collect();
-            for k in keys {
-                let (va, vb) = (
-                    x.get(k).unwrap_or(&Value::Null),
-                    y.get(k).unwrap_or(&Value::Null),
-                );
-                diff(&format!("{path}.{k}"), va, vb, out);
-            }
-        }
-        (Value::Array(x), Value::Array(y)) if x.len() == y.len() => {
-            for (i, (va, vb)) in x.iter().zip(y).enumerate() {
-                diff(&format!("{path}[{i}]"), va, vb, out);
-            }
-        }
-        _ if a != b => out.push((path.to_owned(), a.clone(), b.clone())),
-        _ => {}
-    }
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn identity_matches_pilot_agent() {
     let mesh = format!(
@@ -391,9 +368,7 @@ async fn identity_matches_pilot_agent() {
                 case.name
             );
         }
-        let mut d = Vec::new();
-        diff("", &pilot, &ours, &mut d);
-        for (path, p, m) in d {
+        for (path, p, m) in json_diff(&pilot, &ours) {
             let line = format!("{}: {path}: pilot-agent {p} | meshagent {m}", case.name);
             match DELIBERATE
                 .iter()

@@ -1,0 +1,226 @@
+//! Differential: the xDS streams each agent opens to istiod and the configuration its Envoy
+//! ends with, the real pilot-agent beside meshagent, each run as a pod runs it against
+//! istiod-box with a real Envoy (testkit `start_agent`). Compared, once each agent is ready:
+//!
+//! - **the streams opened upstream** on istiod's TLS port, as istiod-box received them (`GET
+//!   /streams`, compat/istiod-box/streams.go): the gRPC method (SotW or Delta ADS), the first
+//!   request's type URL, the request headers (`:authority`, the token's scheme, `ClusterID`,
+//!   anything an agent adds), whether a client certificate was presented, and the first
+//!   request's node (id, cluster, metadata, locality, Envoy's user agent and extensions);
+//! - **Envoy's dynamic configuration** after the same pushes (`/config_dump`): every dynamic
+//!   cluster, listener, route configuration and secret name, with the resources themselves.
+//!
+//! Ignored as volatile, each with its reason: the `user-agent`, `grpc-accept-encoding`,
+//! `grpc-timeout` and `te` headers (the gRPC library's: grpc-go against tonic); `version_info`
+//! and `last_updated` of dumped resources (istiod's push time and each Envoy's clock); secret
+//! contents (compared field by field in `compat_identity`). Each agent runs with its own
+//! ports (status, admin, Envoy's readiness and Prometheus ports): those numbers are replaced
+//! by their names wherever they appear, the same for both. Differences meshagent makes on
+//! purpose are listed in `DELIBERATE` with their COMPAT.md row; any other difference fails.
+#![allow(clippy::unwrap_used)] // tests fail loudly by design
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use meshagent_testkit::istiod_box::{
+    AgentKind, IstiodBox, PodSpec, WORKLOAD_A, envoy_config_dump, start_agent,
+};
+use meshagent_testkit::{Sidecar, Value, free_port, http, http_get, json, json_diff, wait_for};
+
+const READY: Duration = Duration::from_secs(60);
+
+/// Headers that only name the gRPC library or its transport defaults (see the module doc).
+const VOLATILE_HEADERS: &[&str] = &["user-agent", "grpc-accept-encoding", "grpc-timeout", "te"];
+
+/// Differences meshagent makes on purpose: (path prefix, COMPAT.md row).
+const DELIBERATE: &[(&str, &str)] = &[];
+
+/// Replaces each agent-specific port number (as a number or inside a string) by its name.
+fn normalise_ports(v: &mut Value, ports: &[(u16, &str)]) {
+    match v {
+        Value::String(s) => {
+            for (p, name) in ports {
+                let p = p.to_string();
+                if s.contains(&p) {
+                    *s = s.replace(&p, &format!("<{name}>"));
+                }
+            }
+        }
+        Value::Number(n) => {
+            if let Some((_, name)) = ports
+                .iter()
+                .find(|(p, _)| n.as_u64() == Some(u64::from(*p)))
+            {
+                *v = Value::String(format!("<{name}>"));
+            }
+        }
+        Value::Array(a) => a.iter_mut().for_each(|x| normalise_ports(x, ports)),
+        Value::Object(o) => o.values_mut().for_each(|x| normalise_ports(x, ports)),
+        _ => {}
+    }
+}
+
+/// Drops the dump's volatile fields (see the module doc), recursively.
+fn strip_volatile(v: &mut Value) {
+    match v {
+        Value::Object(o) => {
+            o.remove("version_info");
+            o.remove("last_updated");
+            o.values_mut().for_each(strip_volatile);
+        }
+        Value::Array(a) => a.iter_mut().for_each(strip_volatile),
+        _ => {}
+    }
+}
+
+/// Envoy's dynamic resources by kind and name (clusters, listeners, routes, secret names).
+fn dynamic_config(dump: &Value) -> BTreeMap<String, Value> {
+    let mut out = BTreeMap::new();
+    for cfg in dump["configs"].as_array().into_iter().flatten() {
+        let t = cfg["@type"].as_str().unwrap_or("");
+        let (lists, inner): (&[&str], &str) = if t.ends_with("ClustersConfigDump") {
+            (
+                &["dynamic_active_clusters", "dynamic_warming_clusters"],
+                "cluster",
+            )
+        } else if t.ends_with("ListenersConfigDump") {
+            (&["dynamic_listeners"], "active_state")
+        } else if t.ends_with("RoutesConfigDump") {
+            (&["dynamic_route_configs"], "route_config")
+        } else if t.ends_with("SecretsConfigDump") {
+            (&["dynamic_active_secrets", "dynamic_warming_secrets"], "")
+        } else {
+            continue;
+        };
+        let kind = t.rsplit('.').next().unwrap_or(t);
+        for list in lists {
+            for r in cfg[*list].as_array().into_iter().flatten() {
+                let mut body = if inner.is_empty() {
+                    // Secrets: the name only here.
+                    Value::Null
+                } else if inner == "active_state" {
+                    r["active_state"]["listener"].clone()
+                } else {
+                    r[inner].clone()
+                };
+                let name = r["name"]
+                    .as_str()
+                    .or_else(|| body["name"].as_str())
+                    .unwrap_or("")
+                    .to_owned();
+                strip_volatile(&mut body);
+                out.insert(format!("{kind}/{list}/{name}"), body);
+            }
+        }
+    }
+    out
+}
+
+fn describe_stream(r: &Value) -> Value {
+    let mut headers = BTreeMap::new();
+    for (k, v) in r["headers"].as_object().into_iter().flatten() {
+        if !VOLATILE_HEADERS.contains(&k.as_str()) {
+            headers.insert(k.clone(), v.clone());
+        }
+    }
+    json!({
+        "method": r["method"],
+        "type_url": r["type_url"],
+        "headers": headers,
+        "client_cert": r["client_cert"],
+        "node": r["node"],
+    })
+}
+
+/// One agent's streams and Envoy's configuration once ready and settled.
+async fn observe(istiod: &IstiodBox, kind: AgentKind) -> Value {
+    let (code, _) = http("DELETE", istiod.http, "/streams").await.unwrap();
+    assert_eq!(code, 204, "DELETE /streams");
+    let prom = free_port();
+    let prom_s = prom.to_string();
+    let env = [("ENVOY_PROMETHEUS_PORT", prom_s.as_str())];
+    let pod = PodSpec {
+        workload: "a",
+        namespace: "default",
+        service_account: "a",
+        ip: "127.0.0.1",
+        proxy_config: json!({}),
+        env: &env,
+    };
+    let sc: Sidecar = start_agent(istiod, kind, &pod).await;
+    wait_for(&format!("{kind:?} to be ready"), READY, || async {
+        matches!(http_get(sc.status, "/healthz/ready").await, Ok((200, _))).then_some(())
+    })
+    .await;
+    // Settled: the same configuration twice in a row, a second apart (istiod's debounced
+    // pushes and Envoy's warming are over).
+    let deadline = tokio::time::Instant::now() + READY;
+    let mut prev = None;
+    let config = loop {
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        if let Some(dump) = envoy_config_dump(&sc).await {
+            let now = dynamic_config(&dump);
+            if prev.as_ref() == Some(&now) {
+                break now;
+            }
+            prev = Some(now);
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "{kind:?}: Envoy's config still changing after {READY:?}\n{}",
+            sc.proc.log_text()
+        );
+    };
+    let (code, body) = http_get(istiod.http, "/streams").await.unwrap();
+    assert_eq!(code, 200, "GET /streams: {body}");
+    let records: Vec<Value> = serde_json::from_str(&body).unwrap();
+    let mut v = json!({
+        "streams": records.iter().map(describe_stream).collect::<Vec<_>>(),
+        "envoy_config": config,
+    });
+    let ports = [
+        (sc.status.port(), "status_port"),
+        (sc.admin.port(), "admin_port"),
+        (sc.envoy_status.port(), "envoy_status_port"),
+        (prom, "prometheus_port"),
+    ];
+    normalise_ports(&mut v, &ports);
+    v
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn xds_streams_and_envoy_config_match_pilot_agent() {
+    let mesh = format!(
+        "proxyListenPort: {}\nproxyInboundListenPort: {}\n",
+        free_port(),
+        free_port()
+    );
+    let istiod = IstiodBox::start_with(WORKLOAD_A, Some(&mesh), &[]).await;
+    let pilot = observe(&istiod, AgentKind::PilotAgent).await;
+    let ours = observe(&istiod, AgentKind::Meshagent).await;
+    for (who, o) in [("pilot-agent", &pilot), ("meshagent", &ours)] {
+        assert!(
+            !o["streams"].as_array().unwrap().is_empty(),
+            "{who} opened no stream: {o:#}"
+        );
+        assert!(
+            o["envoy_config"].as_object().unwrap().len() > 3,
+            "{who}'s Envoy has almost no config: {o:#}"
+        );
+    }
+    if std::env::var_os("COMPAT_XDS_SHOW").is_some() {
+        eprintln!("pilot-agent: {pilot:#}");
+    }
+    let mut unexpected = Vec::new();
+    for (path, p, m) in json_diff(&pilot, &ours) {
+        let line = format!("{path}: pilot-agent {p} | meshagent {m}");
+        match DELIBERATE
+            .iter()
+            .find(|(prefix, _)| path.starts_with(prefix))
+        {
+            Some((_, why)) => eprintln!("listed: {line} (COMPAT.md: {why})"),
+            None => unexpected.push(line),
+        }
+    }
+    assert!(unexpected.is_empty(), "{}", unexpected.join("\n"));
+}
