@@ -65,6 +65,7 @@ type options struct {
 	stateDir        string
 	rootCertOut     string
 	istioExtensions bool
+	legacyAutoalloc bool
 	debounce        time.Duration
 	workloadCertTTL time.Duration
 	audience        string
@@ -84,6 +85,7 @@ func parseFlags() options {
 	fs.StringVar(&o.stateDir, "state-dir", "", "directory for root-cert.pem (default: a new temporary directory)")
 	fs.StringVar(&o.rootCertOut, "root-cert", "", "also write the CA's root certificate to this path")
 	fs.BoolVar(&o.istioExtensions, "istio-extensions", false, "keep istiod's defaults that need Istio's Envoy build (metadata exchange, istio.alpn, prometheus stats); off by default so upstream Envoy loads the config")
+	fs.BoolVar(&o.legacyAutoalloc, "legacy-ip-autoallocate", false, "allocate ServiceEntry addresses in the ServiceEntry registry for proxies with ISTIO_META_DNS_AUTO_ALLOCATE (PILOT_ENABLE_IP_AUTOALLOCATE=false); by default istiod's IP autoallocate controller would, which istiod-box does not run, so ServiceEntries without addresses get none")
 	fs.DurationVar(&o.debounce, "debounce", 100*time.Millisecond, "istiod's push debounce (PILOT_DEBOUNCE_AFTER)")
 	fs.DurationVar(&o.workloadCertTTL, "workload-cert-ttl", 24*time.Hour, "default TTL of workload certificates the CA signs")
 	fs.StringVar(&o.audience, "audience", "istio-ca", "audience of issued tokens and the one the JWT authenticator accepts")
@@ -135,6 +137,14 @@ func main() {
 		}
 	}
 	applyEnvoyCompatibility(m, o.istioExtensions)
+	if o.legacyAutoalloc {
+		// PILOT_ENABLE_IP_AUTOALLOCATE (pilot/pkg/features/pilot.go), read once at init like
+		// the features above: off, the ServiceEntry registry allocates 240.240.0.0/16 addresses
+		// itself (pilot/pkg/serviceregistry/serviceentry/auto_allocation.go autoAllocateIPs),
+		// which proxies with DNSAutoAllocate metadata and DNS capture get in their NDS table
+		// (pilot/pkg/model/service.go nodeUsesAutoallocatedIPs).
+		features.EnableIPAutoallocate = false
+	}
 
 	var istioDocs, kubeDocs []string
 	if o.configPath != "" {

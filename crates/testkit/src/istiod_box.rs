@@ -280,6 +280,21 @@ pub struct PodSpec<'a> {
 /// Istio's env vars, the token and root at Istio's relative paths in its own working
 /// directory, every fixed port moved to a free one so tests run in parallel.
 pub async fn start_agent(istiod: &IstiodBox, kind: AgentKind, pod: &PodSpec<'_>) -> Sidecar {
+    start_agent_with_resolv_conf(istiod, kind, pod, None).await
+}
+
+/// [`start_agent`], with `resolv_conf` (when given) seen by the agent at `/etc/resolv.conf`:
+/// the agent runs in a mount namespace of its own (`unshare --mount`, private propagation)
+/// where that file is bind-mounted over `/etc/resolv.conf`, so its DNS proxy forwards to the
+/// test's upstream without the machine's file changing. Istio reads the path fixed
+/// (`pkg/dns/client/dns.go` `NewLocalDNSServer`), as meshagent does by default. `unshare`
+/// and the shell `exec` the agent, so the process is the agent's (same PID). Needs root.
+pub async fn start_agent_with_resolv_conf(
+    istiod: &IstiodBox,
+    kind: AgentKind,
+    pod: &PodSpec<'_>,
+    resolv_conf: Option<&Path>,
+) -> Sidecar {
     let cwd = tempfile::tempdir().unwrap();
     istiod
         .write_token(cwd.path(), pod.namespace, pod.service_account)
@@ -311,7 +326,17 @@ pub async fn start_agent(istiod: &IstiodBox, kind: AgentKind, pod: &PodSpec<'_>)
         AgentKind::Meshagent => workspace_bin("meshagent"),
         AgentKind::PilotAgent => pilot_agent_bin(),
     };
-    let mut cmd = Command::new(program);
+    let mut cmd = match resolv_conf {
+        None => Command::new(program),
+        Some(rc) => {
+            let mut c = Command::new("unshare");
+            c.args(["--mount", "--propagation", "private", "sh", "-c"])
+                .arg(r#"mount --bind "$0" /etc/resolv.conf && exec "$@""#)
+                .arg(rc)
+                .arg(program);
+            c
+        }
+    };
     cmd.args([
         "proxy",
         "sidecar",

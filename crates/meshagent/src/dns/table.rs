@@ -524,13 +524,22 @@ impl LookupTable {
         // records of the asked type: otherwise NOERROR with nothing at all.
         if !ips.is_empty() {
             ips.shuffle(&mut rand::rng());
-            out.extend(cname);
-            out.extend(ips);
-        }
-        if wildcard {
-            for r in &mut out {
-                r.name = question.to_lowercase();
+            // A wildcard answers for the question: the addresses take its name, unless a
+            // CNAME leads to them, which then takes it (`*.<parent>.<search0>` → question
+            // CNAME `*.<parent>.`, and the addresses stay at that target, as `lookupHost`
+            // does: one name never holds both a CNAME and addresses).
+            let owner = question.to_lowercase();
+            match cname {
+                Some(mut c) => {
+                    if wildcard {
+                        c.name = owner;
+                    }
+                    out.push(c);
+                }
+                None if wildcard => ips.iter_mut().for_each(|r| r.name = owner.clone()),
+                None => {}
             }
+            out.extend(ips);
         }
         Lookup::Answer(out)
     }
@@ -586,7 +595,8 @@ impl LookupTable {
     }
 
     /// Istio's `/debug/ndsz` body: the NDS table as sent, in protojson field names, hosts
-    /// sorted, empty fields left out (`ips` always present).
+    /// sorted, empty fields left out (`ips` always present), and the names the hosts answer
+    /// to beside them.
     pub fn ndsz(&self) -> String {
         let text = |b: &[u8]| String::from_utf8_lossy(b).into_owned();
         let mut entries = serde_json::Map::new();
@@ -636,7 +646,52 @@ impl LookupTable {
             }
             entries.insert(text(self.hostname(h, b)), serde_json::Value::Object(e));
         }
+        // Istio's agent adds every name a host answers to that is not itself a host of the
+        // table (`pkg/istio-agent/agent.go` `GetDNSTable`, over `BuildAlternateHosts`): the
+        // absolute hostname, and for Kubernetes services the short forms and alt hosts, with
+        // the host's usable addresses (IPv4 first) and registry `Kubernetes` whatever the
+        // host's. The search-domain CNAMEs are not listed.
+        for k in &self.keys {
+            let Some(h) = self.hosts.get(k.host() as usize) else {
+                continue;
+            };
+            let name = text(&self.spell(*k, h));
+            if entries.contains_key(&name) {
+                continue;
+            }
+            let ips: Vec<String> = self.v4[h.v4 as usize..][..usize::from(h.n4)]
+                .iter()
+                .map(|a| a.to_string())
+                .chain(
+                    self.v6[h.v6 as usize..][..usize::from(h.n6)]
+                        .iter()
+                        .map(|a| a.to_string()),
+                )
+                .collect();
+            entries.insert(
+                name,
+                serde_json::json!({ "ips": ips, "registry": "Kubernetes" }),
+            );
+        }
         serde_json::json!({ "table": entries }).to_string()
+    }
+
+    /// The name `k` stands for, spelled from its host's strings as istiod sent them (the key
+    /// matches it case-insensitively).
+    fn spell(&self, k: Key, h: &Host) -> Vec<u8> {
+        let b = self.block(h);
+        let (short, ns) = (Self::span(b, h.short), Self::span(b, h.namespace));
+        let parts: Vec<&[u8]> = match k.form() {
+            FORM_HOST => vec![self.hostname(h, b), b"."],
+            FORM_SHORT_NS => vec![short, b".", ns, b"."],
+            FORM_SHORT => vec![short, b"."],
+            FORM_SHORT_NS_FIRST => vec![short, b".", ns, b".", self.first.as_bytes(), b"."],
+            f => match counted(b, usize::from(h.alts), h.n_alts).nth(usize::from(f - FORM_ALT)) {
+                Some(a) => vec![a.as_bytes(), b"."],
+                None => vec![],
+            },
+        };
+        parts.concat()
     }
 }
 
@@ -792,6 +847,24 @@ mod tests {
     }
 
     #[test]
+    fn a_wildcards_search_domain_cname_leads_to_the_wildcards_addresses() {
+        // `*.wild.example.com.<search0>` is a CNAME to `*.wild.example.com.`; asked for
+        // `a.wild.example.com.<search0>`, the CNAME is the question's and the addresses stay
+        // at its target (`lookupHost`), never a CNAME and an address at one name.
+        let t = table();
+        let q = format!("a.wild.example.com.{SEARCH0}");
+        assert_eq!(
+            ask(&t, &q, RecordType::A),
+            Some(vec![
+                format!("{q} *.wild.example.com."),
+                "*.wild.example.com. 240.240.0.9".to_owned()
+            ])
+        );
+        // No address of the family: nothing, as for any CNAME.
+        assert_eq!(ask(&t, &q, RecordType::AAAA), Some(vec![]));
+    }
+
+    #[test]
     fn derived_search_domain_cname_wins_over_an_address_entry() {
         // Istio consults its CNAME map before its address map: a host that happens to be
         // spelled like another host's search-domain expansion is answered with the CNAME.
@@ -913,6 +986,38 @@ mod tests {
                 e["altHosts"] = serde_json::json!(ni.alt_hosts);
             }
             want.insert(h.clone(), e);
+        }
+        // Istio's agent adds the names each usable host answers to (`GetDNSTable`), spelled
+        // as sent, with the parsed addresses, IPv4 first, and registry Kubernetes.
+        for (names, ips) in [
+            (
+                &[
+                    "productpage.ns1.svc.cluster.local.",
+                    "productpage.ns1.",
+                    "productpage.",
+                    "productpage.ns1.svc.",
+                ][..],
+                &["10.0.0.1", "fd00::1"][..],
+            ),
+            (
+                &[
+                    "reviews.ns2.svc.cluster.local.",
+                    "reviews.ns2.",
+                    "reviews.ns2.svc.",
+                    "reviews.ns2.svc.clusterset.local.",
+                    "Rev.Example.",
+                ],
+                &["10.0.0.2"],
+            ),
+            (&["Odd.Example.COM."], &["10.0.0.3", "fd00::3"]),
+            (&["v6first.example.com."], &["10.0.0.4", "fd00::4"]),
+        ] {
+            for n in names {
+                want.insert(
+                    (*n).to_owned(),
+                    serde_json::json!({ "ips": ips, "registry": "Kubernetes" }),
+                );
+            }
         }
         let got: serde_json::Value = serde_json::from_str(&t.ndsz()).unwrap();
         assert_eq!(got, serde_json::json!({ "table": want }));
