@@ -311,8 +311,18 @@ pub fn run(mut cfg: Config) -> Result<u8, RunError> {
     }
     if cfg.dry_run {
         print!("{}", sys.transcript);
-        if let Some(path) = &cfg.dry_run_file {
-            std::fs::write(path, &sys.transcript).map_err(|error| {
+        // Istio's iptables dry run records into DRY_RUN_FILE_PATH at each command it would
+        // run; its native nftables path does not use those dependencies, and with
+        // `--skip-rule-apply` nothing runs: no file then. (Istio opens the file without
+        // truncating it, so a longer old file keeps its tail; meshagent replaces it.)
+        if let Some(path) = cfg
+            .dry_run_file
+            .as_ref()
+            .filter(|_| !cfg.native_nftables && !sys.record.is_empty())
+        {
+            let mut text = sys.record.join("\n");
+            text.push('\n');
+            std::fs::write(path, text).map_err(|error| {
                 apply::ApplyError::DryRunFile {
                     path: path.clone(),
                     error,

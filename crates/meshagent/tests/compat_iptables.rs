@@ -6,7 +6,8 @@
 //! order) or `nft -f -`, line by line. Istio logs them ("Running iptables restore with: <bin>
 //! and the following input:", "nftables rules programmed:"); meshagent logs the same input
 //! ("Running <bin> ... with the following input:"). Not compared: the surrounding log lines
-//! (Istio's `pkg/log` format is another concern) and the DRY_RUN_FILE_PATH record.
+//! (Istio's `pkg/log` format is another concern). Also compared: the `DRY_RUN_FILE_PATH` record
+//! each writes, line by line.
 //!
 //! Each run is in a network namespace of its own (`unshare --net`, the tests run as root):
 //! Istio's dry run with `--native-nftables` loads its rules for real. Both read the machine's
@@ -24,7 +25,13 @@ use meshagent_testkit::istiod_box::pilot_agent_bin as pilot_agent;
 /// "nft"), in order; or the failure.
 #[derive(Debug, PartialEq, Eq)]
 enum Outcome {
-    Applied(BTreeMap<String, Vec<Vec<String>>>),
+    Applied {
+        input: BTreeMap<String, Vec<Vec<String>>>,
+        /// The `DRY_RUN_FILE_PATH` record (None when no file was written): every command line
+        /// and restore input line, in order (Istio's `tools/istio-iptables/pkg/dependencies/
+        /// stub.go` `writeAllToDryRunPath`).
+        record: Option<Vec<String>>,
+    },
     Failed,
 }
 
@@ -91,6 +98,7 @@ fn run(bin: &PathBuf, args: &[&str], env: &[(&str, &str)]) -> (Outcome, String) 
         .env_clear()
         .env("PATH", std::env::var_os("PATH").unwrap_or_default())
         .envs(env.iter().copied())
+        .env("DRY_RUN_FILE_PATH", dir.path().join("dry-run.txt"))
         .output()
         .unwrap();
     let text = format!(
@@ -99,12 +107,15 @@ fn run(bin: &PathBuf, args: &[&str], env: &[(&str, &str)]) -> (Outcome, String) 
         String::from_utf8_lossy(&out.stdout)
     );
     let outcome = if out.status.success() {
-        Outcome::Applied(
-            blocks(&String::from_utf8_lossy(&out.stderr))
+        Outcome::Applied {
+            input: blocks(&String::from_utf8_lossy(&out.stderr))
                 .into_iter()
                 .chain(blocks(&String::from_utf8_lossy(&out.stdout)))
                 .collect(),
-        )
+            record: std::fs::read_to_string(dir.path().join("dry-run.txt"))
+                .ok()
+                .map(|t| t.lines().map(str::to_owned).collect()),
+        }
     } else {
         Outcome::Failed
     };
@@ -267,7 +278,7 @@ fn istio_iptables_dry_run_matches_pilot_agent() {
             // Every case is one Istio accepts: a failure or an empty rule set means the
             // harness, not the agents, is broken.
             assert!(
-                matches!(&want, Outcome::Applied(m) if !m.is_empty()),
+                matches!(&want, Outcome::Applied { input, .. } if !input.is_empty()),
                 "case {i} ({backend}): no rules from pilot-agent:\n{want_text}"
             );
         }

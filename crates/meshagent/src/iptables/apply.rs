@@ -65,8 +65,14 @@ impl Binaries {
 /// Runs external commands, or (dry run) only prints them.
 pub struct System {
     pub dry_run: bool,
-    /// What a dry run would have done, in order (also written to `DRY_RUN_FILE_PATH`).
+    /// What a dry run would have done, in order: each command line, then its input (printed
+    /// on stdout).
     pub transcript: String,
+    /// A dry run of the iptables backend in the form Istio's dry-run dependencies record it
+    /// for `DRY_RUN_FILE_PATH` (`tools/istio-iptables/pkg/dependencies/stub.go`): a command
+    /// run without input as its command line, a restore as its input lines only; the routes
+    /// (netlink in Istio, not through those dependencies) are not in it.
+    pub record: Vec<String>,
 }
 
 /// Output of a finished command.
@@ -79,6 +85,7 @@ impl System {
         Self {
             dry_run,
             transcript: String::new(),
+            record: Vec::new(),
         }
     }
 
@@ -99,6 +106,7 @@ impl System {
             self.transcript.push('\n');
             if let Some(input) = stdin {
                 self.transcript.push_str(input);
+                self.record.extend(input.lines().map(str::to_owned));
             }
             return Ok(Output {
                 stdout: String::new(),
@@ -553,6 +561,11 @@ pub fn apply_iptables(sys: &mut System, cfg: &Config, plan: &RuleSet) -> Result<
         Some(v6) => Some(read(v6)?),
         None => None,
     };
+    // Istio's dry run reads both families' state whatever the config (`VerifyIptablesState`
+    // in capture/helper.go, with the stub's plain binary names).
+    if sys.dry_run {
+        sys.record.extend(["iptables-save".into(), "ip6tables-save".into()]);
+    }
     if empty {
         tracing::info!("no iptables or nftables state in this namespace: nothing to reconcile");
     }
@@ -575,6 +588,13 @@ pub fn apply_iptables(sys: &mut System, cfg: &Config, plan: &RuleSet) -> Result<
             saved6,
         )?;
         o6.log("IPv6", &v6.restore);
+    }
+    // ... and the final state, per family applied (capture/run.go `Run`'s deferred log).
+    if sys.dry_run {
+        sys.record.push("iptables-save".into());
+        if v6.is_some() {
+            sys.record.push("ip6tables-save".into());
+        }
     }
     // Istio logs the final state; that is one more process per family, so only at debug.
     if tracing::enabled!(tracing::Level::DEBUG) && !sys.dry_run {
@@ -714,5 +734,11 @@ mod tests {
             "{}",
             sys.transcript
         );
+        // Istio's stub record: both saves, the restore input alone, the final save.
+        let restore = rules::restore_text(&plan.v4);
+        let mut want = vec!["iptables-save".to_owned(), "ip6tables-save".to_owned()];
+        want.extend(restore.lines().map(str::to_owned));
+        want.push("iptables-save".to_owned());
+        assert_eq!(sys.record, want);
     }
 }
