@@ -335,6 +335,18 @@ pub fn register_process_metrics(registry: &Registry) -> Result<(), MetricsError>
         || status_kib("VmSize:").map_or_else(Vec::new, |v| vec![([], v * 1024.0)]),
     )?;
     registry.gauge_fn(
+        "process_virtual_memory_max_bytes",
+        "Maximum amount of virtual memory available in bytes.",
+        &[],
+        || {
+            // The soft RLIMIT_AS; unlimited is RLIM_INFINITY (2^64 - 1), as Go's collector
+            // reports it.
+            nix::sys::resource::getrlimit(nix::sys::resource::Resource::RLIMIT_AS)
+                .map(|(soft, _)| vec![([], soft as f64)])
+                .unwrap_or_default()
+        },
+    )?;
+    registry.gauge_fn(
         "process_resident_memory_bytes",
         "Resident memory size in bytes.",
         &[],
@@ -350,7 +362,39 @@ pub fn register_process_metrics(registry: &Registry) -> Result<(), MetricsError>
                 .map_or_else(Vec::new, |t| vec![([], t)])
         },
     )?;
+    // The network namespace's IP octet counters (`IpExt: InOctets OutOctets` of
+    // /proc/self/net/netstat), which Go's collector reports as the process's: in a pod, the
+    // pod's traffic.
+    registry.counter_fn(
+        "process_network_receive_bytes_total",
+        "Number of bytes received by the process over the network.",
+        || ip_octets().map_or(0.0, |(rx, _)| rx),
+    )?;
+    registry.counter_fn(
+        "process_network_transmit_bytes_total",
+        "Number of bytes sent by the process over the network.",
+        || ip_octets().map_or(0.0, |(_, tx)| tx),
+    )?;
     Ok(())
+}
+
+/// `(InOctets, OutOctets)` of the `IpExt:` lines of `/proc/self/net/netstat` (a header line of
+/// field names, then one of values).
+fn ip_octets() -> Option<(f64, f64)> {
+    let text = std::fs::read_to_string("/proc/self/net/netstat").ok()?;
+    parse_ip_octets(&text)
+}
+
+fn parse_ip_octets(text: &str) -> Option<(f64, f64)> {
+    let mut ipext = text.lines().filter_map(|l| l.strip_prefix("IpExt:"));
+    let (names, values) = (ipext.next()?, ipext.next()?);
+    let field = |want: &str| {
+        names
+            .split_whitespace()
+            .zip(values.split_whitespace())
+            .find_map(|(n, v)| (n == want).then(|| v.parse::<f64>().ok()).flatten())
+    };
+    Some((field("InOctets")?, field("OutOctets")?))
 }
 
 struct ProcStat {
@@ -536,6 +580,16 @@ impl Collect for Histogram {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn network_octets_from_netstat() {
+        let text = "TcpExt: SyncookiesSent SyncookiesRecv\nTcpExt: 0 0\n\
+                    IpExt: InNoRoutes InOctets OutOctets InMcastOctets\nIpExt: 0 1234 567 8\n";
+        assert_eq!(parse_ip_octets(text), Some((1234.0, 567.0)));
+        assert_eq!(parse_ip_octets("TcpExt: A\nTcpExt: 1\n"), None);
+        // The agent's own namespace: the counters exist and are read.
+        assert!(ip_octets().is_some());
+    }
 
     #[test]
     fn istio_names_without_total_suffix() {
@@ -736,6 +790,9 @@ mod tests {
             "process_resident_memory_bytes",
             "process_start_time_seconds",
             "process_virtual_memory_bytes",
+            "process_virtual_memory_max_bytes",
+            "process_network_receive_bytes_total",
+            "process_network_transmit_bytes_total",
             "scrape_failures_total",
             "scrapes_total",
             "startup_duration_seconds",

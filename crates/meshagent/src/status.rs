@@ -307,15 +307,22 @@ fn loopback(peer: &SocketAddr) -> bool {
 
 fn forbidden(peer: &SocketAddr) -> Response {
     tracing::warn!(%peer, "refused a loopback-only request from a non-loopback address");
-    (StatusCode::FORBIDDEN, "only allowed from localhost\n").into_response()
+    // Istio's text (`http.Error` in pilot/cmd/pilot-agent/status/server.go).
+    (
+        StatusCode::FORBIDDEN,
+        "Only requests from localhost are allowed\n",
+    )
+        .into_response()
 }
 
+/// `/quitquitquit` and `/drain`: loopback first, then POST only, with Go's `http.Error` text
+/// for the 405 (Istio `pilot/cmd/pilot-agent/status/server.go` `handleQuit`, `handleDrain`).
 fn admin_guard(method: &Method, peer: &SocketAddr) -> Option<Response> {
-    if method != Method::POST {
-        return Some((StatusCode::METHOD_NOT_ALLOWED, "method not allowed\n").into_response());
-    }
     if !loopback(peer) {
         return Some(forbidden(peer));
+    }
+    if method != Method::POST {
+        return Some((StatusCode::METHOD_NOT_ALLOWED, "Method Not Allowed\n").into_response());
     }
     None
 }
@@ -638,17 +645,24 @@ mod tests {
     async fn quitquitquit_is_loopback_post_only() {
         let s = state();
         assert_eq!(
-            call(s.clone(), "192.0.2.9:5555", "POST", "/quitquitquit")
-                .await
-                .0,
-            StatusCode::FORBIDDEN
+            call(s.clone(), "192.0.2.9:5555", "POST", "/quitquitquit").await,
+            (
+                StatusCode::FORBIDDEN,
+                "Only requests from localhost are allowed\n".to_owned()
+            )
         );
         assert!(!s.shutdown.is_cancelled());
         assert_eq!(
-            call(s.clone(), "127.0.0.1:5555", "GET", "/quitquitquit")
-                .await
-                .0,
-            StatusCode::METHOD_NOT_ALLOWED
+            call(s.clone(), "127.0.0.1:5555", "GET", "/quitquitquit").await,
+            (
+                StatusCode::METHOD_NOT_ALLOWED,
+                "Method Not Allowed\n".to_owned()
+            )
+        );
+        // Istio checks the peer before the method.
+        assert_eq!(
+            call(s.clone(), "192.0.2.9:5555", "GET", "/drain").await.0,
+            StatusCode::FORBIDDEN
         );
         assert_eq!(
             call(s.clone(), "[::ffff:192.0.2.9]:1", "POST", "/drain")

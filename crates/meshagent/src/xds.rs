@@ -127,12 +127,12 @@ impl Metrics {
     pub fn new(r: &Registry) -> Result<Metrics, MetricsError> {
         let istiod_terminations = r.counter_vec(
             "istiod_connection_terminations",
-            "Upstream xDS streams that ended, by type (cancelled or error).",
+            "The total number of connection errors to Istiod",
             &["type"],
         )?;
         let envoy_terminations = r.counter_vec(
             "envoy_connection_terminations",
-            "Downstream (Envoy) xDS streams that ended, by type (cancelled or error).",
+            "The total number of connection errors from envoy",
             &["type"],
         )?;
         // Pre-create the children so both series exist from the start, as in Istio.
@@ -143,21 +143,21 @@ impl Metrics {
         Ok(Metrics {
             requests: r.counter(
                 "xds_proxy_requests",
-                "Requests forwarded to the control plane (from Envoy or the agent).",
+                "The total number of Xds Proxy Requests",
             )?,
             responses: r.counter(
                 "xds_proxy_responses",
-                "Responses received from the control plane.",
+                "The total number of Xds Proxy Responses",
             )?,
             istiod_connection_failures: r.counter(
                 "istiod_connection_failures",
-                "Failed attempts to connect to the control plane.",
+                "The total number of connection failures to Istiod",
             )?,
             istiod_connection_terminations: istiod_terminations,
             envoy_connection_terminations: envoy_terminations,
             downstream_max: r.gauge(
                 "pilot_xds_recv_max",
-                "Largest message received from Envoy on the xDS socket, in bytes.",
+                "The maximum size request we have received so far.",
             )?,
             upstream_max: r.gauge(
                 "xds_proxy_upstream_recv_max",

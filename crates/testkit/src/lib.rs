@@ -19,6 +19,7 @@ pub use serde_json::{Value, json};
 pub mod ca_client;
 pub mod istiod_box;
 pub mod kubelet;
+pub mod prom;
 pub mod static_sds;
 
 /// Default deadline for things that should happen "soon" (process start, config push).

@@ -44,7 +44,7 @@ impl Metrics {
         let e = expiry.clone();
         r.gauge_fn(
             "cert_expiry_seconds",
-            "The time remaining, in seconds, before the certificate chain will expire.",
+            "The time remaining, in seconds, before the certificate chain will expire. A negative value indicates the cert is expired.",
             &["resource_name"],
             move || {
                 let at = *e.lock().unwrap_or_else(|p| p.into_inner());
@@ -85,7 +85,7 @@ impl Metrics {
             )?,
             file_watcher_failures: r.counter(
                 "num_file_watcher_failures_total",
-                "Number of times the file watcher failed to add watches for certificate files.",
+                "Number of times file watcher failed to add watchers",
             )?,
             file_secret_failures: r.counter(
                 "num_file_secret_failures_total",

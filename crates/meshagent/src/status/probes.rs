@@ -173,12 +173,13 @@ impl AppProbes {
             if !status.is_redirection() {
                 return Ok((status, body));
             }
-            // Follow only to the same hostname; otherwise the 3xx itself is the answer (→ 200).
+            // Follow only to the same hostname; otherwise the 3xx itself is the answer: 200
+            // with no body, as Istio writes only the status for a redirect.
             let Some(next) = location.and_then(|l| target.redirect(&l)) else {
-                return Ok((StatusCode::OK, body));
+                return Ok((StatusCode::OK, Bytes::new()));
             };
             if next.host != dest_host {
-                return Ok((StatusCode::OK, body));
+                return Ok((StatusCode::OK, Bytes::new()));
             }
             target = next;
         }

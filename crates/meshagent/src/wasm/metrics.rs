@@ -28,7 +28,7 @@ impl Metrics {
             )?,
             conversion: r.counter_vec(
                 "wasm_config_conversion_count",
-                "number of Wasm config conversion count and results, including success, no remote load, marshal failure, remote fetch failure, miss remote fetch hint.",
+                "number of Wasm config conversions and results, including success, no remote load, marshal failure, remote fetch failure, miss remote fetch hint.",
                 &["result"],
             )?,
             conversion_duration_ms: r.histogram(

@@ -415,6 +415,11 @@ pub async fn run(
                 .upstream_ended(&format!("connect: {:?}: {}", s.code(), s.message()));
             if s.code() == tonic::Code::Unavailable {
                 m.istiod_connection_failures.inc();
+                // Istio dials lazily (grpc.NewClient), so an unreachable istiod surfaces when
+                // the stream is opened and is counted as a connection error
+                // (pkg/istio-agent/xds_proxy_delta.go, handleDeltaUpstream): counted there too,
+                // so what watches Istio's counter sees it.
+                m.istiod_connection_terminations.with(&["error"]).inc();
                 tracing::warn!(id, upstream = %addr, error = %s.message(), "failed to connect to upstream XDS server {addr}");
                 let s = Status::unavailable(format!(
                     "agent could not connect to upstream XDS server {addr}: {}",
