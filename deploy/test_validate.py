@@ -42,6 +42,13 @@ def case(name, doc, expect, path=pathlib.Path("case.yaml")):
     return ok
 
 
+def case_v(name, doc, expect, version):
+    problems = validate.check_document(pathlib.Path("case.yaml"), 0, doc, version)
+    ok = any(expect in p for p in problems)
+    print(f"{'ok  ' if ok else 'FAIL'} {name}: {problems if not ok else expect}")
+    return ok
+
+
 def passes(name, doc):
     problems = validate.check_document(pathlib.Path("case.yaml"), 0, doc)
     print(f"{'ok  ' if not problems else 'FAIL'} {name}{': ' + str(problems) if problems else ''}")
@@ -76,6 +83,22 @@ def main():
     results.append(case("IstioOperator typo", x, "imag"))
     x = copy.deepcopy(io); x["spec"]["values"]["global"]["proxy"]["image"] = "proxyv2"
     results.append(case("IstioOperator image without a registry", x, "does not match"))
+    version, problem = validate.layered_base(HERE)
+    results.append(problem is None and version is not None)
+    print(("ok  " if results[-1] else "FAIL") + f"   Dockerfile.proxyv2 layers on Istio's proxyv2 {version}: {problem or ''}")
+    x = copy.deepcopy(io); x["spec"]["values"]["global"]["proxy"]["image"] = "registry.example.com/meshagent/proxyv2:0.1.0"
+    results.append(case_v("IstioOperator with the self-contained image", x, "not the production image", version))
+    x = copy.deepcopy(p); container(x, "istio-proxy")["image"] = "registry.example.com/meshagent/proxyv2:dev"
+    results.append(case_v("pod with the dev image", x, "not the production image", version))
+    x = copy.deepcopy(deployment()); x["spec"]["template"]["metadata"].setdefault("annotations", {})["sidecar.istio.io/proxyImage"] = "r.example.com/meshagent/proxyv2:1.29.0"
+    results.append(case_v("proxyImage annotation of another Istio version", x, "not the production image", version))
+    bad = pathlib.Path(validate.__file__).parent / "Dockerfile.proxyv2"
+    import tempfile
+    with tempfile.TemporaryDirectory() as d:
+        (pathlib.Path(d) / "Dockerfile.proxyv2").write_text(bad.read_text().replace("docker.io/istio/proxyv2:", "docker.io/envoyproxy/envoy:v"))
+        _, problem = validate.layered_base(d)
+        results.append(problem is not None and "not Istio's proxyv2 image" in problem)
+        print(("ok  " if results[-1] else "FAIL") + f"   a base that is not Istio's: {problem}")
     v = docs("istio/values.yaml")[0]
     x = copy.deepcopy(v); x["pilot"] = {"env": {"ENABLE_NATIVE_SIDECARS": True}}
     results.append(case("values: bool env", x, "ENABLE_NATIVE_SIDECARS", pathlib.Path("values-x.yaml")))

@@ -12,11 +12,19 @@
   capabilities dropped and non-root. The only exception is Istio's init container
   (`istio-init`), which may add NET_ADMIN and NET_RAW and nothing else. No RBAC objects: the
   agent needs no Kubernetes API access.
+* The production image: every meshagent image a manifest names (`.../meshagent/proxyv2:TAG`) is
+  the proxyv2-layered one (deploy/Dockerfile.proxyv2), tagged with the Istio version of its
+  base, and that base is Istio's own `istio/proxyv2:<version>`: Istio's Envoy carries the
+  Istio-only extensions istiod emits by default (`istio.stats`, metadata exchange, peer
+  metadata), which the self-contained image's upstream Envoy lacks (Envoy would reject
+  istiod's listeners and the pod would never be ready). The self-contained image is for
+  devplane and tests only.
 
 Exit status 1 with one line per problem (file, document, path) when anything fails.
 """
 
 import pathlib
+import re
 import sys
 
 import jsonschema
@@ -132,10 +140,63 @@ def least_privilege(spec):
     return problems
 
 
-def check_document(path, index, doc):
+# The proxyv2-layered build's base (deploy/Dockerfile.proxyv2 `ARG BASE=`): Istio's own image.
+ISTIO_BASE = re.compile(r"^(docker\.io/)?istio/proxyv2:(\d+\.\d+\.\d+)(-distroless)?$")
+MESHAGENT_IMAGE = re.compile(r"/meshagent/proxyv2:([^@]+)$")
+
+
+def layered_base(root):
+    """The Istio version of Dockerfile.proxyv2's base, or a problem."""
+    path = pathlib.Path(root) / "Dockerfile.proxyv2"
+    try:
+        text = path.read_text()
+    except OSError as e:
+        return None, f"{path}: {e}"
+    m = re.search(r"^ARG BASE=(\S+)$", text, re.M)
+    if not m:
+        return None, f"{path}: no `ARG BASE=` line"
+    base = ISTIO_BASE.match(m.group(1))
+    if not base:
+        return None, (f"{path}: BASE {m.group(1)!r} is not Istio's proxyv2 image "
+                      "(docker.io/istio/proxyv2:<x.y.z>[-distroless]): only Istio's Envoy has the "
+                      "extensions istiod emits")
+    return base.group(2), None
+
+
+def images(node, path=""):
+    """Every string under an `image` key or a `sidecar.istio.io/proxyImage` annotation."""
+    if isinstance(node, dict):
+        for k, v in node.items():
+            here = f"{path}/{k}"
+            if k in ("image", "sidecar.istio.io/proxyImage") and isinstance(v, str):
+                yield here, v
+            else:
+                yield from images(v, here)
+    elif isinstance(node, list):
+        for i, v in enumerate(node):
+            yield from images(v, f"{path}/{i}")
+
+
+def production_images(where, doc, version):
+    problems = []
+    for at, image in images(doc):
+        m = MESHAGENT_IMAGE.search(image)
+        if m and m.group(1) != version:
+            problems.append(f"{where}: {at}: {image} is not the production image "
+                            f"(.../meshagent/proxyv2:{version}, Dockerfile.proxyv2 on Istio's "
+                            f"proxyv2:{version}); the self-contained image has upstream Envoy "
+                            "without Istio's extensions and is for devplane and tests only")
+    return problems
+
+
+def check_document(path, index, doc, version=None):
     where = f"{path} (document {index})"
     if not isinstance(doc, dict):
         return [f"{where}: not a mapping"]
+    if version is not None:
+        prod = production_images(where, doc, version)
+        if prod:
+            return prod
     kind = doc.get("kind")
     if kind is None:
         if path.name.startswith("values"):
@@ -166,7 +227,8 @@ def main(root):
     if not files:
         print(f"no manifests under {root}", file=sys.stderr)
         return 1
-    problems, count = [], 0
+    version, problem = layered_base(root)
+    problems, count = ([problem] if problem else []), 0
     for path in files:
         try:
             docs = list(yaml.safe_load_all(path.read_text()))
@@ -177,7 +239,7 @@ def main(root):
             if doc is None:
                 continue
             count += 1
-            problems += check_document(path, i, doc)
+            problems += check_document(path, i, doc, version)
     for p in problems:
         print(p, file=sys.stderr)
     print(f"{count} documents in {len(files)} files, Kubernetes {', '.join(KUBERNETES_VERSIONS)}: "
