@@ -155,14 +155,14 @@ impl Agent {
             let reason = slot.get().and_then(|s| s.borrow().not_ready.clone());
             Box::pin(async move { reason.map_or(Ok(()), Err) })
         }));
-        if envoy_enabled {
-            self.readiness.add_envoy(status::EnvoyProbe::new(
-                admin,
-                self.started,
-                &self.registry,
-                self.drain.clone(),
-            )?);
-        }
+        let envoy_probe = if envoy_enabled {
+            let probe =
+                status::EnvoyProbe::new(admin, self.started, &self.registry, self.drain.clone())?;
+            self.readiness.add_envoy(probe.clone());
+            Some(probe)
+        } else {
+            None
+        };
         // Istio's order (`pilot/cmd/pilot-agent/status/ready/probe.go`): Envoy, gRPC
         // bootstrap, DNS table. The agent always writes the gRPC bootstrap (Istio
         // `agent.go` `Run`); GRPC_XDS_BOOTSTRAP="" turns it (and this check) off, as in Istio.
@@ -319,6 +319,9 @@ impl Agent {
         }
         let xds = crate::xds::start_with(xds_opts, &self.cwd, &self.registry, services.clone())?;
         let _ = self.views.xds.set(xds.xdsz());
+        if let Some(probe) = &envoy_probe {
+            probe.set_rejections(xds.xdsz());
+        }
         // The NDS table feeds the DNS readiness probe and /debug/ndsz; PCDS trust anchors go
         // into ROOTCA. Both forwarders end when the xDS proxy drops its senders.
         let mut names = xds.name_table();
@@ -349,6 +352,17 @@ impl Agent {
                 };
             let args = envoy_args(cfg, &node, &self.cwd, config_file)?;
             let envoy = Envoy::start(&args, &self.cwd, generated)?;
+            // Whether this Envoy has Istio's extensions, and one clear error if it rejects
+            // istiod's configuration for lack of them (`envoy::extensions`).
+            self.tasks.spawn(
+                "envoy-extension-check",
+                envoy::extensions::check(
+                    admin,
+                    self.views.envoy_extensions.clone(),
+                    xds.xdsz().missing_extensions(),
+                    services.clone(),
+                ),
+            );
             let drain = DrainOptions {
                 admin,
                 proxy_type: cfg.proxy_type,

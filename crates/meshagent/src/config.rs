@@ -367,6 +367,7 @@ pub fn load(
             }),
         }
     }
+    warnings.extend(envoy_log_level_warnings(flags));
     if !flags.template_file.as_os_str().is_empty() && pc.custom_config_file.as_os_str().is_empty() {
         pc.proxy_bootstrap_template_path
             .clone_from(&flags.template_file);
@@ -422,6 +423,53 @@ pub fn load(
         return Err(ConfigError::from_many(startup));
     }
     Ok(config)
+}
+
+/// Envoy's log levels (`envoy --help`, `-l`), for `--proxyLogLevel` and
+/// `--proxyComponentLogLevel`.
+pub const ENVOY_LOG_LEVELS: &[&str] = &[
+    "trace", "debug", "info", "warning", "warn", "error", "critical", "off",
+];
+
+/// Istio passes the levels to Envoy unchecked (pkg/envoy/proxy.go `splitComponentLog`), and
+/// Envoy refuses to start on one it does not know: the start fails at the same point here
+/// (Envoy's exit), after a warning that lists the levels.
+fn envoy_log_level_warnings(flags: &ProxyFlags) -> Vec<String> {
+    let mut out = Vec::new();
+    for (flag, value) in [
+        ("--proxyLogLevel", &flags.proxy_log_level),
+        ("--proxyComponentLogLevel", &flags.proxy_component_log_level),
+    ] {
+        // The component flag is used only when --proxyLogLevel names no component.
+        let unused = flag == "--proxyComponentLogLevel" && flags.proxy_log_level.contains(':');
+        if value.is_empty() || unused {
+            continue;
+        }
+        let bad: Vec<&str> = value
+            .split(',')
+            .filter_map(|item| {
+                let level = match item.split(':').collect::<Vec<_>>().as_slice() {
+                    [""] => return None,
+                    [level] | [_, level] => *level,
+                    // Istio drops these with its own warning (`splitComponentLog`).
+                    _ => return None,
+                };
+                (!ENVOY_LOG_LEVELS.contains(&level)).then_some(level)
+            })
+            .collect();
+        if !bad.is_empty() {
+            out.push(format!(
+                "{flag}={value}: {} not an Envoy log level (expected {}); Envoy will refuse to start",
+                bad.iter()
+                    .map(|b| format!("{b:?}"))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+                    + if bad.len() == 1 { " is" } else { " are" },
+                ENVOY_LOG_LEVELS.join(", ")
+            ));
+        }
+    }
+    out
 }
 
 /// A subset of Istio's `ValidateMeshConfigProxyConfig`, on the merged result.

@@ -5,6 +5,7 @@
 //! drains per Istio's rules and then stops Envoy.
 
 pub mod admin;
+pub mod extensions;
 pub mod process;
 
 use std::net::SocketAddr;

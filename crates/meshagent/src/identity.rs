@@ -380,10 +380,13 @@ pub async fn start_with(
                 "POD_NAMESPACE or SERVICE_ACCOUNT is empty; the CSR's SPIFFE SAN will be incomplete (the CA uses the token's identity)"
             );
         }
-        Some((
-            keys::KeySpec::from_config(id)?,
-            crate::control_plane::ca_target(cfg)?,
-        ))
+        // An unsupported ECC_SIGNATURE_ALGORITHM is not a start error: like Istio, every
+        // key generation fails with it (logged, retried, readiness names it).
+        let key_spec = match keys::KeySpec::from_config(id) {
+            Err(e @ keys::KeyError::EcAlgorithm(_)) => Err(e),
+            other => Ok(other?),
+        };
+        Some((key_spec, crate::control_plane::ca_target(cfg)?))
     } else {
         None
     };

@@ -471,7 +471,15 @@ async fn xdsz(
         return forbidden(&peer);
     }
     match s.views.xds.get() {
-        Some(x) => json(StatusCode::OK, &x.to_json()),
+        Some(x) => {
+            let mut v = x.to_json();
+            v["envoy"] = s
+                .views
+                .envoy_extensions
+                .get()
+                .map_or(serde_json::Value::Null, |r| r.to_json());
+            json(StatusCode::OK, &v)
+        }
         None => json(StatusCode::NOT_FOUND, &serde_json::json!({})),
     }
 }

@@ -44,6 +44,7 @@
 pub mod authority;
 pub mod codec;
 pub mod intercept;
+pub mod rejections;
 pub mod stream;
 pub mod view;
 pub mod wire;
@@ -284,6 +285,16 @@ impl XdszSource {
             .upgrade()
             .map_or(0, |s| s.upstream.connections());
         self.view.to_json(&self.address, connections)
+    }
+
+    /// The types Envoy rejects now (its last answer a NACK).
+    pub fn rejections(&self) -> Vec<rejections::Rejection> {
+        self.view.rejections.current()
+    }
+
+    /// Every extension Envoy's NACKs have named as missing since start.
+    pub fn missing_extensions(&self) -> watch::Receiver<Vec<rejections::MissingExtension>> {
+        self.view.rejections.missing()
     }
 }
 

@@ -5,12 +5,19 @@
 //! that its Envoy is gone when it exits. Where meshagent exits otherwise on purpose (COMPAT.md,
 //! "Deliberate differences") the expected pair is written here with that row's reason; any
 //! other difference fails.
+//!
+//! `invalid_values_fail_where_pilot_agent_fails`: values that cannot work, each given to both
+//! agents: where each fails (refuses to start, runs not ready with the error logged, or
+//! exits when Envoy refuses to start), its exit status, and that meshagent's message lists
+//! the values that work.
 #![allow(clippy::unwrap_used)] // tests fail loudly by design
 
 use std::process::ExitStatus;
 use std::time::Duration;
 
-use meshagent_testkit::istiod_box::{AgentKind, IstiodBox, PodSpec, WORKLOAD_A, start_agent};
+use meshagent_testkit::istiod_box::{
+    AgentKind, IstiodBox, PodSpec, WORKLOAD_A, start_agent, start_agent_with_args,
+};
 use meshagent_testkit::{
     Proc, Sidecar, alive, envoy_children_of, free_port, http, http_get, json, signal, wait_for,
 };
@@ -145,6 +152,187 @@ async fn exit_statuses_match_pilot_agent() {
                 "{case:?}: COMPAT.md says pilot-agent exits 0, it exited {p:?}: update the row"
             )),
             _ => {}
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+/// Where an agent given a bad value ended up.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Outcome {
+    /// Ready (the value was taken as something that works).
+    Ready,
+    /// Still running and not ready (503) after logging the failure: it fails where the value
+    /// is used, and keeps trying.
+    RunningNotReady,
+    /// Exited before Envoy was started, with this status.
+    RefusedToStart(Option<i32>),
+    /// Started Envoy, which refused the value and exited; then the agent, with this status.
+    EnvoyRefused(Option<i32>),
+}
+
+struct BadValue {
+    name: &'static str,
+    env: &'static [(&'static str, &'static str)],
+    args: &'static [&'static str],
+    /// What each agent logs when it fails where the value is used (`RunningNotReady`):
+    /// (pilot-agent, meshagent).
+    failure: (&'static str, &'static str),
+    /// What meshagent's log must say: the values that work.
+    lists: &'static str,
+    /// What meshagent's log must not say.
+    not: &'static str,
+}
+
+const BAD_VALUES: &[BadValue] = &[
+    BadValue {
+        name: "PILOT_CERT_PROVIDER=foo",
+        env: &[("PILOT_CERT_PROVIDER", "foo")],
+        args: &[],
+        failure: ("", ""),
+        lists: "is not one of istiod, kubernetes, k8s.io/<signer>, custom, none",
+        not: "",
+    },
+    BadValue {
+        name: "ECC_SIGNATURE_ALGORITHM=FOO",
+        env: &[("ECC_SIGNATURE_ALGORITHM", "FOO")],
+        args: &[],
+        failure: (
+            "unsupported EC signature algorithm",
+            "unsupported ECC_SIGNATURE_ALGORITHM \"FOO\"",
+        ),
+        lists: "expected ECDSA, or unset for RSA keys",
+        not: "",
+    },
+    BadValue {
+        name: "--proxyLogLevel=verbose",
+        env: &[],
+        args: &["--proxyLogLevel=verbose"],
+        failure: ("", ""),
+        lists: "(expected trace, debug, info, warning, warn, error, critical, off)",
+        not: "",
+    },
+    BadValue {
+        name: "ISTIO_META_DNS_CAPTURE=maybe",
+        env: &[("ISTIO_META_DNS_CAPTURE", "maybe")],
+        args: &[],
+        failure: ("", ""),
+        lists: "expected \"true\" or \"false\"",
+        // pilot-agent warns so, then fails on the same value.
+        not: "defaulting to false",
+    },
+    BadValue {
+        name: "WORKLOAD_RSA_KEY_SIZE=1024",
+        env: &[("WORKLOAD_RSA_KEY_SIZE", "1024")],
+        args: &[],
+        failure: (
+            "requested key size does not meet the minimum required size of 2048",
+            "",
+        ),
+        lists: "expected 2048, 3072 or 4096",
+        not: "",
+    },
+];
+
+/// Envoy's own refusal of a log level (both agents pass the flag on unchecked).
+const ENVOY_REFUSED: &str = "invalid log level specified";
+
+async fn run_bad_value(istiod: &IstiodBox, kind: AgentKind, v: &BadValue) -> (Outcome, String) {
+    let pod = PodSpec {
+        workload: "a",
+        namespace: "default",
+        service_account: "a",
+        ip: "127.0.0.1",
+        proxy_config: json!({}),
+        env: v.env,
+    };
+    let mut sc = start_agent_with_args(istiod, kind, &pod, v.args).await;
+    let failure = match kind {
+        AgentKind::PilotAgent => v.failure.0,
+        AgentKind::Meshagent => v.failure.1,
+    };
+    let outcome = wait_for(&format!("{kind:?} {}: an outcome", v.name), READY, || {
+        let exited = sc.proc.try_wait();
+        let log = sc.proc.log_text();
+        let status = sc.status;
+        async move {
+            if let Some(st) = exited {
+                return Some(if log.contains(ENVOY_REFUSED) {
+                    Outcome::EnvoyRefused(st.code())
+                } else {
+                    Outcome::RefusedToStart(st.code())
+                });
+            }
+            let ready = http_get(status, "/healthz/ready").await;
+            match ready {
+                Ok((200, _)) => Some(Outcome::Ready),
+                Ok((503, _)) if !failure.is_empty() && log.contains(failure) => {
+                    Some(Outcome::RunningNotReady)
+                }
+                _ => None,
+            }
+        }
+    })
+    .await;
+    if outcome == Outcome::RunningNotReady {
+        // Still failing, and still running, a while later: it keeps trying, as Istio does.
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        assert!(sc.proc.try_wait().is_none(), "{kind:?} {}: exited", v.name);
+        let (code, body) = http_get(sc.status, "/healthz/ready").await.unwrap();
+        assert_eq!(code, 503, "{kind:?} {}: {body}", v.name);
+    }
+    if let Outcome::RefusedToStart(_) = outcome {
+        let log = sc.proc.log_text();
+        for envoy_started in ["starting Envoy", "Envoy command:"] {
+            assert!(
+                !log.contains(envoy_started),
+                "{kind:?} {}: Envoy was started:\n{log}",
+                v.name
+            );
+        }
+    }
+    (outcome, sc.proc.log_text())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn invalid_values_fail_where_pilot_agent_fails() {
+    let mesh = format!(
+        "proxyListenPort: {}\nproxyInboundListenPort: {}\n",
+        free_port(),
+        free_port()
+    );
+    let istiod = IstiodBox::start_with(WORKLOAD_A, Some(&mesh), &[]).await;
+    let mut failures = Vec::new();
+    for v in BAD_VALUES {
+        let (p, _) = run_bad_value(&istiod, AgentKind::PilotAgent, v).await;
+        let (m, log) = run_bad_value(&istiod, AgentKind::Meshagent, v).await;
+        eprintln!("{}: pilot-agent {p:?}, meshagent {m:?}", v.name);
+        // The deliberate differences of COMPAT.md, as (pilot-agent, meshagent).
+        let expected = match (v.name, p) {
+            // "a failed command": exit 1 where Istio's cobra exits 255.
+            (_, Outcome::RefusedToStart(Some(255))) => (p, Outcome::RefusedToStart(Some(1))),
+            // "Envoy exits by itself": the agent exits with Envoy's status.
+            (_, Outcome::EnvoyRefused(Some(0))) => (p, Outcome::EnvoyRefused(Some(1))),
+            // "WORKLOAD_RSA_KEY_SIZE other than 2048, 3072, 4096": refused at start.
+            ("WORKLOAD_RSA_KEY_SIZE=1024", Outcome::RunningNotReady) => {
+                (p, Outcome::RefusedToStart(Some(1)))
+            }
+            _ => (p, p),
+        };
+        if (p, m) != expected {
+            failures.push(format!(
+                "{}: pilot-agent {p:?}, meshagent {m:?}, expected meshagent {:?}",
+                v.name, expected.1
+            ));
+        }
+        if !log.contains(v.lists) {
+            failures.push(format!(
+                "{}: meshagent's log does not list the values that work ({:?}):\n{log}",
+                v.name, v.lists
+            ));
+        }
+        if !v.not.is_empty() && log.contains(v.not) {
+            failures.push(format!("{}: meshagent logged {:?}:\n{log}", v.name, v.not));
         }
     }
     assert!(failures.is_empty(), "{}", failures.join("\n"));

@@ -12,7 +12,7 @@ use meshagent_testkit::istiod_box::{
     AgentKind, IstiodBox, PodSpec, WORKLOAD_A, dynamic_names, envoy_config_dump, envoy_counter,
     start_agent, wait_for_envoy_cluster,
 };
-use meshagent_testkit::{DEADLINE, free_port, json, wait_for};
+use meshagent_testkit::{DEADLINE, free_port, http_get, json, wait_for};
 
 const READY: Duration = Duration::from_secs(60);
 
@@ -146,6 +146,37 @@ async fn sidecar_against_istiod_box(kind: AgentKind) {
     ] {
         assert_eq!(envoy_counter(&sidecar, counter).await, 0, "{counter}");
     }
+    if kind == AgentKind::Meshagent {
+        // The extension check read Envoy's list (upstream Envoy lacks Istio's four), and
+        // with istiod configured not to emit them nothing is rejected: no error line.
+        let xdsz = wait_for(
+            "the extension check's result in /debug/xdsz",
+            DEADLINE,
+            || async {
+                let (_, body) = http_get(sidecar.status, "/debug/xdsz").await.ok()?;
+                let v: serde_json::Value = serde_json::from_str(&body).ok()?;
+                (!v["envoy"].is_null()).then_some(v)
+            },
+        )
+        .await;
+        assert_eq!(
+            xdsz["envoy"]["missingIstioExtensions"]
+                .as_array()
+                .map(Vec::len),
+            Some(4),
+            "{xdsz}"
+        );
+        assert_eq!(xdsz["rejected"], json!([]), "{xdsz}");
+        let log = sidecar.proc.log_text();
+        assert!(
+            error_lines(&log, EXTENSION_ERROR).is_empty(),
+            "no extension error expected:\n{log}"
+        );
+        assert!(
+            log.contains("this Envoy build lacks Istio's extensions"),
+            "{log}"
+        );
+    }
 
     // istiod sees the proxy (its own debug endpoints).
     let proxies = wait_for("istiod to list the proxy", DEADLINE, || async {
@@ -197,9 +228,23 @@ async fn pilot_agent_against_istiod_box() {
     sidecar_against_istiod_box(AgentKind::PilotAgent).await;
 }
 
+/// The one ERROR line meshagent logs when Envoy rejects istiod's configuration for lack of
+/// Istio's extensions (`envoy/extensions.rs`).
+const EXTENSION_ERROR: &str = "Envoy rejects istiod's configuration: it has no implementation of";
+
+/// Lines of `log` at level error (Istio's text format: time, tab, level, tab).
+fn error_lines<'a>(log: &'a str, containing: &str) -> Vec<&'a str> {
+    log.lines()
+        .filter(|l| l.contains("\terror\t") && l.contains(containing))
+        .collect()
+}
+
 /// Why istiod-box changes istiod's defaults: with `--istio-extensions` (istiod as installed)
 /// the config names Istio-proxy extensions (metadata exchange on clusters and listeners,
 /// istio.alpn, istio.stats) that upstream Envoy does not have, and Envoy rejects it.
+/// meshagent says so: one ERROR line naming the missing extensions and the fix, and a 503
+/// readiness body naming the NACKed type, Envoy's message and the extension. pilot-agent in
+/// the same state answers 503 too (only the body differs).
 #[tokio::test(flavor = "multi_thread")]
 async fn upstream_envoy_rejects_istiods_default_extensions() {
     let istiod = IstiodBox::start_with(&config(), Some(&mesh()), &["--istio-extensions"]).await;
@@ -219,11 +264,101 @@ async fn upstream_envoy_rejects_istiods_default_extensions() {
     let log = sidecar.proc.log_text();
     let rejection = log
         .lines()
-        .find(|l| l.contains("istio.metadata_exchange") || l.contains("metadataexchange"))
+        .find(|l| {
+            l.contains("Didn't find a registered implementation for 'istio.metadata_exchange'")
+        })
         .unwrap_or_else(|| {
             panic!("Envoy's rejection should name the metadata exchange filter:\n{log}")
         });
     eprintln!("upstream Envoy on istiod's defaults: {rejection}");
+
+    // Readiness: Istio's verdict (503), the NACKs of both CDS and LDS named with the
+    // extension Envoy lacks.
+    let body = wait_for(
+        "readiness to name the CDS and LDS rejections",
+        DEADLINE,
+        || async {
+            match http_get(sidecar.status, "/healthz/ready").await {
+                Ok((503, b))
+                    if b.contains("Envoy rejected (NACK) CDS: ")
+                        && b.contains("Envoy rejected (NACK) LDS: ") =>
+                {
+                    Some(b)
+                }
+                _ => None,
+            }
+        },
+    )
+    .await;
+    eprintln!("meshagent readiness: {body}");
+    for want in [
+        "config received from XDS server, but was rejected",
+        "missing extensions: 'istio.metadata_exchange' (type URL 'envoy.tcp.metadataexchange.config.MetadataExchange')",
+        "outbound|80||b.ns.svc.cluster.local",
+    ] {
+        assert!(
+            body.contains(want),
+            "{want:?} not in the readiness body: {body}"
+        );
+    }
+
+    // The one ERROR line, after both rejections have arrived: exactly once.
+    let errors = wait_for("the extension error line", DEADLINE, || {
+        let log = sidecar.proc.log_text();
+        async move {
+            let n = error_lines(&log, EXTENSION_ERROR)
+                .into_iter()
+                .map(str::to_owned)
+                .collect::<Vec<_>>();
+            (!n.is_empty()).then_some(n)
+        }
+    })
+    .await;
+    assert_eq!(errors.len(), 1, "{errors:#?}");
+    eprintln!("meshagent: {}", errors[0]);
+    for want in [
+        "'istio.metadata_exchange' (type URL 'envoy.tcp.metadataexchange.config.MetadataExchange')",
+        "This Envoy 1.40.0 lacks Istio's extensions",
+        "istio.metadata_exchange (io.istio.http.peer_metadata.Config)",
+        "istio.alpn (istio.envoy.config.filter.http.alpn.v2alpha1.FilterConfig)",
+        "istio.stats (stats.PluginConfig)",
+        "proxyv2",
+        "PILOT_ENABLE_METADATA_EXCHANGE=false",
+        "PILOT_ENABLE_ALPN_FILTER=false",
+        "meshConfig.defaultProviders.metrics",
+    ] {
+        assert!(errors[0].contains(want), "{want:?} not in {}", errors[0]);
+    }
+    // /debug/xdsz carries the same.
+    let (code, xdsz) = http_get(sidecar.status, "/debug/xdsz").await.unwrap();
+    assert_eq!(code, 200, "{xdsz}");
+    let xdsz: serde_json::Value = serde_json::from_str(&xdsz).unwrap();
+    assert_eq!(
+        xdsz["envoy"]["missingIstioExtensions"]
+            .as_array()
+            .map(Vec::len),
+        Some(4),
+        "{xdsz}"
+    );
+    assert!(
+        xdsz["rejected"][0]["missingExtensions"][0]["name"] == "istio.metadata_exchange",
+        "{xdsz}"
+    );
+    drop(sidecar);
+
+    // pilot-agent in the same state: not ready either.
+    let pilot = start_agent(&istiod, AgentKind::PilotAgent, &pod).await;
+    wait_for(
+        "pilot-agent's Envoy to reject istiod's clusters",
+        DEADLINE,
+        || async {
+            (envoy_counter(&pilot, "cluster_manager.cds.update_rejected").await > 0).then_some(())
+        },
+    )
+    .await;
+    let (code, body) = http_get(pilot.status, "/healthz/ready").await.unwrap();
+    eprintln!("pilot-agent readiness: {code} {body}");
+    assert_eq!(code, 503, "{body}");
 }
 
 // === a mesh: A calls B over mTLS with config from istiod ===

@@ -280,7 +280,7 @@ pub struct PodSpec<'a> {
 /// Istio's env vars, the token and root at Istio's relative paths in its own working
 /// directory, every fixed port moved to a free one so tests run in parallel.
 pub async fn start_agent(istiod: &IstiodBox, kind: AgentKind, pod: &PodSpec<'_>) -> Sidecar {
-    start_agent_with_resolv_conf(istiod, kind, pod, None).await
+    launch(istiod, kind, pod, None, &[]).await
 }
 
 /// [`start_agent`], with `resolv_conf` (when given) seen by the agent at `/etc/resolv.conf`:
@@ -294,6 +294,27 @@ pub async fn start_agent_with_resolv_conf(
     kind: AgentKind,
     pod: &PodSpec<'_>,
     resolv_conf: Option<&Path>,
+) -> Sidecar {
+    launch(istiod, kind, pod, resolv_conf, &[]).await
+}
+
+/// [`start_agent`] with more `proxy sidecar` flags (`--name=value`); one naming a flag
+/// `start_agent` sets (e.g. `--proxyLogLevel=`) replaces it.
+pub async fn start_agent_with_args(
+    istiod: &IstiodBox,
+    kind: AgentKind,
+    pod: &PodSpec<'_>,
+    args: &[&str],
+) -> Sidecar {
+    launch(istiod, kind, pod, None, args).await
+}
+
+async fn launch(
+    istiod: &IstiodBox,
+    kind: AgentKind,
+    pod: &PodSpec<'_>,
+    resolv_conf: Option<&Path>,
+    args: &[&str],
 ) -> Sidecar {
     let cwd = tempfile::tempdir().unwrap();
     istiod
@@ -337,32 +358,40 @@ pub async fn start_agent_with_resolv_conf(
             c
         }
     };
-    cmd.args([
+    let domain = format!("{}.svc.cluster.local", pod.namespace);
+    let mut argv = vec![
         "proxy",
         "sidecar",
         "--domain",
-        &format!("{}.svc.cluster.local", pod.namespace),
+        &domain,
         "--proxyLogLevel=warning",
         "--log_output_level=default:info",
-    ])
-    .current_dir(cwd.path())
-    .env_clear()
-    .env("PATH", std::env::var_os("PATH").unwrap_or_default())
-    .env("POD_NAME", format!("{}-5f7d9", pod.workload))
-    .env("POD_NAMESPACE", pod.namespace)
-    .env("SERVICE_ACCOUNT", pod.service_account)
-    .env("INSTANCE_IP", pod.ip)
-    .env("CA_ADDR", &istiod_addr)
-    .env("PILOT_CERT_PROVIDER", "istiod")
-    .env("ISTIO_META_CLUSTER_ID", "Kubernetes")
-    .env("ISTIO_META_WORKLOAD_NAME", pod.workload)
-    .env("ISTIO_META_MESH_ID", "cluster.local")
-    .env("ENVOY_STATUS_PORT", envoy_status.port().to_string())
-    .env("ENVOY_PROMETHEUS_PORT", free_port().to_string())
-    .env("PROXY_CONFIG", pc.to_string())
-    .env("CLOUD_PLATFORM", "none")
-    .env("RUST_BACKTRACE", "1")
-    .envs(pod.env.iter().copied());
+    ];
+    for extra in args {
+        if let Some((flag, _)) = extra.split_once('=') {
+            argv.retain(|a| !a.starts_with(&format!("{flag}=")));
+        }
+        argv.push(extra);
+    }
+    cmd.args(argv)
+        .current_dir(cwd.path())
+        .env_clear()
+        .env("PATH", std::env::var_os("PATH").unwrap_or_default())
+        .env("POD_NAME", format!("{}-5f7d9", pod.workload))
+        .env("POD_NAMESPACE", pod.namespace)
+        .env("SERVICE_ACCOUNT", pod.service_account)
+        .env("INSTANCE_IP", pod.ip)
+        .env("CA_ADDR", &istiod_addr)
+        .env("PILOT_CERT_PROVIDER", "istiod")
+        .env("ISTIO_META_CLUSTER_ID", "Kubernetes")
+        .env("ISTIO_META_WORKLOAD_NAME", pod.workload)
+        .env("ISTIO_META_MESH_ID", "cluster.local")
+        .env("ENVOY_STATUS_PORT", envoy_status.port().to_string())
+        .env("ENVOY_PROMETHEUS_PORT", free_port().to_string())
+        .env("PROXY_CONFIG", pc.to_string())
+        .env("CLOUD_PLATFORM", "none")
+        .env("RUST_BACKTRACE", "1")
+        .envs(pod.env.iter().copied());
     let name = match kind {
         AgentKind::Meshagent => format!("meshagent-{}", pod.workload),
         AgentKind::PilotAgent => format!("pilot-agent-{}", pod.workload),

@@ -205,6 +205,17 @@ impl<'a> Reader<'a> {
         )
     }
 
+    /// An `ISTIO_META_*` bool that is also typed node metadata (Istio `StringBool`,
+    /// `bootstrap/node.rs` `STRING_BOOL_KEYS`). A non-empty value that does not parse is
+    /// refused at start by the node metadata check, naming it, as Istio's decode into
+    /// `NodeMetadata` refuses it: it is not also warned about as "defaulting to false".
+    pub(crate) fn meta_bool(&mut self, key: &str) -> bool {
+        match self.get(key) {
+            Some(raw) if !raw.is_empty() && parse_go_bool(&raw).is_none() => false,
+            _ => self.bool(key, false),
+        }
+    }
+
     pub(crate) fn opt_bool(&mut self, key: &str) -> Option<bool> {
         self.scalar(key, None, "unset", EXPECT_BOOL, |s| {
             parse_go_bool(s).map(Some)

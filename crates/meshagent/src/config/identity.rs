@@ -48,8 +48,8 @@ pub struct IdentityConfig {
     pub secret_grace_period_ratio: f64,
     /// `SECRET_GRACE_PERIOD_RATIO_JITTER` (default 0.01, within [0,1]).
     pub secret_grace_period_ratio_jitter: f64,
-    /// `WORKLOAD_RSA_KEY_SIZE` (default 2048, at least 2048).
-    pub workload_rsa_key_size: u32,
+    /// `WORKLOAD_RSA_KEY_SIZE` (default 2048; 2048, 3072 or 4096 start).
+    pub workload_rsa_key_size: i64,
     /// `ECC_SIGNATURE_ALGORITHM`: `ECDSA` selects EC keys instead of RSA.
     pub ecc_signature_algorithm: String,
     /// `ECC_CURVE`: `P384`, anything else means P-256 (as Istio).
@@ -105,10 +105,10 @@ impl IdentityConfig {
             ca_provider = "GoogleCA".to_owned();
         }
 
-        // Istio rejects keys under 2048 bits; which larger sizes this build can generate is
-        // the start's check (`identity::keys::KeySpec::from_config`, run at load by
-        // `config::startup`).
-        let workload_rsa_key_size = r.int("WORKLOAD_RSA_KEY_SIZE", 2048, 2048, u32::MAX);
+        // Any integer is read (Istio's `env.Register` int); which sizes work is the start's
+        // check (`identity::keys::KeySpec::from_config`, run at load by `config::startup`),
+        // with one message for every size it refuses.
+        let workload_rsa_key_size = r.int("WORKLOAD_RSA_KEY_SIZE", 2048, i64::MIN, i64::MAX);
 
         let jwt_policy = r.string("JWT_POLICY", "third-party-jwt");
         let jwt_path = matches!(jwt_policy.as_str(), "third-party-jwt" | "first-party-jwt")
@@ -126,6 +126,23 @@ impl IdentityConfig {
             );
         }
 
+        // Istio's agent special-cases only `custom` and `none` (pkg/istio-agent/agent.go
+        // `FindRootCAForXDS`, `FindRootCAForCA`); any other value takes the istiod path, with
+        // no word. It starts the same here, with a warning listing the values
+        // (pkg/config/constants `CertProvider*`).
+        let pilot_cert_provider = r.string("PILOT_CERT_PROVIDER", "istiod");
+        if !matches!(
+            pilot_cert_provider.as_str(),
+            "istiod" | "kubernetes" | "custom" | "none"
+        ) && !pilot_cert_provider.starts_with("k8s.io/")
+        {
+            r.warnings.push(format!(
+                "PILOT_CERT_PROVIDER={pilot_cert_provider:?} is not one of istiod, kubernetes, \
+                 k8s.io/<signer>, custom, none; the agent uses the istiod root certificate \
+                 (./var/run/secrets/istio/root-cert.pem), as for istiod"
+            ));
+        }
+
         let workload_identity_socket_file = r.string("WORKLOAD_IDENTITY_SOCKET_FILE", "socket");
         if workload_identity_socket_file.is_empty() || workload_identity_socket_file.contains('/') {
             r.invalid(
@@ -141,7 +158,7 @@ impl IdentityConfig {
             ca_provider,
             ca_root_ca: r.string("CA_ROOT_CA", ""),
             ca_headers: r.prefixed("CA_HEADER_"),
-            pilot_cert_provider: r.string("PILOT_CERT_PROVIDER", "istiod"),
+            pilot_cert_provider,
             trust_domain: r.string("TRUST_DOMAIN", "cluster.local"),
             secret_ttl: r.duration("SECRET_TTL", Duration::from_secs(24 * 3600)),
             secret_grace_period_ratio: r.float("SECRET_GRACE_PERIOD_RATIO", 0.5, 0.0, 1.0),

@@ -694,7 +694,6 @@ fn bad_env_values() {
     // Values that parse but that the agent cannot run with: errors naming the variable,
     // the value and what was expected.
     let cases: &[(&str, &str, &[&str])] = &[
-        ("WORKLOAD_RSA_KEY_SIZE", "1024", &["2048"]),
         ("SECRET_GRACE_PERIOD_RATIO", "1.5", &["between 0 and 1"]),
         (
             "SECRET_GRACE_PERIOD_RATIO_JITTER",
@@ -730,9 +729,22 @@ fn start_time_checks_run_at_load() {
             &[("CA_PROVIDER", "GoogleCA")],
             "CA_PROVIDER GoogleCA is not supported (only Citadel, as in open-source Istio)",
         ),
+        // One message for every size refused, below Istio's minimum or not generated here.
         (
             &[("WORKLOAD_RSA_KEY_SIZE", "2049")],
-            "unsupported WORKLOAD_RSA_KEY_SIZE 2049: this build generates 2048, 3072 or 4096-bit keys",
+            "unsupported WORKLOAD_RSA_KEY_SIZE 2049: expected 2048, 3072 or 4096 (this build generates 2048, 3072 or 4096-bit keys; Istio requires at least 2048)",
+        ),
+        (
+            &[("WORKLOAD_RSA_KEY_SIZE", "1024")],
+            "unsupported WORKLOAD_RSA_KEY_SIZE 1024: expected 2048, 3072 or 4096 (this build generates 2048, 3072 or 4096-bit keys; Istio requires at least 2048)",
+        ),
+        (
+            &[("WORKLOAD_RSA_KEY_SIZE", "-1")],
+            "unsupported WORKLOAD_RSA_KEY_SIZE -1: expected 2048, 3072 or 4096 (this build",
+        ),
+        (
+            &[("WORKLOAD_RSA_KEY_SIZE", "99999999999")],
+            "unsupported WORKLOAD_RSA_KEY_SIZE 99999999999: expected 2048, 3072 or 4096 (this build",
         ),
         (
             &[("CA_ADDR", "ca.example")],
@@ -901,7 +913,7 @@ fn unreadable_mesh_file_is_an_error() {
 #[test]
 fn all_errors_are_reported_together() {
     let err = Fixture::new()
-        .env("WORKLOAD_RSA_KEY_SIZE", "1024")
+        .env("SECRET_GRACE_PERIOD_RATIO", "2")
         .env("ISTIO_CPU_LIMIT", "-1")
         .env("PROXY_CONFIG", "drainDuration: 45")
         .load()
@@ -914,7 +926,7 @@ fn all_errors_are_reported_together() {
         &err.to_string(),
         &[
             "3 configuration errors",
-            "WORKLOAD_RSA_KEY_SIZE",
+            "SECRET_GRACE_PERIOD_RATIO",
             "ISTIO_CPU_LIMIT",
             "drainDuration",
         ],
@@ -943,4 +955,86 @@ fn dump_shape() {
     assert_eq!(v["identity"]["fileDebounceDuration"], json!("100ms"));
     assert_eq!(v["proxyType"], json!("sidecar"));
     assert!(v.get("warnings").is_none());
+}
+
+/// Values Istio does not refuse at start are not refused here either; where they cannot work
+/// a warning (or the failure where Istio fails) lists the values that do.
+#[test]
+fn values_istio_accepts_at_start() {
+    // PILOT_CERT_PROVIDER: any other value takes the istiod path, as in Istio.
+    let c = Fixture::new().env("PILOT_CERT_PROVIDER", "foo").ok();
+    assert_eq!(c.warnings.len(), 1, "{:?}", c.warnings);
+    assert_contains(
+        &c.warnings[0],
+        &[
+            "PILOT_CERT_PROVIDER=\"foo\"",
+            "istiod, kubernetes, k8s.io/<signer>, custom, none",
+        ],
+    );
+    for ok in ["istiod", "kubernetes", "k8s.io/my-signer", "custom"] {
+        let c = Fixture::new().env("PILOT_CERT_PROVIDER", ok).ok();
+        assert!(c.warnings.is_empty(), "{ok}: {:?}", c.warnings);
+    }
+    // ECC_SIGNATURE_ALGORITHM: every key generation fails (identity), not the start.
+    let c = Fixture::new().env("ECC_SIGNATURE_ALGORITHM", "FOO").ok();
+    let e = crate::identity::keys::KeySpec::from_config(&c.identity).unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        "unsupported ECC_SIGNATURE_ALGORITHM \"FOO\": expected ECDSA, or unset for RSA keys (WORKLOAD_RSA_KEY_SIZE)"
+    );
+    // With an unsupported algorithm the RSA size is not what fails, as in Istio's GenCSR.
+    let c = Fixture::new()
+        .env("ECC_SIGNATURE_ALGORITHM", "ecdsa")
+        .env("WORKLOAD_RSA_KEY_SIZE", "1024")
+        .ok();
+    assert!(matches!(
+        crate::identity::keys::KeySpec::from_config(&c.identity),
+        Err(crate::identity::keys::KeyError::EcAlgorithm(_))
+    ));
+    // Envoy log levels: passed on (Envoy refuses them at its start), after a warning.
+    let mut f = Fixture::new();
+    f.flags.proxy_log_level = "verbose".into();
+    let c = f.ok();
+    assert_eq!(c.warnings.len(), 1, "{:?}", c.warnings);
+    assert_contains(
+        &c.warnings[0],
+        &[
+            "--proxyLogLevel=verbose: \"verbose\" is not an Envoy log level",
+            "trace, debug, info, warning, warn, error, critical, off",
+        ],
+    );
+    let mut f = Fixture::new();
+    f.flags.proxy_log_level = "info,misc:loud,upstream:debug".into();
+    assert_contains(&f.ok().warnings.join("\n"), &["\"loud\" is not"]);
+    let mut f = Fixture::new();
+    f.flags.proxy_log_level = "warning".into();
+    f.flags.proxy_component_log_level = "misc:error,upstream:chatty".into();
+    assert_contains(
+        &f.ok().warnings.join("\n"),
+        &["--proxyComponentLogLevel=misc:error,upstream:chatty: \"chatty\" is not"],
+    );
+    for ok in ["trace", "warn", "off", "info,misc:error", "critical,a:b:c"] {
+        let mut f = Fixture::new();
+        f.flags.proxy_log_level = ok.into();
+        assert!(f.ok().warnings.is_empty(), "{ok}");
+    }
+}
+
+/// A metadata bool that does not parse fails the start once, naming it, without also being
+/// warned about as "defaulting to false".
+#[test]
+fn unparsable_metadata_bool_fails_without_a_default_warning() {
+    for name in [
+        "ISTIO_META_DNS_CAPTURE",
+        "ISTIO_META_DNS_AUTO_ALLOCATE",
+        "ISTIO_META_ENABLE_SELF_DISCOVERY",
+    ] {
+        let err = Fixture::new().env(name, "maybe").err();
+        assert_contains(&err, &[name, "\"maybe\"", "expected \"true\" or \"false\""]);
+        // Empty: Istio's StringBool takes it; the variable falls back, with the warning.
+        let c = Fixture::new().env(name, "").ok();
+        assert_eq!(c.warnings.len(), 1, "{name}: {:?}", c.warnings);
+        let c = Fixture::new().env(name, "T").ok();
+        assert!(c.warnings.is_empty(), "{name}: {:?}", c.warnings);
+    }
 }

@@ -156,7 +156,7 @@ impl BootstrapConfig {
             node_meta_json,
             template_override: r.non_empty("ISTIO_BOOTSTRAP").map(PathBuf::from),
             bootstrap_override: r.non_empty("ISTIO_BOOTSTRAP_OVERRIDE").map(PathBuf::from),
-            enable_self_discovery: r.bool("ISTIO_META_ENABLE_SELF_DISCOVERY", false),
+            enable_self_discovery: r.meta_bool("ISTIO_META_ENABLE_SELF_DISCOVERY"),
             peer_metadata_discovery: r.opt_bool("PEER_METADATA_DISCOVERY"),
             envoy_status_port: r.port("ENVOY_STATUS_PORT", 15021),
             envoy_prometheus_port: r.port("ENVOY_PROMETHEUS_PORT", 15090),
@@ -300,7 +300,7 @@ impl DnsConfig {
     /// `sidecar`: whether the proxy type is a sidecar (DNS capture only starts the DNS
     /// proxy there).
     pub(crate) fn from_env(r: &mut Reader<'_>, sidecar: bool) -> Self {
-        let capture = r.bool("ISTIO_META_DNS_CAPTURE", false);
+        let capture = r.meta_bool("ISTIO_META_DNS_CAPTURE");
         let enable_server = r.bool("ISTIO_META_ENABLE_DNS_SERVER", false);
         // "" falls back to the default (Istio pkg/dns/server `NewLocalDNSServer`).
         let set = r.non_empty("DNS_PROXY_ADDR");
@@ -321,7 +321,7 @@ impl DnsConfig {
             proxy_addr_set: set.is_some(),
             forward_parallel: r.bool("DNS_FORWARD_PARALLEL", false),
             forward_timeout: r.duration("DNS_FORWARD_TIMEOUT", Duration::from_secs(5)),
-            auto_allocate: r.bool("ISTIO_META_DNS_AUTO_ALLOCATE", false),
+            auto_allocate: r.meta_bool("ISTIO_META_DNS_AUTO_ALLOCATE"),
             resolv_conf: std::path::PathBuf::from("/etc/resolv.conf"),
             cache_size: r.int("MESHAGENT_DNS_CACHE_SIZE", 4096, 0, 1 << 20),
             cache_bytes: r.int("MESHAGENT_DNS_CACHE_BYTES", 4 << 20, 0, 1 << 30),

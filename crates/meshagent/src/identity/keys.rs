@@ -19,10 +19,19 @@ use crate::config::{EccCurve, IdentityConfig};
 
 #[derive(Debug, Clone, thiserror::Error)]
 pub enum KeyError {
+    /// One message for every size refused: Istio's minimum (2048) and the sizes aws-lc
+    /// generates are the same answer to the operator.
     #[error(
-        "unsupported WORKLOAD_RSA_KEY_SIZE {0}: this build generates 2048, 3072 or 4096-bit keys"
+        "unsupported WORKLOAD_RSA_KEY_SIZE {0}: expected 2048, 3072 or 4096 (this build generates 2048, 3072 or 4096-bit keys; Istio requires at least 2048)"
     )]
-    RsaSize(u32),
+    RsaSize(i64),
+    /// Istio fails each CSR with it (`security/pkg/pki/util/generate_csr.go` `GenCSR`:
+    /// "unsupported EC signature algorithm"), not the start; so does the agent
+    /// ([`KeySpec::from_config`] callers defer it to key generation).
+    #[error(
+        "unsupported ECC_SIGNATURE_ALGORITHM {0:?}: expected ECDSA, or unset for RSA keys (WORKLOAD_RSA_KEY_SIZE)"
+    )]
+    EcAlgorithm(String),
     #[error("key generation failed: {0}")]
     Generate(String),
     #[error("CSR for {san} failed: {reason}")]
@@ -45,15 +54,21 @@ pub struct KeySpec {
 }
 
 impl KeySpec {
+    /// Istio's choice (`GenCSR`): any `ECC_SIGNATURE_ALGORITHM` selects EC keys and only
+    /// `ECDSA` is one; unset, RSA of `WORKLOAD_RSA_KEY_SIZE` bits.
     pub fn from_config(id: &IdentityConfig) -> Result<KeySpec, KeyError> {
-        let kind = if id.ecc_signature_algorithm == "ECDSA" {
-            match id.ecc_curve {
+        let kind = match id.ecc_signature_algorithm.as_str() {
+            "ECDSA" => match id.ecc_curve {
                 EccCurve::P256 => KeyKind::EcdsaP256,
                 EccCurve::P384 => KeyKind::EcdsaP384,
+            },
+            "" => {
+                let bits = id.workload_rsa_key_size;
+                let checked = u32::try_from(bits).map_err(|_| KeyError::RsaSize(bits))?;
+                rsa_size(checked)?;
+                KeyKind::Rsa(checked)
             }
-        } else {
-            rsa_size(id.workload_rsa_key_size)?;
-            KeyKind::Rsa(id.workload_rsa_key_size)
+            other => return Err(KeyError::EcAlgorithm(other.to_owned())),
         };
         Ok(KeySpec {
             kind,
@@ -67,7 +82,7 @@ fn rsa_size(bits: u32) -> Result<RsaKeySize, KeyError> {
         2048 => Ok(RsaKeySize::_2048),
         3072 => Ok(RsaKeySize::_3072),
         4096 => Ok(RsaKeySize::_4096),
-        other => Err(KeyError::RsaSize(other)),
+        other => Err(KeyError::RsaSize(i64::from(other))),
     }
 }
 

@@ -127,7 +127,8 @@ struct Issued {
 
 pub struct SecretManager {
     pub ca: Arc<dyn CertificateAuthority>,
-    pub key_spec: KeySpec,
+    /// The key to generate; an error fails every generation (`KeyError::EcAlgorithm`).
+    pub key_spec: Result<KeySpec, super::keys::KeyError>,
     pub spiffe_id: String,
     pub ttl: Duration,
     pub grace_ratio: f64,
@@ -387,10 +388,18 @@ impl SecretManager {
         );
     }
 
+    /// A key generation by `start`, or the spec's error as its result.
+    fn key_job(&self, start: fn(KeySource, KeySpec) -> KeyJob) -> KeyJob {
+        match &self.key_spec {
+            Ok(spec) => start(self.keys, *spec),
+            Err(e) => tokio::spawn(std::future::ready(Err(e.clone()))),
+        }
+    }
+
     /// Runs until `cancel`.
     pub async fn run(mut self, cancel: CancellationToken) {
         let mut key: Option<WorkloadKey> = None;
-        let mut next = Some(self.keys.first(self.key_spec));
+        let mut next = Some(self.key_job(KeySource::first));
         let mut current: Option<Issued> = None;
         let mut logged_error: Option<String> = None;
         let mut anchors_open = true;
@@ -400,7 +409,7 @@ impl SecretManager {
             if key.is_none() {
                 let handle = next
                     .take()
-                    .unwrap_or_else(|| self.keys.retry(self.key_spec));
+                    .unwrap_or_else(|| self.key_job(KeySource::retry));
                 let generated = tokio::select! {
                     _ = cancel.cancelled() => return,
                     r = handle => r,
@@ -519,7 +528,7 @@ impl SecretManager {
                     // it — after this certificate is out, and at idle priority, so at startup
                     // RSA key generation competes neither with the CSR nor with Envoy's start.
                     if next.is_none() {
-                        next = Some(self.keys.next(self.key_spec));
+                        next = Some(self.key_job(KeySource::next));
                     }
                     Instant::now() + delay
                 }

@@ -26,6 +26,8 @@ pub struct EnvoyProbe {
     drain: Arc<DrainState>,
     /// When the stats were last queried while Envoy was not ready, and the reason they gave.
     last_scan: Mutex<Option<(tokio::time::Instant, String)>>,
+    /// What Envoy rejects now, once the xDS proxy runs: named in the not-ready reason.
+    rejections: std::sync::OnceLock<crate::xds::XdszSource>,
 }
 
 /// While Envoy is starting, how often its stats may be queried (see [`EnvoyProbe::check`]).
@@ -49,10 +51,34 @@ impl EnvoyProbe {
             )?,
             drain,
             last_scan: Mutex::new(None),
+            rejections: std::sync::OnceLock::new(),
         }))
     }
 
+    /// Lets the not-ready reason name what Envoy rejects (the xDS proxy starts after the
+    /// probe is registered).
+    pub fn set_rejections(&self, source: crate::xds::XdszSource) {
+        let _ = self.rejections.set(source);
+    }
+
+    /// Istio's verdict, with Istio's reason; while Envoy NACKs something the reason goes on
+    /// to name it. Only the body is richer: the verdict is Istio's for the same state.
     pub async fn check(&self) -> Result<(), String> {
+        let result = self.check_istio().await;
+        match (&result, self.rejections.get()) {
+            (Err(reason), Some(src)) if !reason.starts_with("server is terminated") => {
+                let rejected = src.rejections();
+                if rejected.is_empty() {
+                    result
+                } else {
+                    Err(with_rejections(reason, &rejected))
+                }
+            }
+            _ => result,
+        }
+    }
+
+    async fn check_istio(&self) -> Result<(), String> {
         let settled =
             self.config_received.load(Ordering::Relaxed) && self.live.load(Ordering::Relaxed);
         if settled {
@@ -161,6 +187,28 @@ impl EnvoyProbe {
         }
         Ok(())
     }
+}
+
+/// `reason`, then each standing NACK: its type, Envoy's message (which names the resources),
+/// and the extensions it says are missing.
+pub fn with_rejections(reason: &str, rejected: &[crate::xds::rejections::Rejection]) -> String {
+    let mut out = reason.to_owned();
+    for r in rejected {
+        out.push_str(&format!(
+            "; Envoy rejected (NACK) {}: {}",
+            r.kind(),
+            r.message
+        ));
+        if !r.missing.is_empty() {
+            let names: Vec<String> = r.missing.iter().map(ToString::to_string).collect();
+            out.push_str(&format!(
+                "; missing extensions: {}: not in this Envoy build (the agent's error log says \
+                 what to do)",
+                names.join(", ")
+            ));
+        }
+    }
+    out
 }
 
 #[derive(Clone, Default)]
@@ -380,6 +428,30 @@ mod tests {
         // Once ready, the "once true" caches end the queries.
         probe.check().await.unwrap();
         assert_eq!(scans.load(Ordering::Relaxed), n);
+    }
+
+    #[test]
+    fn the_reason_names_standing_nacks() {
+        use crate::xds::rejections::{MissingExtension, Rejection};
+        let reason = "config received from XDS server, but was rejected: cds updates: 0 successful, 1 rejected; lds updates: 1 successful, 0 rejected";
+        assert_eq!(with_rejections(reason, &[]), reason);
+        let r = Rejection {
+            type_url: "type.googleapis.com/envoy.config.cluster.v3.Cluster".into(),
+            message: "Error adding/updating cluster(s) c: Didn't find ...".into(),
+            missing: vec![MissingExtension {
+                name: "istio.stats".into(),
+                type_url: "stats.PluginConfig".into(),
+            }],
+        };
+        assert_eq!(
+            with_rejections(reason, &[r]),
+            format!(
+                "{reason}; Envoy rejected (NACK) CDS: Error adding/updating cluster(s) c: \
+                 Didn't find ...; missing extensions: 'istio.stats' (type URL \
+                 'stats.PluginConfig'): not in this Envoy build (the agent's error log says \
+                 what to do)"
+            )
+        );
     }
 
     #[tokio::test]

@@ -28,6 +28,8 @@ use crate::identity::{CertzSource, IdentityMode};
 pub struct Views {
     pub identity: Arc<OnceLock<CertzSource>>,
     pub xds: Arc<OnceLock<crate::xds::XdszSource>>,
+    /// Envoy's extension list against Istio's, once read (`envoy::extensions`).
+    pub envoy_extensions: Arc<OnceLock<crate::envoy::extensions::ExtensionReport>>,
 }
 
 fn time(t: SystemTime) -> String {

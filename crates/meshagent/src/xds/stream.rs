@@ -605,6 +605,7 @@ fn on_request(
     let first_lds = match wire::peek(api.request_kind(), &msg) {
         Ok(p) => {
             super::view::XdsView::pair(view).on_request(api, &msg, &p);
+            shared.view.rejections.on_request(api, &msg, &p);
             !*seen_lds && p.type_url == meshagent_proto::type_url::LISTENER
         }
         Err(e) => {

@@ -213,7 +213,7 @@ fn node_id(api: Api, msg: &[u8]) -> Option<&str> {
 
 /// `error_detail.message` (google.rpc.Status message=2) of a NACK: SotW error_detail=6,
 /// Delta error_detail=7. Decoded only when the peek saw an error.
-fn error_message(api: Api, msg: &[u8]) -> Option<&str> {
+pub(crate) fn error_message(api: Api, msg: &[u8]) -> Option<&str> {
     let field = match api {
         Api::Sotw => 6,
         Api::Delta => 7,
@@ -249,6 +249,8 @@ struct Upstream {
 pub struct XdsView {
     pairs: Mutex<Vec<Weak<Mutex<PairView>>>>,
     upstream: Mutex<Upstream>,
+    /// What the client rejects now, across pairs (readiness reads it).
+    pub rejections: super::rejections::Rejections,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -321,6 +323,14 @@ impl XdsView {
                 "backoff": "client-driven",
             },
             "clients": clients,
+            "rejected": self.rejections.current().iter().map(|r| json!({
+                "typeUrl": r.type_url,
+                "errorDetail": r.message,
+                "missingExtensions": r.missing.iter().map(|m| json!({
+                    "name": m.name,
+                    "typeUrl": m.type_url,
+                })).collect::<Vec<_>>(),
+            })).collect::<Vec<_>>(),
         })
     }
 }

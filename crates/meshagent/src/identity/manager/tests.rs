@@ -102,7 +102,7 @@ fn start_with(ttl: Duration, jitter: f64, kind: KeyKind, keys: KeySource) -> Run
     let cancel = CancellationToken::new();
     let mgr = SecretManager {
         ca: ca.clone(),
-        key_spec: KeySpec { kind, pkcs8: false },
+        key_spec: Ok(KeySpec { kind, pkcs8: false }),
         spiffe_id: "spiffe://cluster.local/ns/ns/sa/sa".into(),
         ttl,
         grace_ratio: 0.5,
