@@ -280,9 +280,11 @@ else
 	MESHAGENT_IMAGE=$(IMAGE) cargo test -p meshagent --test container_mesh -- --ignored
 endif
 
-demo: envoy
+# `make demo ISTIOD=box [AGENTS=meshagent|pilot-agent|mixed]`: the same mesh with istiod-box
+# (Istio's own istiod code and CA) as the control plane, and the chosen agents.
+demo: envoy $(if $(filter box,$(ISTIOD)),istiod-box pilot-agent)
 	cargo build --workspace --bins
-	./target/debug/meshagent-demo
+	ISTIOD=$(ISTIOD) AGENTS=$(AGENTS) ./target/debug/meshagent-demo
 
 clean-tools:
 	rm -rf $(TOOLS)

@@ -322,11 +322,9 @@ pub fn run(mut cfg: Config) -> Result<u8, RunError> {
         {
             let mut text = sys.record.join("\n");
             text.push('\n');
-            std::fs::write(path, text).map_err(|error| {
-                apply::ApplyError::DryRunFile {
-                    path: path.clone(),
-                    error,
-                }
+            std::fs::write(path, text).map_err(|error| apply::ApplyError::DryRunFile {
+                path: path.clone(),
+                error,
             })?;
         }
     }

@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use meshagent_testkit::istiod_box::{
     AgentKind, IstiodBox, PodSpec, WORKLOAD_A, dynamic_names, envoy_config_dump, envoy_counter,
-    start_agent, wait_for_envoy_cluster,
+    get_with_host, start_agent, two_workloads, wait_for_envoy_cluster,
 };
 use meshagent_testkit::{DEADLINE, free_port, http_get, json, wait_for};
 
@@ -367,135 +367,6 @@ async fn upstream_envoy_rejects_istiods_default_extensions() {
 /// each proxy to its pod by IP), service b on port `port`, and Sidecar resources that make
 /// istiod bind A's outbound listener and B's inbound listener to the pod addresses
 /// (`captureMode: NONE`: no iptables here) with B's inbound forwarding to B's app.
-fn mesh_config(net: u8, port: u16, b_app: u16) -> String {
-    let (a_ip, b_ip) = (format!("127.0.{net}.2"), format!("127.0.{net}.3"));
-    let pod = |name: &str, ip: &str| {
-        format!(
-            r#"apiVersion: v1
-kind: Pod
-metadata:
-  name: {name}-5f7d9
-  namespace: default
-  labels:
-    app: {name}
-    security.istio.io/tlsMode: istio
-spec:
-  serviceAccountName: {name}
-  containers:
-  - name: app
-    image: app
-status:
-  phase: Running
-  podIP: {ip}
-  podIPs:
-  - ip: {ip}
-  conditions:
-  - type: Ready
-    status: "True"
-"#
-        )
-    };
-    format!(
-        r#"{pod_a}---
-{pod_b}---
-apiVersion: v1
-kind: Service
-metadata:
-  name: b
-  namespace: default
-spec:
-  clusterIP: 10.96.{net}.11
-  selector:
-    app: b
-  ports:
-  - name: http
-    port: {port}
-    targetPort: {port}
----
-apiVersion: discovery.k8s.io/v1
-kind: EndpointSlice
-metadata:
-  name: b-1
-  namespace: default
-  labels:
-    kubernetes.io/service-name: b
-addressType: IPv4
-endpoints:
-- addresses:
-  - {b_ip}
-  conditions:
-    ready: true
-  targetRef:
-    kind: Pod
-    name: b-5f7d9
-    namespace: default
-ports:
-- name: http
-  port: {port}
-  protocol: TCP
----
-apiVersion: networking.istio.io/v1
-kind: Sidecar
-metadata:
-  name: a
-  namespace: default
-spec:
-  workloadSelector:
-    labels:
-      app: a
-  egress:
-  - port:
-      number: {port}
-      protocol: HTTP
-      name: http
-    bind: {a_ip}
-    captureMode: NONE
-    hosts:
-    - ./*
----
-apiVersion: networking.istio.io/v1
-kind: Sidecar
-metadata:
-  name: b
-  namespace: default
-spec:
-  workloadSelector:
-    labels:
-      app: b
-  ingress:
-  - port:
-      number: {port}
-      protocol: HTTP
-      name: http
-    bind: {b_ip}
-    defaultEndpoint: 127.0.0.1:{b_app}
-    captureMode: NONE
-  egress:
-  - hosts:
-    - ./*
-"#,
-        pod_a = pod("a", &a_ip),
-        pod_b = pod("b", &b_ip),
-    )
-}
-
-/// `GET /` with `Host: host` over HTTP/1.1; the whole response, or None if it failed.
-async fn get_with_host(addr: std::net::SocketAddr, host: &str) -> Option<String> {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let exchange = async {
-        let mut s = tokio::net::TcpStream::connect(addr).await.ok()?;
-        let req = format!("GET / HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n");
-        s.write_all(req.as_bytes()).await.ok()?;
-        let mut out = Vec::new();
-        s.read_to_end(&mut out).await.ok()?;
-        String::from_utf8(out).ok()
-    };
-    tokio::time::timeout(Duration::from_secs(10), exchange)
-        .await
-        .ok()
-        .flatten()
-}
-
 async fn mesh_through_istiod_box(net: u8, a_kind: AgentKind, b_kind: AgentKind) {
     // B's app listens before anything else starts: a port picked free and bound later can be
     // taken meanwhile by istiod-box's or another test's ephemeral ports.
@@ -503,7 +374,7 @@ async fn mesh_through_istiod_box(net: u8, a_kind: AgentKind, b_kind: AgentKind) 
         .await
         .unwrap();
     let (port, b_app) = (free_port(), l.local_addr().unwrap().port());
-    let istiod = IstiodBox::start_with(&mesh_config(net, port, b_app), Some(&mesh()), &[]).await;
+    let istiod = IstiodBox::start_with(&two_workloads(net, port, b_app), Some(&mesh()), &[]).await;
     tokio::spawn(meshagent_testkit::identity_app("b", l, Duration::ZERO));
     let (a_ip, b_ip) = (format!("127.0.{net}.2"), format!("127.0.{net}.3"));
     let pod = |workload, ip| PodSpec {

@@ -254,6 +254,139 @@ status:
     status: "True"
 "#;
 
+/// Two workloads for a mesh through istiod-box: pods `a-5f7d9` (127.0.`net`.2) and `b-5f7d9`
+/// (127.0.`net`.3) with Istio's mTLS label, Service `b` on `port` with its EndpointSlice, and
+/// Sidecars that make A's outbound listener bind `a_ip:port` and B's inbound forward to its
+/// app on 127.0.0.1:`b_app` (no traffic capture: loopback addresses stand in for pod IPs).
+pub fn two_workloads(net: u8, port: u16, b_app: u16) -> String {
+    let (a_ip, b_ip) = (format!("127.0.{net}.2"), format!("127.0.{net}.3"));
+    let pod = |name: &str, ip: &str| {
+        format!(
+            r#"apiVersion: v1
+kind: Pod
+metadata:
+  name: {name}-5f7d9
+  namespace: default
+  labels:
+    app: {name}
+    security.istio.io/tlsMode: istio
+spec:
+  serviceAccountName: {name}
+  containers:
+  - name: app
+    image: app
+status:
+  phase: Running
+  podIP: {ip}
+  podIPs:
+  - ip: {ip}
+  conditions:
+  - type: Ready
+    status: "True"
+"#
+        )
+    };
+    format!(
+        r#"{pod_a}---
+{pod_b}---
+apiVersion: v1
+kind: Service
+metadata:
+  name: b
+  namespace: default
+spec:
+  clusterIP: 10.96.{net}.11
+  selector:
+    app: b
+  ports:
+  - name: http
+    port: {port}
+    targetPort: {port}
+---
+apiVersion: discovery.k8s.io/v1
+kind: EndpointSlice
+metadata:
+  name: b-1
+  namespace: default
+  labels:
+    kubernetes.io/service-name: b
+addressType: IPv4
+endpoints:
+- addresses:
+  - {b_ip}
+  conditions:
+    ready: true
+  targetRef:
+    kind: Pod
+    name: b-5f7d9
+    namespace: default
+ports:
+- name: http
+  port: {port}
+  protocol: TCP
+---
+apiVersion: networking.istio.io/v1
+kind: Sidecar
+metadata:
+  name: a
+  namespace: default
+spec:
+  workloadSelector:
+    labels:
+      app: a
+  egress:
+  - port:
+      number: {port}
+      protocol: HTTP
+      name: http
+    bind: {a_ip}
+    captureMode: NONE
+    hosts:
+    - ./*
+---
+apiVersion: networking.istio.io/v1
+kind: Sidecar
+metadata:
+  name: b
+  namespace: default
+spec:
+  workloadSelector:
+    labels:
+      app: b
+  ingress:
+  - port:
+      number: {port}
+      protocol: HTTP
+      name: http
+    bind: {b_ip}
+    defaultEndpoint: 127.0.0.1:{b_app}
+    captureMode: NONE
+  egress:
+  - hosts:
+    - ./*
+"#,
+        pod_a = pod("a", &a_ip),
+        pod_b = pod("b", &b_ip),
+    )
+}
+
+/// `GET /` with `Host: host` over HTTP/1.1; the whole response, or None if it failed.
+pub async fn get_with_host(addr: std::net::SocketAddr, host: &str) -> Option<String> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let exchange = async {
+        let mut s = tokio::net::TcpStream::connect(addr).await.ok()?;
+        let req = format!("GET / HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n");
+        s.write_all(req.as_bytes()).await.ok()?;
+        let mut out = Vec::new();
+        s.read_to_end(&mut out).await.ok()?;
+        String::from_utf8(out).ok()
+    };
+    tokio::time::timeout(Duration::from_secs(10), exchange)
+        .await
+        .ok()
+        .flatten()
+}
+
 /// Which agent [`start_agent`] runs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum AgentKind {

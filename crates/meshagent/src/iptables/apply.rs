@@ -564,7 +564,8 @@ pub fn apply_iptables(sys: &mut System, cfg: &Config, plan: &RuleSet) -> Result<
     // Istio's dry run reads both families' state whatever the config (`VerifyIptablesState`
     // in capture/helper.go, with the stub's plain binary names).
     if sys.dry_run {
-        sys.record.extend(["iptables-save".into(), "ip6tables-save".into()]);
+        sys.record
+            .extend(["iptables-save".into(), "ip6tables-save".into()]);
     }
     if empty {
         tracing::info!("no iptables or nftables state in this namespace: nothing to reconcile");
