@@ -105,18 +105,24 @@ func callInfo(ctx context.Context) (addr string, clientCert bool, headers map[st
 
 // serve answers GET /csrs (the record, oldest first, as JSON) and DELETE /csrs (clears it).
 func (l *csrLog) serve(w http.ResponseWriter, r *http.Request) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
+	serveRecords(w, r, &l.mu, &l.records)
+}
+
+// serveRecords answers GET with the records (oldest first, as a JSON array) and DELETE by
+// clearing them, under mu.
+func serveRecords[T any](w http.ResponseWriter, r *http.Request, mu *sync.Mutex, records *[]T) {
+	mu.Lock()
+	defer mu.Unlock()
 	switch r.Method {
 	case http.MethodGet:
 		w.Header().Set("Content-Type", "application/json")
-		out := l.records
+		out := *records
 		if out == nil {
-			out = []csrRecord{}
+			out = []T{}
 		}
 		_ = json.NewEncoder(w).Encode(out)
 	case http.MethodDelete:
-		l.records = nil
+		*records = nil
 		w.WriteHeader(http.StatusNoContent)
 	default:
 		http.Error(w, "GET or DELETE", http.StatusMethodNotAllowed)

@@ -89,20 +89,5 @@ func (l *streamLog) interceptor(srv any, ss grpc.ServerStream, info *grpc.Stream
 
 // serve answers GET /streams (oldest first, as JSON) and DELETE /streams (clears them).
 func (l *streamLog) serve(w http.ResponseWriter, r *http.Request) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	switch r.Method {
-	case http.MethodGet:
-		w.Header().Set("Content-Type", "application/json")
-		out := l.records
-		if out == nil {
-			out = []*streamRecord{}
-		}
-		_ = json.NewEncoder(w).Encode(out)
-	case http.MethodDelete:
-		l.records = nil
-		w.WriteHeader(http.StatusNoContent)
-	default:
-		http.Error(w, "GET or DELETE", http.StatusMethodNotAllowed)
-	}
+	serveRecords(w, r, &l.mu, &l.records)
 }

@@ -19,8 +19,10 @@
 
 use std::time::Duration;
 
-use meshagent_testkit::istiod_box::{AgentKind, IstiodBox, PodSpec, WORKLOAD_A, start_agent};
-use meshagent_testkit::{free_port, http_get, json};
+use meshagent_testkit::istiod_box::{
+    AgentKind, IstiodBox, PodSpec, WORKLOAD_A, mesh_with_free_ports, start_agent,
+};
+use meshagent_testkit::{http_get, json};
 use support::cpu_secs;
 use tokio::time::Instant;
 
@@ -131,11 +133,7 @@ async fn one_round(istiod: &IstiodBox, kind: AgentKind, ecdsa: bool, idle: Durat
 async fn main() {
     let rounds = env_num("SIDE_ROUNDS", 5);
     let idle = Duration::from_secs(env_num("SIDE_IDLE_SECS", 60));
-    let mesh = format!(
-        "proxyListenPort: {}\nproxyInboundListenPort: {}\n",
-        free_port(),
-        free_port()
-    );
+    let mesh = mesh_with_free_ports();
     let istiod = IstiodBox::start_with(WORKLOAD_A, Some(&mesh), &[]).await;
     println!(
         "side by side: {rounds} rounds per agent and key type, idle window {} s, one istiod-box, \

@@ -22,7 +22,9 @@ use std::time::Duration;
 
 use hickory_proto::op::{Message, ResponseCode};
 use hickory_proto::rr::{Record, RecordType};
-use meshagent_testkit::istiod_box::{AgentKind, IstiodBox, PodSpec, start_agent_with_resolv_conf};
+use meshagent_testkit::istiod_box::{
+    AgentKind, IstiodBox, PodSpec, mesh_with_free_ports, start_agent_with_resolv_conf,
+};
 use meshagent_testkit::{Sidecar, free_port, http_get, json, wait_for, workspace_root};
 
 use dns_support::{Dnsmasq, query, tcp, udp};
@@ -595,11 +597,7 @@ async fn dns_answers_match_pilot_agent() {
     )
     .unwrap();
 
-    let mesh = format!(
-        "proxyListenPort: {}\nproxyInboundListenPort: {}\n",
-        free_port(),
-        free_port()
-    );
+    let mesh = mesh_with_free_ports();
     let istiod = IstiodBox::start_with(&config(), Some(&mesh), &["--legacy-ip-autoallocate"]).await;
     let mut agents = Vec::new();
     for (kind, workload, ip) in [

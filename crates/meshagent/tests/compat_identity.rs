@@ -32,16 +32,14 @@ use std::time::Duration;
 
 use base64::Engine as _;
 use meshagent_testkit::istiod_box::{
-    AgentKind, IstiodBox, PodSpec, WORKLOAD_A, envoy_config_dump, start_agent,
+    AgentKind, IstiodBox, PodSpec, WORKLOAD_A, envoy_config_dump, mesh_with_free_ports,
+    recorded_headers, start_agent,
 };
 use meshagent_testkit::{Value, http, http_get, json, json_diff, wait_for};
 use x509_parser::pem::{Pem, parse_x509_pem};
 use x509_parser::prelude::*;
 
 const READY: Duration = Duration::from_secs(60);
-
-/// Headers that only name the gRPC library or its transport defaults (see the module doc).
-const VOLATILE_HEADERS: &[&str] = &["user-agent", "grpc-accept-encoding", "grpc-timeout", "te"];
 
 /// Differences meshagent makes on purpose: (case or `*`, path prefix, COMPAT.md row).
 const DELIBERATE: &[(&str, &str, &str)] = &[];
@@ -259,12 +257,7 @@ fn describe_output(dir: &Path, root: &[u8]) -> Value {
 }
 
 fn describe_request(r: &Value) -> Value {
-    let mut headers = BTreeMap::new();
-    for (k, v) in r["headers"].as_object().into_iter().flatten() {
-        if !VOLATILE_HEADERS.contains(&k.as_str()) {
-            headers.insert(k.clone(), v.clone());
-        }
-    }
+    let headers = recorded_headers(r);
     json!({
         "csr": describe_csr(r["csr"].as_str().unwrap()),
         "validity_duration": r["validity_duration"],
@@ -346,11 +339,7 @@ async fn observe(istiod: &IstiodBox, kind: AgentKind, case: &Case, root: &[u8]) 
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn identity_matches_pilot_agent() {
-    let mesh = format!(
-        "proxyListenPort: {}\nproxyInboundListenPort: {}\n",
-        meshagent_testkit::free_port(),
-        meshagent_testkit::free_port()
-    );
+    let mesh = mesh_with_free_ports();
     let istiod = IstiodBox::start_with(WORKLOAD_A, Some(&mesh), &[]).await;
     let root_pem = std::fs::read(istiod.root_cert_path()).unwrap();
     let root = parse_x509_pem(&root_pem).unwrap().1.contents;

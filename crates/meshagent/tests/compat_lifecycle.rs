@@ -16,7 +16,8 @@ use std::process::ExitStatus;
 use std::time::Duration;
 
 use meshagent_testkit::istiod_box::{
-    AgentKind, IstiodBox, PodSpec, WORKLOAD_A, start_agent, start_agent_with_args,
+    AgentKind, IstiodBox, PodSpec, WORKLOAD_A, mesh_with_free_ports, start_agent,
+    start_agent_with_args,
 };
 use meshagent_testkit::{
     Proc, Sidecar, alive, envoy_children_of, free_port, http, http_get, json, signal, wait_for,
@@ -113,11 +114,7 @@ async fn run(istiod: &IstiodBox, kind: AgentKind, case: Case) -> ExitStatus {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn exit_statuses_match_pilot_agent() {
-    let mesh = format!(
-        "proxyListenPort: {}\nproxyInboundListenPort: {}\n",
-        free_port(),
-        free_port()
-    );
+    let mesh = mesh_with_free_ports();
     let istiod = IstiodBox::start_with(WORKLOAD_A, Some(&mesh), &[]).await;
     let mut failures = Vec::new();
     for case in [
@@ -296,11 +293,7 @@ async fn run_bad_value(istiod: &IstiodBox, kind: AgentKind, v: &BadValue) -> (Ou
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn invalid_values_fail_where_pilot_agent_fails() {
-    let mesh = format!(
-        "proxyListenPort: {}\nproxyInboundListenPort: {}\n",
-        free_port(),
-        free_port()
-    );
+    let mesh = mesh_with_free_ports();
     let istiod = IstiodBox::start_with(WORKLOAD_A, Some(&mesh), &[]).await;
     let mut failures = Vec::new();
     for v in BAD_VALUES {

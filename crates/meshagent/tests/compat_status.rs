@@ -30,7 +30,10 @@ use std::time::Duration;
 
 use axum::http::{HeaderMap, StatusCode, header};
 use http_body_util::{BodyExt, Full};
-use meshagent_testkit::istiod_box::{AgentKind, IstiodBox, PodSpec, WORKLOAD_A, start_agent};
+use meshagent_testkit::istiod_box::{
+    AgentKind, GRPC_HEALTH_SERVER, IstiodBox, PodSpec, WORKLOAD_A, mesh_with_free_ports,
+    start_agent,
+};
 use meshagent_testkit::prom::{self, Block, Exposition};
 use meshagent_testkit::{
     DEADLINE, Proc, Sidecar, Value, envoy_bin, envoy_children_of, free_port, json, signal,
@@ -110,22 +113,6 @@ app_build_info{version=\"1.2.3\"} 1\n\
 # TYPE envoy_server_live gauge\n\
 envoy_server_live 0\n";
 
-/// grpcio's health servicer: service `ok` SERVING, `bad` NOT_SERVING (`make netpeers`).
-const GRPC_SERVER: &str = r#"
-import sys
-from concurrent import futures
-import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
-h = health.HealthServicer()
-h.set("ok", health_pb2.HealthCheckResponse.SERVING)
-h.set("bad", health_pb2.HealthCheckResponse.NOT_SERVING)
-health_pb2_grpc.add_HealthServicer_to_server(h, server)
-server.add_insecure_port("127.0.0.1:" + sys.argv[1])
-server.start()
-server.wait_for_termination()
-"#;
-
 struct Peers {
     web: u16,
     grpc: u16,
@@ -139,7 +126,7 @@ async fn start_peers() -> Peers {
     let web = start_app().await;
     let grpc = free_port();
     let mut cmd = Command::new("python3");
-    cmd.args(["-c", GRPC_SERVER, &grpc.to_string()]).env(
+    cmd.args(["-c", GRPC_HEALTH_SERVER, &grpc.to_string()]).env(
         "PYTHONPATH",
         workspace_root().join(".tools/pip").display().to_string(),
     );
@@ -900,11 +887,7 @@ fn compare_not_ready_metrics(pilot: &Run, ours: &Run, failures: &mut Vec<String>
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn status_port_matches_pilot_agent() {
-    let mesh = format!(
-        "proxyListenPort: {}\nproxyInboundListenPort: {}\n",
-        free_port(),
-        free_port()
-    );
+    let mesh = mesh_with_free_ports();
     let istiod = IstiodBox::start_with(WORKLOAD_A, Some(&mesh), &[]).await;
     let peers = start_peers().await;
     // Both agents' cases at once: every case has its own agent, Envoy and ports.

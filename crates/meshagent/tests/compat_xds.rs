@@ -23,14 +23,12 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use meshagent_testkit::istiod_box::{
-    AgentKind, IstiodBox, PodSpec, WORKLOAD_A, envoy_config_dump, start_agent,
+    AgentKind, IstiodBox, PodSpec, WORKLOAD_A, envoy_config_dump, mesh_with_free_ports,
+    recorded_headers, start_agent,
 };
 use meshagent_testkit::{Sidecar, Value, free_port, http, http_get, json, json_diff, wait_for};
 
 const READY: Duration = Duration::from_secs(60);
-
-/// Headers that only name the gRPC library or its transport defaults (see the module doc).
-const VOLATILE_HEADERS: &[&str] = &["user-agent", "grpc-accept-encoding", "grpc-timeout", "te"];
 
 /// Differences meshagent makes on purpose: (path prefix, COMPAT.md row).
 const DELIBERATE: &[(&str, &str)] = &[];
@@ -117,12 +115,7 @@ fn dynamic_config(dump: &Value) -> BTreeMap<String, Value> {
 }
 
 fn describe_stream(r: &Value) -> Value {
-    let mut headers = BTreeMap::new();
-    for (k, v) in r["headers"].as_object().into_iter().flatten() {
-        if !VOLATILE_HEADERS.contains(&k.as_str()) {
-            headers.insert(k.clone(), v.clone());
-        }
-    }
+    let headers = recorded_headers(r);
     json!({
         "method": r["method"],
         "type_url": r["type_url"],
@@ -190,11 +183,7 @@ async fn observe(istiod: &IstiodBox, kind: AgentKind) -> Value {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn xds_streams_and_envoy_config_match_pilot_agent() {
-    let mesh = format!(
-        "proxyListenPort: {}\nproxyInboundListenPort: {}\n",
-        free_port(),
-        free_port()
-    );
+    let mesh = mesh_with_free_ports();
     let istiod = IstiodBox::start_with(WORKLOAD_A, Some(&mesh), &[]).await;
     let pilot = observe(&istiod, AgentKind::PilotAgent).await;
     let ours = observe(&istiod, AgentKind::Meshagent).await;

@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use meshagent_testkit::istiod_box::{
     AgentKind, IstiodBox, PodSpec, WORKLOAD_A, dynamic_names, envoy_config_dump, envoy_counter,
-    get_with_host, start_agent, two_workloads, wait_for_envoy_cluster,
+    get_with_host, mesh_with_free_ports, start_agent, two_workloads, wait_for_envoy_cluster,
 };
 use meshagent_testkit::{DEADLINE, free_port, http_get, json, wait_for};
 
@@ -89,18 +89,8 @@ spec:
     port: 8080
 "#;
 
-/// The mesh with the capture listeners (15001/15006 in a pod) on free ports, so Envoys of
-/// tests running in parallel do not share them.
-fn mesh() -> String {
-    format!(
-        "proxyListenPort: {}\nproxyInboundListenPort: {}\n",
-        free_port(),
-        free_port()
-    )
-}
-
 async fn sidecar_against_istiod_box(kind: AgentKind) {
-    let istiod = IstiodBox::start_with(&config(), Some(&mesh()), &[]).await;
+    let istiod = IstiodBox::start_with(&config(), Some(&mesh_with_free_ports()), &[]).await;
     let pod = PodSpec {
         workload: "a",
         namespace: "default",
@@ -247,7 +237,12 @@ fn error_lines<'a>(log: &'a str, containing: &str) -> Vec<&'a str> {
 /// the same state answers 503 too (only the body differs).
 #[tokio::test(flavor = "multi_thread")]
 async fn upstream_envoy_rejects_istiods_default_extensions() {
-    let istiod = IstiodBox::start_with(&config(), Some(&mesh()), &["--istio-extensions"]).await;
+    let istiod = IstiodBox::start_with(
+        &config(),
+        Some(&mesh_with_free_ports()),
+        &["--istio-extensions"],
+    )
+    .await;
     let pod = PodSpec {
         workload: "a",
         namespace: "default",
@@ -374,7 +369,12 @@ async fn mesh_through_istiod_box(net: u8, a_kind: AgentKind, b_kind: AgentKind) 
         .await
         .unwrap();
     let (port, b_app) = (free_port(), l.local_addr().unwrap().port());
-    let istiod = IstiodBox::start_with(&two_workloads(net, port, b_app), Some(&mesh()), &[]).await;
+    let istiod = IstiodBox::start_with(
+        &two_workloads(net, port, b_app),
+        Some(&mesh_with_free_ports()),
+        &[],
+    )
+    .await;
     tokio::spawn(meshagent_testkit::identity_app("b", l, Duration::ZERO));
     let (a_ip, b_ip) = (format!("127.0.{net}.2"), format!("127.0.{net}.3"));
     let pod = |workload, ip| PodSpec {

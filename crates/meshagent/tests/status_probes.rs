@@ -11,6 +11,7 @@ use std::path::Path;
 use std::process::Command;
 use std::sync::{Arc, Mutex};
 
+use meshagent_testkit::istiod_box::GRPC_HEALTH_SERVER;
 use meshagent_testkit::{
     DEADLINE, Proc, free_port, http_get, status_only_agent, wait_for, workspace_root,
 };
@@ -48,21 +49,6 @@ async fn wait_port(addr: SocketAddr) {
     })
     .await;
 }
-
-const GRPC_SERVER: &str = r#"
-import sys
-from concurrent import futures
-import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
-h = health.HealthServicer()
-h.set("ok", health_pb2.HealthCheckResponse.SERVING)
-h.set("bad", health_pb2.HealthCheckResponse.NOT_SERVING)
-health_pb2_grpc.add_HealthServicer_to_server(h, server)
-server.add_insecure_port("127.0.0.1:" + sys.argv[1])
-server.start()
-server.wait_for_termination()
-"#;
 
 const HTTPS_SERVER: &str = r#"
 import http.server, ssl, sys
@@ -118,7 +104,7 @@ async fn probes_against_real_servers() {
     // gRPC: grpcio's health servicer.
     let grpc = free_port();
     let mut cmd = Command::new("python3");
-    cmd.args(["-c", GRPC_SERVER, &grpc.to_string()])
+    cmd.args(["-c", GRPC_HEALTH_SERVER, &grpc.to_string()])
         .env("PYTHONPATH", pythonpath());
     let grpc_proc = Proc::spawn("grpc-health", cmd, dir.path());
 
@@ -372,7 +358,7 @@ async fn f21_probes_reach_an_app_bound_only_to_the_pod_ip() {
     let mut cmd = ns.command("python3");
     cmd.args([
         "-c",
-        &GRPC_SERVER.replace("127.0.0.1", POD_IP),
+        &GRPC_HEALTH_SERVER.replace("127.0.0.1", POD_IP),
         &grpc.to_string(),
     ])
     .env("PYTHONPATH", pythonpath());

@@ -387,6 +387,50 @@ pub async fn get_with_host(addr: std::net::SocketAddr, host: &str) -> Option<Str
         .flatten()
 }
 
+/// A mesh config (istiod-box `--mesh`) whose sidecar capture ports (`proxyListenPort` 15001,
+/// `proxyInboundListenPort` 15006) are free ones, so the Envoys of tests running side by side
+/// do not contend for them.
+pub fn mesh_with_free_ports() -> String {
+    format!(
+        "proxyListenPort: {}\nproxyInboundListenPort: {}\n",
+        free_port(),
+        free_port()
+    )
+}
+
+/// The gRPC request headers of an istiod-box record (`/csrs`, `/streams`) without those that
+/// only name the client's gRPC library or transport defaults (`user-agent`,
+/// `grpc-accept-encoding`, `grpc-timeout`, `te`: grpc-go's and tonic's differ, and neither the
+/// CA nor istiod reads them).
+pub fn recorded_headers(record: &Value) -> std::collections::BTreeMap<String, Value> {
+    const LIBRARY: &[&str] = &["user-agent", "grpc-accept-encoding", "grpc-timeout", "te"];
+    record["headers"]
+        .as_object()
+        .into_iter()
+        .flatten()
+        .filter(|(k, _)| !LIBRARY.contains(&k.as_str()))
+        .map(|(k, v)| (k.clone(), v.clone()))
+        .collect()
+}
+
+/// Python for a gRPC health server (grpcio, `make peers`) on 127.0.0.1:`argv[1]` with services
+/// `ok` (SERVING) and `bad` (NOT_SERVING): run as `python3 -c GRPC_HEALTH_SERVER <port>` with
+/// `PYTHONPATH` holding grpcio.
+pub const GRPC_HEALTH_SERVER: &str = r#"
+import sys
+from concurrent import futures
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+h = health.HealthServicer()
+h.set("ok", health_pb2.HealthCheckResponse.SERVING)
+h.set("bad", health_pb2.HealthCheckResponse.NOT_SERVING)
+health_pb2_grpc.add_HealthServicer_to_server(h, server)
+server.add_insecure_port("127.0.0.1:" + sys.argv[1])
+server.start()
+server.wait_for_termination()
+"#;
+
 /// Which agent [`start_agent`] runs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum AgentKind {

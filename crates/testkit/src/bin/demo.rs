@@ -14,7 +14,7 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use meshagent_testkit::istiod_box::{
-    AgentKind, IstiodBox, PodSpec, get_with_host, start_agent, two_workloads,
+    AgentKind, IstiodBox, PodSpec, get_with_host, mesh_with_free_ports, start_agent, two_workloads,
 };
 use meshagent_testkit::{
     DEADLINE, Devplane, Sidecar, free_port, http_get, identity_app, json, wait_for, workspace_root,
@@ -104,11 +104,7 @@ async fn with_istiod_box() {
     let b_app = l.local_addr().expect("B's app address").port();
     tokio::spawn(identity_app("b", l, Duration::ZERO));
     let (net, port) = (20, free_port());
-    let mesh = format!(
-        "proxyListenPort: {}\nproxyInboundListenPort: {}\n",
-        free_port(),
-        free_port()
-    );
+    let mesh = mesh_with_free_ports();
     println!("==> istiod-box (Istio's istiod code and CA) with workloads a and b");
     let istiod = IstiodBox::start_with(&two_workloads(net, port, b_app), Some(&mesh), &[]).await;
     let (a_ip, b_ip) = (format!("127.0.{net}.2"), format!("127.0.{net}.3"));
