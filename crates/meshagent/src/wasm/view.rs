@@ -209,9 +209,9 @@ impl WasmView {
                     });
                     // What `convert` put in the module's place (`fallback_filter`).
                     v["fallbackApplied"] = json!(if r.fail_open {
-                        "allow-all (the filter is skipped)"
+                        "allow-all (RBAC allowing every request, in the module's place)"
                     } else {
-                        "deny-all (RBAC denying every request)"
+                        "deny-all (RBAC denying every request, in the module's place)"
                     });
                 }
                 v
