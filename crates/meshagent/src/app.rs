@@ -278,6 +278,9 @@ impl Agent {
         } else {
             None
         };
+        if let Some(d) = &dns {
+            let _ = self.views.dns.set(d.core.clone());
+        }
         let platform = platform
             .await
             .unwrap_or_else(|_| crate::platform::Platform::unknown());
@@ -315,6 +318,7 @@ impl Agent {
                 &self.tasks,
                 services.clone(),
             )?;
+            let _ = self.views.wasm.set(converter.view.clone());
             xds_opts.ecds = Arc::new(crate::wasm::WasmRewrite { converter });
         }
         let xds = crate::xds::start_with(xds_opts, &self.cwd, &self.registry, services.clone())?;

@@ -12,6 +12,7 @@
 //! | [`wire`] | where TTLs and the question are in a message: forwarded replies patched, not re-encoded |
 //! | [`server`] | the UDP (recvmmsg batches) and TCP loops |
 //! | [`resolv`] | resolv.conf servers and search list |
+//! | [`view`] | `/debug/dnsz`: a name explained through the proxy's own lookup; per-upstream counters |
 //!
 //! Each listen address gets a UDP and a TCP server; all of them run under one supervisor
 //! ([`crate::supervise`]): if one dies they are rebound and readiness names the `dns` server
@@ -24,6 +25,7 @@ pub mod metrics;
 pub mod resolv;
 pub mod server;
 pub mod table;
+pub mod view;
 pub mod wire;
 
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
@@ -244,6 +246,7 @@ pub async fn start(
         cache,
         metrics,
         pool: forward::Pool::default(),
+        upstream_stats: view::UpstreamStats::new(&resolv.servers),
     });
     tracing::info!(addrs = %crate::logging::list(&addrs), upstreams = %crate::logging::list(&resolv.servers), search = %crate::logging::list(&resolv.search), "DNS proxy listening");
 

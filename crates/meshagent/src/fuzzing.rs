@@ -326,6 +326,7 @@ pub(crate) fn dns_core() -> &'static crate::dns::handler::Core {
             forward_before_table: false,
             cache: None,
             pool: Default::default(),
+            upstream_stats: Default::default(),
             metrics: crate::dns::metrics::Metrics::new(&crate::metrics::Registry::new())
                 .unwrap_or_else(|e| panic!("DNS metrics: {e}")),
         }

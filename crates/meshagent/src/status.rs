@@ -10,6 +10,8 @@
 //! | `/debug/config_dump` | loopback, `--profiling` | the effective agent configuration as JSON |
 //! | `/debug/certz` | loopback | every served secret: state, identity, validity, source ([`views`]) |
 //! | `/debug/xdsz` | loopback | per xDS client and type: sent version/nonce, ACK/NACK ([`views`]) |
+//! | `/debug/dnsz[?name=…&type=…[&forward=true]]` | loopback | how the DNS proxy answers a name; table size, upstreams and their counters ([`crate::dns::view`]) |
+//! | `/debug/wasmz` | loopback | every Wasm module: URL, cache file, sha256, last fetch and its error, ECDS users, fail strategy ([`crate::wasm::view`]) |
 //! | `GET /logging`, `POST /logging?level=…` / `?reset` | loopback | scope levels, changed at run time |
 //! | `GET /` | loopback | an HTML status page (identity, xDS, DNS, readiness) |
 //!
@@ -84,6 +86,8 @@ pub fn router(state: StatusState) -> axum::Router {
         .route("/debug/config_dump", any(config_dump))
         .route("/debug/certz", any(certz))
         .route("/debug/xdsz", any(xdsz))
+        .route("/debug/dnsz", any(dnsz))
+        .route("/debug/wasmz", any(wasmz))
         .route("/logging", any(logging))
         .route("/", any(page))
         .with_state(state)
@@ -484,6 +488,71 @@ async fn xdsz(
     }
 }
 
+/// `/debug/dnsz`: without `name`, the summary; with it, how the proxy answers it (400 on a
+/// name or type it cannot ask); `&forward=true` also sends it upstream. 404 `{}` without a
+/// DNS proxy.
+async fn dnsz(
+    State(s): State<StatusState>,
+    ConnectInfo(peer): ConnectInfo<SocketAddr>,
+    uri: Uri,
+) -> Response {
+    if !loopback(&peer) {
+        return forbidden(&peer);
+    }
+    let Some(core) = s.views.dns.get().cloned() else {
+        return json(StatusCode::NOT_FOUND, &serde_json::json!({}));
+    };
+    let (mut name, mut qtype, mut fwd) = (None, None, false);
+    for pair in uri
+        .query()
+        .unwrap_or("")
+        .split('&')
+        .filter(|p| !p.is_empty())
+    {
+        let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
+        match k {
+            "name" => name = Some(percent_decode(v)),
+            "type" => qtype = Some(percent_decode(v)),
+            "forward" => fwd = matches!(v, "true" | "1"),
+            _ => {}
+        }
+    }
+    let Some(name) = name else {
+        return json(StatusCode::OK, &crate::dns::view::summary(&core));
+    };
+    let (n, t) = match crate::dns::view::question(&name, qtype.as_deref()) {
+        Ok(q) => q,
+        Err(e) => {
+            return json(
+                StatusCode::BAD_REQUEST,
+                &serde_json::json!({"error": e.to_string()}),
+            );
+        }
+    };
+    let mut v = crate::dns::view::explain(&core, &n, t);
+    if fwd {
+        match crate::dns::view::forward(&core, &n, t).await {
+            Ok(f) => v["forwarded"] = f,
+            Err(e) => v["forwarded"] = serde_json::json!({"error": e.to_string()}),
+        }
+    }
+    json(StatusCode::OK, &v)
+}
+
+/// `/debug/wasmz`: every module the agent knows; 404 `{}` without Wasm conversion.
+async fn wasmz(
+    State(s): State<StatusState>,
+    ConnectInfo(peer): ConnectInfo<SocketAddr>,
+) -> Response {
+    if !loopback(&peer) {
+        return forbidden(&peer);
+    }
+    match s.views.wasm.get() {
+        Some(w) => json(StatusCode::OK, &w.to_json()),
+        None => json(StatusCode::NOT_FOUND, &serde_json::json!({})),
+    }
+}
+
 fn levels_json() -> serde_json::Value {
     crate::logging::levels().map_or_else(
         || serde_json::json!({}),
@@ -751,6 +820,9 @@ mod tests {
         for (m, path) in [
             ("GET", "/debug/certz"),
             ("GET", "/debug/xdsz"),
+            ("GET", "/debug/dnsz"),
+            ("GET", "/debug/dnsz?name=b&type=A"),
+            ("GET", "/debug/wasmz"),
             ("GET", "/logging"),
             ("POST", "/logging?level=default:debug"),
             ("GET", "/"),
@@ -761,12 +833,13 @@ mod tests {
                 "{m} {path}"
             );
         }
-        assert_eq!(
-            call(s.clone(), "127.0.0.1:1", "GET", "/debug/certz")
-                .await
-                .0,
-            StatusCode::NOT_FOUND
-        );
+        for path in ["/debug/certz", "/debug/dnsz", "/debug/wasmz"] {
+            assert_eq!(
+                call(s.clone(), "127.0.0.1:1", "GET", path).await.0,
+                StatusCode::NOT_FOUND,
+                "{path}"
+            );
+        }
         let (code, body) = call(s.clone(), "127.0.0.1:1", "GET", "/").await;
         assert_eq!(code, StatusCode::OK);
         assert!(body.contains("Identity has not started"), "{body}");

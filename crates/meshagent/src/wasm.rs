@@ -6,7 +6,8 @@
 //! * [`cache`]: Istio's on-disk layout, pull policies, expiry, one download per module;
 //! * [`fetch`] (HTTP retries), [`oci`] (registry API, auth), [`unpack`] (gzip/tar, size
 //!   limits, sha256), [`client`] (the guarded HTTP client) and [`guard`] (SSRF);
-//! * [`metrics`]: the `istio_agent_wasm_*` metrics.
+//! * [`metrics`]: the `istio_agent_wasm_*` metrics;
+//! * [`view`]: `/debug/wasmz`, each module's last outcome as the converter decided it.
 //!
 //! Conversion runs inside the xDS stream's ECDS interceptor future, so a slow download
 //! holds back only later ECDS responses (`xds/intercept.rs`), and those only until the
@@ -21,6 +22,7 @@ pub mod guard;
 pub mod metrics;
 pub mod oci;
 pub mod unpack;
+pub mod view;
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;

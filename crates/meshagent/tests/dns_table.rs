@@ -4,6 +4,7 @@
 #![allow(clippy::unwrap_used)] // tests fail loudly by design
 
 mod dns_support;
+mod status_support;
 mod xds_support;
 
 use hickory_proto::op::ResponseCode;
@@ -376,4 +377,188 @@ async fn ndsz_shows_the_whole_table() {
         .await
         .unwrap();
     assert_eq!((code, again.len()), (200, body.len()));
+}
+
+/// `/debug/dnsz` on the status port explains names with the proxy's own lookup, against the
+/// table devplane pushed through the xDS proxy and a real Envoy: a table name shows its
+/// entry, a short name the expansion it matched, a search-domain name the CNAME; an unknown
+/// name is "forward", and with `forward=true` dnsmasq's answer and who gave it. The
+/// per-upstream counters move with forwarded queries, and an upstream that is down
+/// (nothing listens on 127.0.53.42) shows its failed exchanges as refusals, not timeouts: the
+/// forwarder sees the ICMP port unreachable at once and moves on, as Istio's resolver does.
+#[tokio::test(flavor = "multi_thread")]
+async fn dnsz_explains_names_and_counts_per_upstream() {
+    let up = Dnsmasq::start("127.0.53.41", "10.9.9.41 ext.dnsz.test\n", &[]).await;
+    let dp = Devplane::start(&mesh_yaml(false)).await;
+    dp.set_resource(type_url::NAME_TABLE, "", &mesh_table().encode_to_vec())
+        .await;
+    let dir = tempfile::tempdir().unwrap();
+    let agent = agent_for(&dp, dir.path(), &[("ISTIO_META_DNS_CAPTURE", "true")]).await;
+    let proxy = Proxy::start(
+        &format!("nameserver 127.0.53.41\nnameserver 127.0.53.42\n{SEARCH}"),
+        agent.handle.name_table(),
+        |o| {
+            o.cache_size = 0;
+            o.timeout = std::time::Duration::from_secs(1);
+        },
+    )
+    .await;
+    let views = meshagent::status::views::Views::default();
+    let _ = views.dns.set(proxy.handle.core.clone());
+    let (status, _stop) = status_support::serve_views(views).await;
+
+    // Before the table: SERVFAIL, as the proxy answers.
+    let (code, v) = status_support::get_json(status, "/debug/dnsz?name=productpage").await;
+    assert_eq!(
+        (code, &v["action"]),
+        (200, &serde_json::json!("servfail")),
+        "{v:#}"
+    );
+    let (m, _) = udp(proxy.addr, &query("productpage.", RecordType::A, None)).await;
+    assert_eq!(m.metadata.response_code, ResponseCode::ServFail);
+
+    let (_envoy, _sds) = envoy_through(&dp, &agent, dir.path(), false).await;
+    let summary = wait_for("the table in /debug/dnsz", DEADLINE, || async {
+        let (_, v) = status_support::get_json(status, "/debug/dnsz").await;
+        (v["table"]["names"].as_u64().unwrap_or(0) > 0).then_some(v)
+    })
+    .await;
+    assert!(summary["table"]["hosts"].as_u64().unwrap() >= mesh_table().table.len() as u64);
+    assert_eq!(summary["searchDomain"], "default.svc.cluster.local.");
+    let addrs: Vec<&str> = summary["upstreams"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|u| u["address"].as_str().unwrap())
+        .collect();
+    assert_eq!(addrs, ["127.0.53.41:53", "127.0.53.42:53"]);
+
+    let dnsz = |q: &'static str| async move {
+        let (code, v) = status_support::get_json(status, &format!("/debug/dnsz?{q}")).await;
+        assert_eq!(code, 200, "{q}: {v:#}");
+        v
+    };
+    // A table name: its entry and the answer the proxy gives.
+    let v = dnsz("name=productpage.default.svc.cluster.local&type=A").await;
+    assert_eq!(v["action"], "answer", "{v:#}");
+    assert_eq!(v["match"]["host"], "productpage.default.svc.cluster.local");
+    assert_eq!(v["match"]["form"], "hostname");
+    assert_eq!(v["answers"][0]["data"], "10.0.0.1", "{v:#}");
+    // A short name: the expansion it matched.
+    let v = dnsz("name=productpage").await;
+    assert_eq!(
+        (&v["action"], &v["match"]["form"], &v["match"]["host"]),
+        (
+            &serde_json::json!("answer"),
+            &serde_json::json!("shortname"),
+            &serde_json::json!("productpage.default.svc.cluster.local")
+        ),
+        "{v:#}"
+    );
+    assert_eq!(v["answers"][0]["name"], "productpage.");
+    // A name in the first search domain: the CNAME synthesised, as the proxy answers it.
+    let v = dnsz("name=reviews.ns2.default.svc.cluster.local.&type=A").await;
+    assert_eq!(v["cname"]["to"], "reviews.ns2.", "{v:#}");
+    assert_eq!(v["match"]["form"], "shortname.namespace");
+    let view: Vec<String> = v["answers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|a| {
+            format!(
+                "{} {} {}",
+                a["name"].as_str().unwrap(),
+                a["type"].as_str().unwrap(),
+                a["data"].as_str().unwrap()
+            )
+        })
+        .collect();
+    let (m, _) = udp(
+        proxy.addr,
+        &query(
+            "reviews.ns2.default.svc.cluster.local.",
+            RecordType::A,
+            None,
+        ),
+    )
+    .await;
+    let mut proxy_said = answers(&m);
+    let mut view_said = view.clone();
+    proxy_said.sort();
+    view_said.sort();
+    assert_eq!(view_said, proxy_said);
+    // Other types of mesh names, and unknown names, are forwarded.
+    let v = dnsz("name=productpage.default.svc.cluster.local&type=TXT").await;
+    assert_eq!(v["action"], "forward", "{v:#}");
+    let v = dnsz("name=ext.dnsz.test").await;
+    assert_eq!(v["action"], "forward", "{v:#}");
+    assert!(v["match"].is_null() && v["forwarded"].is_null(), "{v:#}");
+    // Bad input: 400 with the reason.
+    let (code, v) = status_support::get_json(status, "/debug/dnsz?name=a&type=BOGUS").await;
+    assert_eq!(code, 400, "{v}");
+
+    // Actually forwarded: dnsmasq answered.
+    let v = dnsz("name=ext.dnsz.test&forward=true").await;
+    let f = &v["forwarded"];
+    assert_eq!(f["upstream"], "127.0.53.41:53", "{v:#}\n{}", up.log());
+    assert_eq!(f["rcode"], "NOERROR", "{v:#}");
+    assert_eq!(f["answers"][0]["data"], "10.9.9.41", "{v:#}");
+    assert!(f["latencyMs"].as_f64().unwrap() >= 0.0);
+
+    // Forwarded client queries move the counters; the upstream that is down gets errors
+    // (each query tries the servers in a shuffled order: ask until it was tried).
+    for _ in 0..10 {
+        let (m, _) = udp(proxy.addr, &query("ext.dnsz.test.", RecordType::A, None)).await;
+        assert_eq!(answers(&m), ["ext.dnsz.test. A 10.9.9.41"], "{}", up.log());
+    }
+    let asked = std::sync::atomic::AtomicU32::new(0);
+    let summary = wait_for("errors of the upstream that is down", DEADLINE, || async {
+        let (_, s) = status_support::get_json(status, "/debug/dnsz").await;
+        let n = asked.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let down = &s["upstreams"][1];
+        let failed = down["errors"].as_u64().unwrap_or(0) + down["timeouts"].as_u64().unwrap_or(0);
+        if failed > 0 || n >= 200 {
+            return Some(s);
+        }
+        let _ = udp(proxy.addr, &query("ext.dnsz.test.", RecordType::A, None)).await;
+        None
+    })
+    .await;
+    let (good, down) = (&summary["upstreams"][0], &summary["upstreams"][1]);
+    assert!(good["answered"].as_u64().unwrap() >= 11, "{summary:#}");
+    assert!(
+        good["queries"].as_u64() >= good["answered"].as_u64(),
+        "{summary:#}"
+    );
+    assert_eq!(good["errors"], 0, "{summary:#}");
+    assert_eq!(good["latency"]["count"], good["answered"]);
+    assert!(
+        good["latency"]["maxMs"].as_f64().unwrap() > 0.0,
+        "{summary:#}"
+    );
+    let last = good["latency"]["buckets"]
+        .as_array()
+        .unwrap()
+        .last()
+        .unwrap()
+        .clone();
+    assert_eq!(last["count"], good["answered"], "{summary:#}");
+    assert!(down["errors"].as_u64().unwrap() > 0, "{summary:#}");
+    assert_eq!(
+        down["timeouts"], 0,
+        "refusals waited for the timeout: {summary:#}"
+    );
+    assert_eq!(down["answered"], 0, "{summary:#}");
+    assert!(
+        down["lastError"]["error"]
+            .as_str()
+            .is_some_and(|e| e.contains("refused")),
+        "{summary:#}"
+    );
+    // Istio's totals count every forwarded query once, the view's own included.
+    assert_eq!(
+        summary["upstreamRequests"].as_f64().unwrap(),
+        proxy.metric("istio_agent_dns_upstream_requests_total")
+    );
+    assert_eq!(summary["upstreamFailures"], 0, "{summary:#}");
 }

@@ -5,6 +5,7 @@
 
 #![allow(clippy::unwrap_used)]
 
+mod status_support;
 mod wasm_support;
 
 use std::collections::BTreeMap;
@@ -947,4 +948,179 @@ async fn r6_wasm_cache_read_only_serves_cached_modules_and_retries() {
     };
     assert_eq!(std::fs::read(f).unwrap(), two);
     assert_eq!(srv.hits("/two.wasm"), 4);
+}
+
+/// One ECDS resource named `name` through the converter.
+async fn convert_named(a: &Agent, name: &str, url: &str, sha: &str, fail_open: bool) -> Out {
+    let res = convert::remote_wasm_resource(name, url, sha, BTreeMap::new(), fail_open);
+    let msg = convert::sotw_response("v1", "n1", vec![res]);
+    let out = a.conv.convert_response(false, &msg).await.expect("no NACK");
+    let r = DiscoveryResponse::decode(out.as_slice()).unwrap();
+    decode_named(&r.resources[0].value).1
+}
+
+/// `/debug/wasmz` on the status port after real fetches: a module fetched shows its file,
+/// sha256, size and the ECDS resources using it; a 401, a 404, a checksum mismatch and an
+/// address refused by the SSRF guard show the error, its kind and the fail strategy applied.
+#[tokio::test(flavor = "multi_thread")]
+async fn wasmz_shows_each_modules_last_fetch() {
+    let module = module();
+    let sha = sha256_hex(&module);
+    let srv = ModServer::start().await;
+    srv.route("/hdr.wasm", Behaviour::Serve(module.clone()));
+    srv.route("/secret.wasm", Behaviour::Status(401));
+    let blocked = ModServer::start_on("127.0.0.9:0".parse().unwrap()).await;
+    blocked.route("/hdr.wasm", Behaviour::Serve(module.clone()));
+    let dir = tempfile::tempdir().unwrap();
+    let a = agent(dir.path(), wasm_config(&["127.0.0.9/32"], 32 * 1024));
+    let views = meshagent::status::views::Views::default();
+    let _ = views.wasm.set(a.conv.view.clone());
+    let (status, _stop) = status_support::serve_views(views).await;
+
+    let (code, v) = status_support::get_json(status, "/debug/wasmz").await;
+    assert_eq!(
+        (code, v["modules"].as_array().map(Vec::len)),
+        (200, Some(0)),
+        "{v}"
+    );
+
+    let ok = srv.url("/hdr.wasm");
+    assert!(matches!(
+        convert_named(&a, "ns.hdr-a", &ok, &sha, false).await,
+        Out::Local(_)
+    ));
+    assert!(matches!(
+        convert_named(&a, "ns.hdr-b", &ok, "nil", false).await,
+        Out::Local(_)
+    ));
+    let secret = srv.url("/secret.wasm");
+    assert_eq!(
+        convert_named(&a, "ns.secret", &secret, "nil", true).await,
+        allow()
+    );
+    let gone = srv.url("/gone.wasm");
+    assert_eq!(
+        convert_named(&a, "ns.gone", &gone, "nil", false).await,
+        deny()
+    );
+    let bad_sum = srv.url("/hdr.wasm?v=2");
+    assert_eq!(
+        convert_named(&a, "ns.mismatch", &bad_sum, &"0".repeat(64), false).await,
+        deny()
+    );
+    let refused = blocked.url("/hdr.wasm");
+    assert_eq!(
+        convert_named(&a, "ns.ssrf", &refused, "nil", true).await,
+        allow()
+    );
+
+    let (code, v) = status_support::get_json(status, "/debug/wasmz").await;
+    assert_eq!(code, 200);
+    let by_url = |u: &str| {
+        v["modules"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|m| m["url"] == u)
+            .unwrap_or_else(|| panic!("no {u} in {v:#}"))
+            .clone()
+    };
+    let m = by_url(&ok);
+    assert_eq!(m["state"], "Available", "{m:#}");
+    assert_eq!(m["sha256"], sha.as_str(), "{m:#}");
+    assert_eq!(m["size"], module.len() as u64, "{m:#}");
+    assert_eq!(m["resources"], serde_json::json!(["ns.hdr-a", "ns.hdr-b"]));
+    let file = m["file"].as_str().unwrap();
+    assert!(file.starts_with(dir.path().to_str().unwrap()), "{file}");
+    assert_eq!(std::fs::read(file).unwrap(), module);
+    assert!(
+        m["lastError"].is_null() && m["lastSuccess"].is_string(),
+        "{m:#}"
+    );
+    assert_eq!(m["pullPolicy"], "UNSPECIFIED_POLICY");
+
+    let m = by_url(&secret);
+    assert_eq!(
+        (
+            &m["state"],
+            &m["lastError"]["httpStatus"],
+            &m["lastError"]["kind"]
+        ),
+        (
+            &serde_json::json!("Failing"),
+            &serde_json::json!(401),
+            &serde_json::json!("http_status")
+        ),
+        "{m:#}"
+    );
+    assert_eq!(m["failStrategy"], "FAIL_OPEN");
+    assert!(
+        m["fallbackApplied"]
+            .as_str()
+            .unwrap()
+            .starts_with("allow-all"),
+        "{m:#}"
+    );
+    assert_eq!(m["lastError"]["result"], "download_failure");
+    assert!(m["sha256"].is_null() && m["lastSuccess"].is_null(), "{m:#}");
+    assert_eq!(m["resources"], serde_json::json!(["ns.secret"]));
+
+    let m = by_url(&gone);
+    assert_eq!(m["lastError"]["httpStatus"], 404, "{m:#}");
+    assert_eq!(m["failStrategy"], "FAIL_CLOSE");
+    assert!(
+        m["fallbackApplied"]
+            .as_str()
+            .unwrap()
+            .starts_with("deny-all"),
+        "{m:#}"
+    );
+
+    let m = by_url(&bad_sum);
+    assert_eq!(m["lastError"]["kind"], "checksum_mismatch", "{m:#}");
+    assert_eq!(m["lastError"]["result"], "checksum_mismatched");
+    assert_eq!(m["expectedSha256"], "0".repeat(64));
+    assert!(
+        m["lastError"]["error"].as_str().unwrap().contains(&sha),
+        "{m:#}"
+    );
+
+    let m = by_url(&refused);
+    assert_eq!(m["lastError"]["kind"], "blocked", "{m:#}");
+    assert_eq!(
+        blocked.hits("/hdr.wasm"),
+        0,
+        "the guard refused before connecting"
+    );
+
+    // A resource that moves to another module is listed under that one only.
+    assert!(matches!(
+        convert_named(&a, "ns.hdr-b", &bad_sum, "nil", false).await,
+        Out::Local(_)
+    ));
+    let (_, v) = status_support::get_json(status, "/debug/wasmz").await;
+    let ok_now = v["modules"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|m| m["url"] == ok.as_str())
+        .unwrap();
+    assert_eq!(
+        ok_now["resources"],
+        serde_json::json!(["ns.hdr-a"]),
+        "{v:#}"
+    );
+    // The module that failed its checksum is now cached, and the failure is gone.
+    let moved = v["modules"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|m| m["url"] == bad_sum.as_str())
+        .unwrap();
+    assert_eq!(moved["state"], "Available", "{v:#}");
+    assert_eq!(
+        moved["resources"],
+        serde_json::json!(["ns.hdr-b", "ns.mismatch"]),
+        "{v:#}"
+    );
 }

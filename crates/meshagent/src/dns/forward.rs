@@ -7,26 +7,28 @@ use std::time::Duration;
 
 use futures::FutureExt;
 use hickory_proto::op::Message;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::{AsyncReadExt, AsyncWriteExt, Interest};
 use tokio::net::{TcpStream, UdpSocket};
 
 use super::handler::Proto;
+use super::view::{Outcome, UpstreamStats};
 use super::wire::question;
 
 /// The upstream's reply as it sent it, and decoded.
-type Reply = (Vec<u8>, Message);
+pub type Reply = (Vec<u8>, Message);
 
 pub async fn sequential(
     pool: &Pool,
+    stats: &UpstreamStats,
     servers: &[SocketAddr],
     raw: &[u8],
     proto: Proto,
     timeout: Duration,
-) -> Result<Reply, String> {
+) -> Result<(Reply, SocketAddr), String> {
     let mut last = "no upstream servers in resolv.conf".to_owned();
     for s in servers {
-        match exchange(pool, *s, raw, proto, timeout).await {
-            Ok(r) => return Ok(r),
+        match exchange(pool, stats, *s, raw, proto, timeout).await {
+            Ok(r) => return Ok((r, *s)),
             Err(e) => {
                 tracing::debug!(upstream = %s, error = %e, "upstream exchange failed");
                 last = format!("{s}: {e}");
@@ -38,26 +40,29 @@ pub async fn sequential(
 
 pub async fn parallel(
     pool: &Pool,
+    stats: &UpstreamStats,
     servers: &[SocketAddr],
     raw: &[u8],
     proto: Proto,
     timeout: Duration,
-) -> Result<Reply, String> {
+) -> Result<(Reply, SocketAddr), String> {
     if servers.is_empty() {
         return Err("no upstream servers in resolv.conf".to_owned());
     }
     let all = servers.iter().map(|s| {
-        exchange(pool, *s, raw, proto, timeout)
-            .map(move |r| r.map_err(|e| format!("{s}: {e}")))
+        exchange(pool, stats, *s, raw, proto, timeout)
+            .map(move |r| r.map(|r| (r, *s)).map_err(|e| format!("{s}: {e}")))
             .boxed()
     });
     futures::future::select_ok(all).await.map(|(r, _)| r)
 }
 
 /// One exchange with one server, bounded by `timeout` as a whole (Istio applies it to dial,
-/// write and read each).
+/// write and read each). Counted in `stats` when it ends (an exchange dropped unfinished, a
+/// parallel one that lost the race, counts as sent only).
 pub async fn exchange(
     pool: &Pool,
+    stats: &UpstreamStats,
     server: SocketAddr,
     raw: &[u8],
     proto: Proto,
@@ -69,10 +74,20 @@ pub async fn exchange(
             Proto::Tcp => tcp(server, raw).await,
         }
     };
-    match tokio::time::timeout(timeout, io).await {
+    stats.sent(server);
+    let start = tokio::time::Instant::now();
+    let r = match tokio::time::timeout(timeout, io).await {
         Ok(r) => r,
-        Err(_) => Err(format!("i/o timeout after {timeout:?}")),
+        Err(_) => {
+            stats.ended(server, start.elapsed(), Outcome::Timeout);
+            return Err(format!("i/o timeout after {timeout:?}"));
+        }
+    };
+    match &r {
+        Ok(_) => stats.ended(server, start.elapsed(), Outcome::Answered),
+        Err(e) => stats.ended(server, start.elapsed(), Outcome::Error(e)),
     }
+    r
 }
 
 fn id_of(raw: &[u8]) -> u16 {
@@ -173,7 +188,26 @@ async fn udp(pool: &Pool, server: SocketAddr, raw: &[u8]) -> Result<Reply, Strin
     };
     sock.send(&query).await.map_err(|e| e.to_string())?;
     loop {
-        sock.readable().await.map_err(|e| e.to_string())?;
+        // ERROR too: an ICMP port unreachable for the connected socket sets its error without
+        // making it readable (Linux `datagram_poll` reports EPOLLERR alone), and the exchange
+        // would sit out the whole timeout. Go's resolver sees the refusal on its next read and
+        // moves to the next server at once (miekg/dns `Exchange`, `pkg/dns/client/dns.go`).
+        let ready = sock
+            .ready(Interest::READABLE | Interest::ERROR)
+            .await
+            .map_err(|e| e.to_string())?;
+        if ready.is_error() {
+            if let Some(e) = sock.take_error().map_err(|e| e.to_string())? {
+                return Err(e.to_string());
+            }
+            // No error pending after all: clear the readiness so the next wait blocks.
+            let _ = sock.try_io(Interest::ERROR, || {
+                Err::<(), _>(std::io::Error::from(std::io::ErrorKind::WouldBlock))
+            });
+            if !ready.is_readable() {
+                continue;
+            }
+        }
         let got = RECV_BUF.with_borrow_mut(|buf| match sock.try_recv(buf) {
             Ok(n) => {
                 let reply = &buf[..n];

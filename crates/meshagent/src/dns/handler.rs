@@ -77,6 +77,8 @@ pub struct Core {
     pub metrics: Metrics,
     /// Connected upstream UDP sockets for reuse.
     pub pool: forward::Pool,
+    /// Per-upstream counters for `/debug/dnsz` ([`super::view`]).
+    pub upstream_stats: super::view::UpstreamStats,
 }
 
 impl Core {
@@ -296,26 +298,42 @@ impl Core {
         })
     }
 
+    /// The exchange with the upstreams of [`Self::forward`] (and `/debug/dnsz?forward=true`):
+    /// the query unchanged over `proto`, sequential over the shuffled servers or all at once
+    /// with `DNS_FORWARD_PARALLEL`, counted in Istio's upstream metrics and per upstream.
+    /// Returns the reply and the server that sent it, and the time taken.
+    pub async fn upstream_exchange(
+        &self,
+        raw: &[u8],
+        proto: Proto,
+    ) -> (Result<(forward::Reply, SocketAddr), String>, Duration) {
+        self.metrics.upstream_requests.inc();
+        let start = Instant::now();
+        let s = &self.upstream_stats;
+        let result = if self.parallel {
+            forward::parallel(&self.pool, s, &self.upstreams, raw, proto, self.timeout).await
+        } else if self.upstreams.len() == 1 {
+            forward::sequential(&self.pool, s, &self.upstreams, raw, proto, self.timeout).await
+        } else {
+            let mut servers = self.upstreams.clone();
+            servers.shuffle(&mut rand::rng());
+            forward::sequential(&self.pool, s, &servers, raw, proto, self.timeout).await
+        };
+        let took = start.elapsed();
+        self.metrics.upstream_duration.observe(took.as_secs_f64());
+        if result.is_err() {
+            self.metrics.upstream_failures.inc();
+        }
+        (result, took)
+    }
+
     /// Istio's `queryUpstream`: the query unchanged (OPT included; over UDP with an ID of our
     /// own, restored in the reply: `forward::udp`) over the client's protocol;
     /// sequential over the shuffled servers, or all at once with `DNS_FORWARD_PARALLEL`; the
     /// first reply wins (an upstream NXDOMAIN or SERVFAIL is a reply); none → SERVFAIL.
     pub async fn forward(&self, f: Forward, proto: Proto) -> Vec<u8> {
-        self.metrics.upstream_requests.inc();
-        let start = Instant::now();
-        let result = if self.parallel {
-            forward::parallel(&self.pool, &self.upstreams, &f.raw, proto, self.timeout).await
-        } else if self.upstreams.len() == 1 {
-            forward::sequential(&self.pool, &self.upstreams, &f.raw, proto, self.timeout).await
-        } else {
-            let mut servers = self.upstreams.clone();
-            servers.shuffle(&mut rand::rng());
-            forward::sequential(&self.pool, &servers, &f.raw, proto, self.timeout).await
-        };
-        self.metrics
-            .upstream_duration
-            .observe(start.elapsed().as_secs_f64());
-        match result {
+        let (result, _) = self.upstream_exchange(&f.raw, proto).await;
+        match result.map(|(r, _)| r) {
             Ok((mut bytes, mut msg)) => {
                 // RFC 2181 §8: a TTL with the high bit set means 0 — in what is served (the
                 // upstream's bytes, relayed) as in what is cached (nothing, then).
@@ -344,7 +362,6 @@ impl Core {
             }
             Err(e) => {
                 tracing::info!(name = %f.req.queries.first().map(|q| q.name().to_string()).unwrap_or_default(), error = %e, "upstream failure");
-                self.metrics.upstream_failures.inc();
                 encode_limited(&mut answer(&f.req, ResponseCode::ServFail), f.limit)
             }
         }

@@ -115,6 +115,26 @@ pub enum Lookup {
     Answer(Vec<Record>),
 }
 
+/// The table entry a name resolves to ([`LookupTable::explain`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Explained {
+    /// The name matched: the question itself, or the nearest `*.<parent>` wildcard.
+    pub matched: String,
+    pub wildcard: bool,
+    /// The NDS host (as istiod sent it).
+    pub host: String,
+    /// Which of the host's names matched (`hostname`, `shortname`, `shortname.namespace`,
+    /// `shortname.namespace.<domain label>`, `altHost`); for a search-domain CNAME, the
+    /// target's.
+    pub form: &'static str,
+    /// Set when the name is `<target><search[0]>`: answered with a CNAME to `target`.
+    pub cname_target: Option<String>,
+    pub registry: String,
+    pub namespace: String,
+    pub v4: Vec<Ipv4Addr>,
+    pub v6: Vec<Ipv6Addr>,
+}
+
 /// What [`LookupTable::lookup_addrs`] found: the addresses of the asked family (possibly
 /// none: NOERROR with no answers), or a name answered with a CNAME chain (built by
 /// [`LookupTable::lookup`]), or nothing (forward).
@@ -421,13 +441,65 @@ impl LookupTable {
 
     /// The host an exact name belongs to.
     fn exact(&self, name: &str) -> Option<u32> {
+        self.exact_key(name).map(Key::host)
+    }
+
+    /// The key of an exact name: its host and the form that spells it.
+    fn exact_key(&self, name: &str) -> Option<Key> {
         let h = hash(name.as_bytes());
         let i = self.keys.partition_point(|k| k.hash < h);
         self.keys[i..]
             .iter()
             .take_while(|k| k.hash == h)
             .find(|k| self.key_is(**k, name.as_bytes()))
-            .map(|k| k.host())
+            .copied()
+    }
+
+    /// What `/debug/dnsz` says of a name: the entry the proxy's own resolution
+    /// ([`Self::resolve`], which [`Self::lookup`] and [`Self::lookup_addrs`] use) finds for
+    /// `qname` (lower-cased, absolute), and which of the host's names it is. `None`: not in
+    /// the table (forwarded).
+    pub fn explain(&self, qname: &str, search0: &str) -> Option<Explained> {
+        let mut buf = [0u8; WILD_BUF];
+        let (owner, found) = self.resolve(qname, search0, &mut buf)?;
+        let (host, cname_target, spelled) = match found {
+            Found::Host(h) => (h, None, owner),
+            Found::Cname { target, host } => (host, Some(target.to_owned()), target),
+        };
+        let h = self.hosts.get(host as usize)?;
+        let b = self.block(h);
+        let form = match self.exact_key(spelled).map(Key::form) {
+            Some(FORM_HOST) => "hostname",
+            Some(FORM_SHORT_NS) => "shortname.namespace",
+            Some(FORM_SHORT) => "shortname",
+            Some(FORM_SHORT_NS_FIRST) => "shortname.namespace.<domain label>",
+            Some(_) => "altHost",
+            None => "unknown",
+        };
+        let text = |s: &[u8]| String::from_utf8_lossy(s).into_owned();
+        Some(Explained {
+            matched: owner.to_owned(),
+            wildcard: owner != qname,
+            host: text(self.hostname(h, b)),
+            form,
+            cname_target,
+            registry: self
+                .registries
+                .get(usize::from(h.registry))
+                .cloned()
+                .unwrap_or_default(),
+            namespace: text(Self::span(b, h.namespace)),
+            v4: self
+                .v4
+                .get(h.v4 as usize..h.v4 as usize + usize::from(h.n4))
+                .unwrap_or_default()
+                .to_vec(),
+            v6: self
+                .v6
+                .get(h.v6 as usize..h.v6 as usize + usize::from(h.n6))
+                .unwrap_or_default()
+                .to_vec(),
+        })
     }
 
     /// `name` as Istio's tables have it: first as a search-domain CNAME (`<alt><search[0]>`,

@@ -1,5 +1,6 @@
 //! Operability views on the status port: `/debug/certz`, `/debug/xdsz`, `/logging` and the
-//! status page at `/`.
+//! status page at `/`; `/debug/dnsz` and `/debug/wasmz` are rendered by their subsystems
+//! ([`crate::dns::view`], [`crate::wasm::view`]) and linked from the page.
 //!
 //! Istio's status server (`pilot/cmd/pilot-agent/status/server.go`) has none of these; the
 //! closest are istiod's `/debug/syncz` (server side of `istioctl proxy-status`), Envoy's
@@ -30,6 +31,10 @@ pub struct Views {
     pub xds: Arc<OnceLock<crate::xds::XdszSource>>,
     /// Envoy's extension list against Istio's, once read (`envoy::extensions`).
     pub envoy_extensions: Arc<OnceLock<crate::envoy::extensions::ExtensionReport>>,
+    /// The DNS proxy, for `/debug/dnsz` ([`crate::dns::view`]).
+    pub dns: Arc<OnceLock<Arc<crate::dns::Core>>>,
+    /// The Wasm modules' records, for `/debug/wasmz` ([`crate::wasm::view`]).
+    pub wasm: Arc<OnceLock<Arc<crate::wasm::view::WasmView>>>,
 }
 
 fn time(t: SystemTime) -> String {
@@ -519,7 +524,7 @@ pub fn page(certz: Option<&Value>, xdsz: Option<&Value>, facts: &PageFacts) -> S
             h.push_str("</table>");
         }
     }
-    h.push_str("<p><small>JSON: <code>/debug/certz</code>, <code>/debug/xdsz</code>, <code>/logging</code>, <code>/debug/ndsz</code>.</small></p></body></html>");
+    h.push_str("<p><small>JSON: <code>/debug/certz</code>, <code>/debug/xdsz</code>, <code>/logging</code>, <code>/debug/ndsz</code>, <a href=\"/debug/dnsz\"><code>/debug/dnsz</code></a> (<code>?name=…&amp;type=…</code>), <a href=\"/debug/wasmz\"><code>/debug/wasmz</code></a>.</small></p></body></html>");
     h
 }
 
@@ -644,6 +649,7 @@ mod tests {
         assert!(h.contains(">Available<"));
         assert!(h.contains("CA &lt;down&gt; (retry at soon)"));
         assert!(h.contains("3 names"));
+        assert!(h.contains("href=\"/debug/dnsz\"") && h.contains("href=\"/debug/wasmz\""));
         assert!(!h.contains("<script"));
     }
 }

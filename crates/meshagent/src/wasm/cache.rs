@@ -84,6 +84,8 @@ pub struct CacheOptions {
 #[derive(Debug, Clone)]
 struct Entry {
     path: PathBuf,
+    /// The file's size, when known (downloaded, or restored by the startup scan).
+    size: Option<u64>,
     last_used: Instant,
     /// When the file was written (restored entries: its mtime); picks the newest module of a
     /// URL after a restart.
@@ -153,11 +155,12 @@ impl Cache {
                     .unwrap_or_default();
                 let now = Instant::now();
                 let mut inner = lock(&self.inner);
-                for (h, sum, path, written) in found {
+                for (h, sum, path, written, size) in found {
                     inner.modules.insert(
                         (h, sum),
                         Entry {
                             path,
+                            size,
                             last_used: now,
                             written,
                         },
@@ -169,6 +172,15 @@ impl Cache {
                 self.metrics.cache_entries.set(inner.modules.len() as f64);
             })
             .await;
+    }
+
+    /// The size of a cached module file, from what the cache recorded (no I/O).
+    pub fn module_size(&self, path: &Path) -> Option<u64> {
+        lock(&self.inner)
+            .modules
+            .values()
+            .find(|e| e.path == path)
+            .and_then(|e| e.size)
     }
 
     /// The local file of `url`, downloading it if the cache and pull policy say so.
@@ -340,6 +352,7 @@ impl Cache {
                 ),
             ));
         }
+        let module_len = module.len;
         let dir = self.opts.dir.join(h);
         let path = dir.join(format!("{checksum}.wasm"));
         let p = path.clone();
@@ -357,6 +370,7 @@ impl Cache {
             (h.to_owned(), checksum.clone()),
             Entry {
                 path: path.clone(),
+                size: Some(module_len),
                 last_used: Instant::now(),
                 written: SystemTime::now(),
             },
@@ -512,7 +526,7 @@ fn persist(file: tempfile::NamedTempFile, dir: &Path, path: &Path) -> std::io::R
 
 /// `(module dir, checksum, file, mtime)` of every `<hex>/<checksum>.wasm` under `dir`; the
 /// temp directory of interrupted downloads is emptied.
-fn scan(dir: &Path) -> Vec<(String, String, PathBuf, SystemTime)> {
+fn scan(dir: &Path) -> Vec<(String, String, PathBuf, SystemTime, Option<u64>)> {
     let _ = std::fs::remove_dir_all(unpack::tmp_dir(dir));
     let mut out = Vec::new();
     let Ok(rd) = std::fs::read_dir(dir) else {
@@ -535,11 +549,18 @@ fn scan(dir: &Path) -> Vec<(String, String, PathBuf, SystemTime)> {
                 let _ = std::fs::remove_file(f.path());
                 continue;
             }
-            let mtime = f
-                .metadata()
-                .and_then(|m| m.modified())
+            let meta = f.metadata().ok();
+            let mtime = meta
+                .as_ref()
+                .and_then(|m| m.modified().ok())
                 .unwrap_or(SystemTime::UNIX_EPOCH);
-            out.push((name.clone(), sum.to_owned(), f.path(), mtime));
+            out.push((
+                name.clone(),
+                sum.to_owned(),
+                f.path(),
+                mtime,
+                meta.map(|m| m.len()),
+            ));
         }
     }
     out

@@ -91,6 +91,8 @@ pub struct Converter {
     pub metrics: Metrics,
     /// Conversions of responses still pending, which a newer response may make unwanted.
     pending: Mutex<Pending>,
+    /// Each module's last outcome, for `/debug/wasmz`.
+    pub view: Arc<super::view::WasmView>,
 }
 
 /// Why a response must be NACKed.
@@ -205,6 +207,7 @@ impl Converter {
             cache,
             metrics,
             pending: Mutex::default(),
+            view: Arc::default(),
         }
     }
 
@@ -405,21 +408,51 @@ impl Converter {
             }
         };
         let name = ec.name.clone();
-        let fallback = |why: String, status: Conversion| -> Result<Any, Nack> {
+        let url = remote.http_uri.as_ref().map(|u| u.uri.clone());
+        let checksum = if remote.sha256 == "nil" {
+            String::new()
+        } else {
+            remote.sha256.clone()
+        };
+        // Read before `take_istio_env` strips it, for the record of a failure there.
+        let policy_hint = vm
+            .environment_variables
+            .as_ref()
+            .and_then(|e| e.key_values.get(PULL_POLICY_ENV))
+            .map(|p| PullPolicy::parse(p))
+            .unwrap_or_default();
+        let record = |result: Result<super::view::Fetched<'_>, super::view::Failed<'_>>,
+                      pull_policy: PullPolicy| {
+            self.view.record(super::view::Outcome {
+                url: url.as_deref(),
+                resource: &name,
+                pull_policy,
+                expected_sha256: &checksum,
+                fail_open,
+                result,
+            });
+        };
+        let fallback = |why: String,
+                        status: Conversion,
+                        result: &'static str|
+         -> Result<Any, Nack> {
             self.count(status);
             tracing::error!(resource = %name, fail_open, error = %why, "cannot fetch Wasm module; applying the {} filter", if fail_open { "allow-all" } else { "deny-all" });
+            record(
+                Err(super::view::Failed {
+                    result,
+                    error: &why,
+                }),
+                policy_hint,
+            );
             Ok(fallback_filter(&name, kind, fail_open))
         };
         let Some(http_uri) = remote.http_uri.as_ref() else {
             return fallback(
                 "remote fetch has no httpUri".into(),
                 Conversion::MissRemoteFetchHint,
+                Conversion::MissRemoteFetchHint.label(),
             );
-        };
-        let checksum = if remote.sha256 == "nil" {
-            String::new()
-        } else {
-            remote.sha256.clone()
         };
         let timeout = http_uri
             .timeout
@@ -433,14 +466,20 @@ impl Converter {
             .unwrap_or(Duration::from_secs(5));
         let (pull_secret, pull_policy, resource_version) = match take_istio_env(vm) {
             Ok(x) => x,
-            Err(e) => return fallback(e, Conversion::FetchFailure),
+            Err(e) => {
+                return fallback(
+                    e,
+                    Conversion::FetchFailure,
+                    Conversion::FetchFailure.label(),
+                );
+            }
         };
         let got = self
             .cache
             .get(
                 &http_uri.uri,
                 GetOptions {
-                    checksum,
+                    checksum: checksum.clone(),
                     resource_name: ec.name.clone(),
                     resource_version,
                     pull_policy,
@@ -451,8 +490,17 @@ impl Converter {
             .await;
         let file = match got {
             Ok(f) => f,
-            Err(e) => return fallback(e.to_string(), Conversion::FetchFailure),
+            Err(e) => {
+                return fallback(e.to_string(), Conversion::FetchFailure, e.result.label());
+            }
         };
+        record(
+            Ok(super::view::Fetched {
+                file: &file,
+                size: self.cache.module_size(&file),
+            }),
+            pull_policy,
+        );
         vm.code = Some(AsyncDataSource {
             specifier: Some(async_data_source::Specifier::Local(DataSource {
                 specifier: Some(data_source::Specifier::Filename(
