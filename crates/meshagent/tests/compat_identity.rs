@@ -289,12 +289,8 @@ async fn observe(istiod: &IstiodBox, kind: AgentKind, case: &Case, root: &[u8]) 
         })
         .collect();
     let pod = PodSpec {
-        workload: "a",
-        namespace: "default",
-        service_account: "a",
-        ip: "127.0.0.1",
-        proxy_config: json!({}),
         env: &env,
+        ..PodSpec::new("a", "127.0.0.1")
     };
     let sc = start_agent(istiod, kind, &pod).await;
     let secrets = wait_for(

@@ -58,12 +58,8 @@ async fn run(istiod: &IstiodBox, kind: AgentKind, case: Case) -> ExitStatus {
         _ => json!({}),
     };
     let pod = PodSpec {
-        workload: "a",
-        namespace: "default",
-        service_account: "a",
-        ip: "127.0.0.1",
         proxy_config: pc,
-        env: &[],
+        ..PodSpec::new("a", "127.0.0.1")
     };
     let mut sc = start_agent(istiod, kind, &pod).await;
     let pid = sc.proc.pid();
@@ -236,12 +232,8 @@ const ENVOY_REFUSED: &str = "invalid log level specified";
 
 async fn run_bad_value(istiod: &IstiodBox, kind: AgentKind, v: &BadValue) -> (Outcome, String) {
     let pod = PodSpec {
-        workload: "a",
-        namespace: "default",
-        service_account: "a",
-        ip: "127.0.0.1",
-        proxy_config: json!({}),
         env: v.env,
+        ..PodSpec::new("a", "127.0.0.1")
     };
     let mut sc = start_agent_with_args(istiod, kind, &pod, v.args).await;
     let failure = match kind {

@@ -133,12 +133,8 @@ async fn observe(istiod: &IstiodBox, kind: AgentKind) -> Value {
     let prom_s = prom.to_string();
     let env = [("ENVOY_PROMETHEUS_PORT", prom_s.as_str())];
     let pod = PodSpec {
-        workload: "a",
-        namespace: "default",
-        service_account: "a",
-        ip: "127.0.0.1",
-        proxy_config: json!({}),
         env: &env,
+        ..PodSpec::new("a", "127.0.0.1")
     };
     let sc: Sidecar = start_agent(istiod, kind, &pod).await;
     wait_for(&format!("{kind:?} to be ready"), READY, || async {

@@ -91,14 +91,7 @@ spec:
 
 async fn sidecar_against_istiod_box(kind: AgentKind) {
     let istiod = IstiodBox::start_with(&config(), Some(&mesh_with_free_ports()), &[]).await;
-    let pod = PodSpec {
-        workload: "a",
-        namespace: "default",
-        service_account: "a",
-        ip: "127.0.0.1",
-        proxy_config: json!({}),
-        env: &[],
-    };
+    let pod = PodSpec::new("a", "127.0.0.1");
     let mut sidecar = start_agent(&istiod, kind, &pod).await;
     sidecar.wait_ready(READY).await;
 
@@ -243,14 +236,7 @@ async fn upstream_envoy_rejects_istiods_default_extensions() {
         &["--istio-extensions"],
     )
     .await;
-    let pod = PodSpec {
-        workload: "a",
-        namespace: "default",
-        service_account: "a",
-        ip: "127.0.0.1",
-        proxy_config: json!({}),
-        env: &[],
-    };
+    let pod = PodSpec::new("a", "127.0.0.1");
     let sidecar = start_agent(&istiod, AgentKind::Meshagent, &pod).await;
     wait_for("Envoy to reject istiod's clusters", DEADLINE, || async {
         (envoy_counter(&sidecar, "cluster_manager.cds.update_rejected").await > 0).then_some(())

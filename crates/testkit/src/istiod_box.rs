@@ -453,6 +453,22 @@ pub struct PodSpec<'a> {
     pub env: &'a [(&'a str, &'a str)],
 }
 
+impl<'a> PodSpec<'a> {
+    /// Pod `<workload>-5f7d9` in `default` with service account `workload` at `ip`, no
+    /// ProxyConfig or env of its own; set the rest with struct update syntax
+    /// (`PodSpec { env: &env, ..PodSpec::new("a", "127.0.0.1") }`).
+    pub fn new(workload: &'a str, ip: &'a str) -> Self {
+        PodSpec {
+            workload,
+            namespace: "default",
+            service_account: workload,
+            ip,
+            proxy_config: Value::Null,
+            env: &[],
+        }
+    }
+}
+
 /// Starts `kind` as `pilot-agent proxy sidecar` for `pod` against `istiod`, as a pod runs it:
 /// Istio's env vars, the token and root at Istio's relative paths in its own working
 /// directory, every fixed port moved to a free one so tests run in parallel.
