@@ -363,16 +363,8 @@ async fn mesh_through_istiod_box(net: u8, a_kind: AgentKind, b_kind: AgentKind) 
     .await;
     tokio::spawn(meshagent_testkit::identity_app("b", l, Duration::ZERO));
     let (a_ip, b_ip) = (format!("127.0.{net}.2"), format!("127.0.{net}.3"));
-    let pod = |workload, ip| PodSpec {
-        workload,
-        namespace: "default",
-        service_account: workload,
-        ip,
-        proxy_config: json!({}),
-        env: &[],
-    };
-    let mut a = start_agent(&istiod, a_kind, &pod("a", &a_ip)).await;
-    let mut b = start_agent(&istiod, b_kind, &pod("b", &b_ip)).await;
+    let mut a = start_agent(&istiod, a_kind, &PodSpec::new("a", &a_ip)).await;
+    let mut b = start_agent(&istiod, b_kind, &PodSpec::new("b", &b_ip)).await;
     a.wait_ready(READY).await;
     b.wait_ready(READY).await;
 

@@ -17,7 +17,7 @@ use meshagent_testkit::istiod_box::{
     AgentKind, IstiodBox, PodSpec, get_with_host, mesh_with_free_ports, start_agent, two_workloads,
 };
 use meshagent_testkit::{
-    DEADLINE, Devplane, Sidecar, free_port, http_get, identity_app, json, wait_for, workspace_root,
+    DEADLINE, Devplane, Sidecar, free_port, http_get, identity_app, wait_for, workspace_root,
 };
 
 const APP_A: u16 = 18080;
@@ -108,17 +108,9 @@ async fn with_istiod_box() {
     println!("==> istiod-box (Istio's istiod code and CA) with workloads a and b");
     let istiod = IstiodBox::start_with(&two_workloads(net, port, b_app), Some(&mesh), &[]).await;
     let (a_ip, b_ip) = (format!("127.0.{net}.2"), format!("127.0.{net}.3"));
-    let pod = |workload, ip| PodSpec {
-        workload,
-        namespace: "default",
-        service_account: workload,
-        ip,
-        proxy_config: json!({}),
-        env: &[],
-    };
     println!("==> {:?} beside Envoy for a, {:?} for b", kinds.0, kinds.1);
-    let mut a = start_agent(&istiod, kinds.0, &pod("a", &a_ip)).await;
-    let mut b = start_agent(&istiod, kinds.1, &pod("b", &b_ip)).await;
+    let mut a = start_agent(&istiod, kinds.0, &PodSpec::new("a", &a_ip)).await;
+    let mut b = start_agent(&istiod, kinds.1, &PodSpec::new("b", &b_ip)).await;
     a.wait_ready(Duration::from_secs(60)).await;
     b.wait_ready(Duration::from_secs(60)).await;
     println!("both sidecars ready (/healthz/ready = 200)");
