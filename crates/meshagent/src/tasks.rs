@@ -103,6 +103,8 @@ async fn injected_panic<F: Future>(task: &'static str, fut: F) -> F::Output {
             panic!("injected by MESHAGENT_TEST_PANIC");
         }
     }
+    #[cfg(not(debug_assertions))]
+    let _ = task;
     fut.await
 }
 
