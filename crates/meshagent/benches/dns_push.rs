@@ -25,6 +25,10 @@
 //! Knobs: `DNS_PUSH_QPS` (default 2000), `DNS_PUSH_N` (default 10000).
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::print_stdout)] // a benchmark
 
+#[path = "support/mem.rs"]
+mod mem;
+use mem::status_kib;
+
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -101,15 +105,6 @@ fn load() -> String {
         .take(3)
         .collect::<Vec<_>>()
         .join(" ")
-}
-
-fn status_kib(pid: u32, key: &str) -> f64 {
-    std::fs::read_to_string(format!("/proc/{pid}/status"))
-        .unwrap_or_default()
-        .lines()
-        .find_map(|l| l.strip_prefix(key))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
-        .unwrap_or(f64::NAN)
 }
 
 /// `VmRSS / RssAnon / RssFile` in MiB, and the heap mapping's Rss from smaps.

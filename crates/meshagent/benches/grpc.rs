@@ -269,12 +269,18 @@ async fn main() {
         let rss_max = rss.iter().copied().fold(0.0, f64::max);
         // After all the changes: the agents have released start-up's code pages (a quiet
         // second after first ready, src/code_pages.rs) and run the push path many times.
-        let settled: Vec<f64> = agents.iter().map(|a| rss_mib(a.proc.pid())).collect();
+        let settled: Vec<support::mem::Mem> = agents
+            .iter()
+            .map(|a| support::mem::Mem::of(a.proc.pid()))
+            .collect();
+        let med = |f: fn(&support::mem::Mem) -> f64| median(settled.iter().map(f).collect());
         let total = |s: &[Sample]| median(s.iter().map(|x| x.total).collect());
         println!(
-            "N={n:>3}: {n} agents ready in {ready_s:.1} s; agent RSS median {:.2} MiB, max {rss_max:.2} MiB when first attached, median {:.2} MiB after the changes (goal ≤ 6 MiB); load average {load_before} before, {} after",
+            "N={n:>3}: {n} agents ready in {ready_s:.1} s; agent RSS median {:.2} MiB, max {rss_max:.2} MiB when first attached, median {:.2} MiB after the changes (goal ≤ 6 MiB; RssAnon {:.2}, Pss {:.2}); load average {load_before} before, {} after",
             median(rss.clone()),
-            median(settled),
+            med(|m| m.vm_rss),
+            med(|m| m.rss_anon),
+            med(|m| m.pss),
             loadavg()
         );
         report("through agents", &via);

@@ -17,10 +17,12 @@
 //! meshagent --bench side_by_side`.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+use support::mem::{pss_kib, status_kib};
+
 use std::time::Duration;
 
 use meshagent_testkit::istiod_box::{
-    AgentKind, IstiodBox, PodSpec, WORKLOAD_A, mesh_with_free_ports, start_agent,
+    AgentKind, IstiodBox, PodSpec, mesh_with_free_ports, start_agent, workload_a,
 };
 use meshagent_testkit::{http_get, json};
 use support::cpu_secs;
@@ -34,26 +36,6 @@ fn env_num(name: &str, default: u64) -> u64 {
         .and_then(|v| v.parse().ok())
         .filter(|&n| n > 0)
         .unwrap_or(default)
-}
-
-/// `/proc/<pid>/status` field in KiB.
-fn status_kib(pid: u32, key: &str) -> f64 {
-    std::fs::read_to_string(format!("/proc/{pid}/status"))
-        .unwrap_or_default()
-        .lines()
-        .find_map(|l| l.strip_prefix(key))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
-        .unwrap_or(f64::NAN)
-}
-
-/// Pss in KiB from `/proc/<pid>/smaps_rollup`.
-fn pss_kib(pid: u32) -> f64 {
-    std::fs::read_to_string(format!("/proc/{pid}/smaps_rollup"))
-        .unwrap_or_default()
-        .lines()
-        .find_map(|l| l.strip_prefix("Pss:"))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
-        .unwrap_or(f64::NAN)
 }
 
 /// The figures of one round, in this order.
@@ -134,7 +116,7 @@ async fn main() {
     let rounds = env_num("SIDE_ROUNDS", 5);
     let idle = Duration::from_secs(env_num("SIDE_IDLE_SECS", 60));
     let mesh = mesh_with_free_ports();
-    let istiod = IstiodBox::start_with(WORKLOAD_A, Some(&mesh), &[]).await;
+    let istiod = IstiodBox::start_with(&workload_a(), Some(&mesh), &[]).await;
     println!(
         "side by side: {rounds} rounds per agent and key type, idle window {} s, one istiod-box, \
          Envoy {}",

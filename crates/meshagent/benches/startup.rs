@@ -12,6 +12,10 @@
 //! `STARTUP_DUMP_STATIC=<file>` writes the static bootstrap, to start that Envoy by hand.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
+#[path = "support/mem.rs"]
+mod mem;
+use mem::status_kib;
+
 use std::process::Command;
 use std::time::Duration;
 
@@ -31,15 +35,6 @@ fn runs() -> usize {
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(|a, b| a.total_cmp(b));
     v[v.len() / 2]
-}
-
-fn status_kib(pid: u32, key: &str) -> u64 {
-    std::fs::read_to_string(format!("/proc/{pid}/status"))
-        .unwrap_or_default()
-        .lines()
-        .find_map(|l| l.strip_prefix(key))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
-        .unwrap_or(0)
 }
 
 /// CPU ms per thread of `pid` and of its children (Envoy), from `/proc/<pid>/task/*/schedstat`,
@@ -367,10 +362,10 @@ async fn main() {
             s.proc.print_log();
         }
         let pid = s.proc.pid();
-        rss.push(status_kib(pid, "VmRSS:") as f64);
-        hwm.push(status_kib(pid, "VmHWM:") as f64);
-        anon.push(status_kib(pid, "RssAnon:") as f64);
-        file.push(status_kib(pid, "RssFile:") as f64);
+        rss.push(status_kib(pid, "VmRSS:"));
+        hwm.push(status_kib(pid, "VmHWM:"));
+        anon.push(status_kib(pid, "RssAnon:"));
+        file.push(status_kib(pid, "RssFile:"));
         by_mapping = rss_by_mapping(pid);
         stop(s).await;
     }

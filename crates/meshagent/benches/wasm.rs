@@ -14,6 +14,10 @@
 #![allow(clippy::unwrap_used, clippy::print_stdout)] // a benchmark binary, not the agent
 #![allow(clippy::disallowed_types)] // std Instant: wall-clock timing of a benchmark
 
+#[path = "support/mem.rs"]
+mod mem;
+use mem::status_kib;
+
 use std::collections::BTreeMap;
 use std::io::Write as _;
 use std::process::{Child, Command, Stdio};
@@ -32,14 +36,6 @@ impl Drop for Server {
         let _ = self.0.kill();
         let _ = self.0.wait();
     }
-}
-
-fn status_kib(key: &str) -> u64 {
-    let s = std::fs::read_to_string("/proc/self/status").unwrap();
-    s.lines()
-        .find_map(|l| l.strip_prefix(key))
-        .and_then(|v| v.split_whitespace().next()?.parse().ok())
-        .unwrap_or(0)
 }
 
 fn converter(dir: &std::path::Path) -> (std::sync::Arc<Converter>, meshagent::tasks::Tasks) {
@@ -145,10 +141,10 @@ fn main() {
     let cold = tempfile::tempdir().unwrap();
     let (c, _t2) = converter(cold.path());
     let _ = std::fs::write("/proc/self/clear_refs", "5");
-    let base = status_kib("VmRSS:");
-    let hwm_reset = status_kib("VmHWM:");
+    let base = status_kib(std::process::id(), "VmRSS:") as u64;
+    let hwm_reset = status_kib(std::process::id(), "VmHWM:") as u64;
     rt.block_on(c.convert_response(false, &msg)).unwrap();
-    let peak = status_kib("VmHWM:");
+    let peak = status_kib(std::process::id(), "VmHWM:") as u64;
     let growth_kib = peak.saturating_sub(base.max(hwm_reset.min(base)));
     println!(
         "wasm fetch 50 MiB: RSS before {base} KiB, peak during {peak} KiB, growth {growth_kib} KiB ({:.2} MiB; goal <= 2 MiB)",

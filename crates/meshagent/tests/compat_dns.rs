@@ -23,7 +23,7 @@ use std::time::Duration;
 use hickory_proto::op::{Message, ResponseCode};
 use hickory_proto::rr::{Record, RecordType};
 use meshagent_testkit::istiod_box::{
-    AgentKind, IstiodBox, PodSpec, mesh_with_free_ports, start_agent_with_resolv_conf,
+    AgentKind, IstiodBox, PodSpec, RunningPod, mesh_with_free_ports, start_agent_with_resolv_conf,
 };
 use meshagent_testkit::{Sidecar, free_port, http_get, json, wait_for, workspace_root};
 
@@ -56,34 +56,16 @@ fn config() -> String {
         "apiVersion: v1\nkind: Namespace\nmetadata:\n  name: ns2\n",
     );
     // The two agents' pods: the same labels and account, one address each.
-    for (name, ip) in [("dnsp", "127.0.60.2"), ("dnsm", "127.0.60.3")] {
-        doc(
-            &mut y,
-            &format!(
-                r#"
-apiVersion: v1
-kind: Pod
-metadata:
-  name: {name}-5f7d9
-  namespace: default
-  labels:
-    app: client
-spec:
-  serviceAccountName: client
-  containers:
-  - name: app
-    image: app
-status:
-  phase: Running
-  podIP: {ip}
-  podIPs:
-  - ip: {ip}
-  conditions:
-  - type: Ready
-    status: "True"
-"#
-            ),
-        );
+    for (name, ip) in [("dnsp-5f7d9", "127.0.60.2"), ("dnsm-5f7d9", "127.0.60.3")] {
+        let pod = RunningPod {
+            name,
+            namespace: "default",
+            labels: &[("app", "client")],
+            service_account: Some("client"),
+            hostname: None,
+            ips: &[ip],
+        };
+        doc(&mut y, &pod.yaml());
     }
     for (name, ns, ip) in [
         ("svc1", "default", "10.96.1.1"),
@@ -126,32 +108,15 @@ spec:
         )
     };
     let pod = |name: &str, app: &str, ips: &[&str]| {
-        let list: String = ips.iter().map(|ip| format!("  - ip: {ip}\n")).collect();
-        format!(
-            r#"
-apiVersion: v1
-kind: Pod
-metadata:
-  name: {name}
-  namespace: default
-  labels:
-    app: {app}
-spec:
-  hostname: {name}
-  subdomain: {app}
-  containers:
-  - name: app
-    image: app
-status:
-  phase: Running
-  podIP: {}
-  podIPs:
-{list}  conditions:
-  - type: Ready
-    status: "True"
-"#,
-            ips[0]
-        )
+        RunningPod {
+            name,
+            namespace: "default",
+            labels: &[("app", app)],
+            service_account: None,
+            hostname: Some((name, app)),
+            ips,
+        }
+        .yaml()
     };
     let slice = |name: &str, svc: &str, family: &str, eps: &[(&str, Option<&str>)]| {
         let mut s = format!(

@@ -32,8 +32,8 @@ use std::time::Duration;
 
 use base64::Engine as _;
 use meshagent_testkit::istiod_box::{
-    AgentKind, IstiodBox, PodSpec, WORKLOAD_A, envoy_config_dump, mesh_with_free_ports,
-    recorded_headers, start_agent,
+    AgentKind, IstiodBox, PodSpec, envoy_config_dump, mesh_with_free_ports, recorded_headers,
+    start_agent, workload_a,
 };
 use meshagent_testkit::{Value, http, http_get, json, json_diff, wait_for};
 use x509_parser::pem::{Pem, parse_x509_pem};
@@ -336,7 +336,7 @@ async fn observe(istiod: &IstiodBox, kind: AgentKind, case: &Case, root: &[u8]) 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn identity_matches_pilot_agent() {
     let mesh = mesh_with_free_ports();
-    let istiod = IstiodBox::start_with(WORKLOAD_A, Some(&mesh), &[]).await;
+    let istiod = IstiodBox::start_with(&workload_a(), Some(&mesh), &[]).await;
     let root_pem = std::fs::read(istiod.root_cert_path()).unwrap();
     let root = parse_x509_pem(&root_pem).unwrap().1.contents;
     let mut unexpected = Vec::new();

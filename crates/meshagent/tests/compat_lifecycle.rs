@@ -16,8 +16,8 @@ use std::process::ExitStatus;
 use std::time::Duration;
 
 use meshagent_testkit::istiod_box::{
-    AgentKind, IstiodBox, PodSpec, WORKLOAD_A, mesh_with_free_ports, start_agent,
-    start_agent_with_args,
+    AgentKind, IstiodBox, PodSpec, mesh_with_free_ports, start_agent, start_agent_with_args,
+    workload_a,
 };
 use meshagent_testkit::{
     Proc, Sidecar, alive, envoy_children_of, free_port, http, http_get, json, signal, wait_for,
@@ -111,7 +111,7 @@ async fn run(istiod: &IstiodBox, kind: AgentKind, case: Case) -> ExitStatus {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn exit_statuses_match_pilot_agent() {
     let mesh = mesh_with_free_ports();
-    let istiod = IstiodBox::start_with(WORKLOAD_A, Some(&mesh), &[]).await;
+    let istiod = IstiodBox::start_with(&workload_a(), Some(&mesh), &[]).await;
     let mut failures = Vec::new();
     for case in [
         Case::SigtermAfterReady,
@@ -286,7 +286,7 @@ async fn run_bad_value(istiod: &IstiodBox, kind: AgentKind, v: &BadValue) -> (Ou
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn invalid_values_fail_where_pilot_agent_fails() {
     let mesh = mesh_with_free_ports();
-    let istiod = IstiodBox::start_with(WORKLOAD_A, Some(&mesh), &[]).await;
+    let istiod = IstiodBox::start_with(&workload_a(), Some(&mesh), &[]).await;
     let mut failures = Vec::new();
     for v in BAD_VALUES {
         let (p, _) = run_bad_value(&istiod, AgentKind::PilotAgent, v).await;

@@ -31,8 +31,8 @@ use std::time::Duration;
 use axum::http::{HeaderMap, StatusCode, header};
 use http_body_util::{BodyExt, Full};
 use meshagent_testkit::istiod_box::{
-    AgentKind, GRPC_HEALTH_SERVER, IstiodBox, PodSpec, WORKLOAD_A, mesh_with_free_ports,
-    start_agent,
+    AgentKind, GRPC_HEALTH_SERVER, IstiodBox, PodSpec, mesh_with_free_ports, start_agent,
+    workload_a,
 };
 use meshagent_testkit::prom::{self, Block, Exposition};
 use meshagent_testkit::{
@@ -888,7 +888,7 @@ fn compare_not_ready_metrics(pilot: &Run, ours: &Run, failures: &mut Vec<String>
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn status_port_matches_pilot_agent() {
     let mesh = mesh_with_free_ports();
-    let istiod = IstiodBox::start_with(WORKLOAD_A, Some(&mesh), &[]).await;
+    let istiod = IstiodBox::start_with(&workload_a(), Some(&mesh), &[]).await;
     let peers = start_peers().await;
     // Both agents' cases at once: every case has its own agent, Envoy and ports.
     let (pilot, ours) = tokio::join!(

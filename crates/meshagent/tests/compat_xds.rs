@@ -23,8 +23,8 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use meshagent_testkit::istiod_box::{
-    AgentKind, IstiodBox, PodSpec, WORKLOAD_A, envoy_config_dump, mesh_with_free_ports,
-    recorded_headers, start_agent,
+    AgentKind, IstiodBox, PodSpec, envoy_config_dump, mesh_with_free_ports, recorded_headers,
+    start_agent, workload_a,
 };
 use meshagent_testkit::{Sidecar, Value, free_port, http, http_get, json, json_diff, wait_for};
 
@@ -180,7 +180,7 @@ async fn observe(istiod: &IstiodBox, kind: AgentKind) -> Value {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn xds_streams_and_envoy_config_match_pilot_agent() {
     let mesh = mesh_with_free_ports();
-    let istiod = IstiodBox::start_with(WORKLOAD_A, Some(&mesh), &[]).await;
+    let istiod = IstiodBox::start_with(&workload_a(), Some(&mesh), &[]).await;
     let pilot = observe(&istiod, AgentKind::PilotAgent).await;
     let ours = observe(&istiod, AgentKind::Meshagent).await;
     for (who, o) in [("pilot-agent", &pilot), ("meshagent", &ours)] {

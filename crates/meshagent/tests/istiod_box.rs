@@ -9,8 +9,8 @@
 use std::time::Duration;
 
 use meshagent_testkit::istiod_box::{
-    AgentKind, IstiodBox, PodSpec, WORKLOAD_A, dynamic_names, envoy_config_dump, envoy_counter,
-    get_with_host, mesh_with_free_ports, start_agent, two_workloads, wait_for_envoy_cluster,
+    AgentKind, IstiodBox, PodSpec, dynamic_names, envoy_config_dump, envoy_counter, get_with_host,
+    mesh_with_free_ports, start_agent, two_workloads, wait_for_envoy_cluster, workload_a,
 };
 use meshagent_testkit::{DEADLINE, free_port, http_get, json, wait_for};
 
@@ -73,7 +73,7 @@ spec:
 
 /// Workload a (testkit's) and the rest.
 fn config() -> String {
-    format!("{WORKLOAD_A}---\n{REST}")
+    format!("{}---\n{REST}", workload_a())
 }
 
 const SERVICE_C: &str = r#"

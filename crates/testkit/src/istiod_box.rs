@@ -8,8 +8,8 @@ use std::process::Command;
 use std::time::Duration;
 
 use crate::{
-    Proc, Sidecar, Value, envoy_bin, free_addr, free_port, http_get, http_with_body, json,
-    wait_for, workspace_bin, workspace_root,
+    AgentPod, Proc, Sidecar, Value, agent_command, free_port, http_get, http_with_body, wait_for,
+    workspace_bin, workspace_root,
 };
 
 /// How long istiod-box may take to start: building the first push context of Istio's fake
@@ -215,10 +215,63 @@ fn query_escape(s: &str) -> String {
     out
 }
 
+/// A Pod as the API server holds it once the kubelet runs it (phase Running, Ready, its
+/// addresses in `podIPs`): what istiod needs to map a proxy or an endpoint to its pod.
+pub struct RunningPod<'a> {
+    pub name: &'a str,
+    pub namespace: &'a str,
+    pub labels: &'a [(&'a str, &'a str)],
+    pub service_account: Option<&'a str>,
+    /// `spec.hostname` and `spec.subdomain` (a headless Service's per-pod DNS names).
+    pub hostname: Option<(&'a str, &'a str)>,
+    /// `status.podIPs`; the first is also `status.podIP`.
+    pub ips: &'a [&'a str],
+}
+
+impl RunningPod<'_> {
+    pub fn yaml(&self) -> String {
+        let labels: String = self
+            .labels
+            .iter()
+            .map(|(k, v)| format!("    {k}: {v}\n"))
+            .collect();
+        let mut spec = String::new();
+        if let Some(sa) = self.service_account {
+            spec.push_str(&format!("  serviceAccountName: {sa}\n"));
+        }
+        if let Some((host, sub)) = self.hostname {
+            spec.push_str(&format!("  hostname: {host}\n  subdomain: {sub}\n"));
+        }
+        let ips: String = self
+            .ips
+            .iter()
+            .map(|ip| format!("  - ip: {ip}\n"))
+            .collect();
+        format!(
+            "apiVersion: v1\nkind: Pod\nmetadata:\n  name: {name}\n  namespace: {ns}\n  labels:\n{labels}\
+             spec:\n{spec}  containers:\n  - name: app\n    image: app\n\
+             status:\n  phase: Running\n  podIP: {ip}\n  podIPs:\n{ips}\
+             \x20 conditions:\n  - type: Ready\n    status: \"True\"\n",
+            name = self.name,
+            ns = self.namespace,
+            ip = self.ips.first().copied().unwrap_or_default(),
+        )
+    }
+}
+
 /// Workload a: Service `a` in `default` (port 80 → 8080) selecting the running pod
 /// `a-5f7d9` (service account `a`, IP 127.0.0.1), the pod of a [`PodSpec`] with workload `a`.
-pub const WORKLOAD_A: &str = r#"
-apiVersion: v1
+pub fn workload_a() -> String {
+    let pod = RunningPod {
+        name: "a-5f7d9",
+        namespace: "default",
+        labels: &[("app", "a")],
+        service_account: Some("a"),
+        hostname: None,
+        ips: &["127.0.0.1"],
+    };
+    format!(
+        r#"apiVersion: v1
 kind: Service
 metadata:
   name: a
@@ -232,27 +285,10 @@ spec:
     port: 80
     targetPort: 8080
 ---
-apiVersion: v1
-kind: Pod
-metadata:
-  name: a-5f7d9
-  namespace: default
-  labels:
-    app: a
-spec:
-  serviceAccountName: a
-  containers:
-  - name: app
-    image: app
-status:
-  phase: Running
-  podIP: 127.0.0.1
-  podIPs:
-  - ip: 127.0.0.1
-  conditions:
-  - type: Ready
-    status: "True"
-"#;
+{}"#,
+        pod.yaml()
+    )
+}
 
 /// Two workloads for a mesh through istiod-box: pods `a-5f7d9` (127.0.`net`.2) and `b-5f7d9`
 /// (127.0.`net`.3) with Istio's mTLS label, Service `b` on `port` with its EndpointSlice, and
@@ -261,30 +297,15 @@ status:
 pub fn two_workloads(net: u8, port: u16, b_app: u16) -> String {
     let (a_ip, b_ip) = (format!("127.0.{net}.2"), format!("127.0.{net}.3"));
     let pod = |name: &str, ip: &str| {
-        format!(
-            r#"apiVersion: v1
-kind: Pod
-metadata:
-  name: {name}-5f7d9
-  namespace: default
-  labels:
-    app: {name}
-    security.istio.io/tlsMode: istio
-spec:
-  serviceAccountName: {name}
-  containers:
-  - name: app
-    image: app
-status:
-  phase: Running
-  podIP: {ip}
-  podIPs:
-  - ip: {ip}
-  conditions:
-  - type: Ready
-    status: "True"
-"#
-        )
+        RunningPod {
+            name: &format!("{name}-5f7d9"),
+            namespace: "default",
+            labels: &[("app", name), ("security.istio.io/tlsMode", "istio")],
+            service_account: Some(name),
+            hostname: None,
+            ips: &[ip],
+        }
+        .yaml()
     };
     format!(
         r#"{pod_a}---
@@ -521,26 +542,14 @@ async fn launch(
         std::fs::create_dir_all(tmpl.parent().unwrap()).unwrap();
         std::fs::copy(istio_bootstrap_template(), &tmpl).unwrap();
     }
-    let (status, admin, envoy_status) = (free_addr(), free_addr(), free_addr());
     // `localhost:<port>` → server name istiod.istio-system.svc (Istio's rule for a local
     // discovery address), which istiod-box's serving certificate carries.
     let istiod_addr = format!("localhost:{}", istiod.grpc_tls.port());
-    let mut pc = json!({
-        "discoveryAddress": istiod_addr,
-        "binaryPath": envoy_bin(),
-        "proxyAdminPort": admin.port(),
-        "statusPort": status.port(),
-        "terminationDrainDuration": "2s",
-        "drainDuration": "2s",
-    });
-    for (k, v) in pod.proxy_config.as_object().into_iter().flatten() {
-        pc[k] = v.clone();
-    }
     let program = match kind {
         AgentKind::Meshagent => workspace_bin("meshagent"),
         AgentKind::PilotAgent => pilot_agent_bin(),
     };
-    let mut cmd = match resolv_conf {
+    let cmd = match resolv_conf {
         None => Command::new(program),
         Some(rc) => {
             let mut c = Command::new("unshare");
@@ -551,52 +560,29 @@ async fn launch(
             c
         }
     };
-    let domain = format!("{}.svc.cluster.local", pod.namespace);
-    let mut argv = vec![
-        "proxy",
-        "sidecar",
-        "--domain",
-        &domain,
-        "--proxyLogLevel=warning",
-        "--log_output_level=default:info",
-    ];
-    for extra in args {
-        if let Some((flag, _)) = extra.split_once('=') {
-            argv.retain(|a| !a.starts_with(&format!("{flag}=")));
-        }
-        argv.push(extra);
-    }
-    cmd.args(argv)
-        .current_dir(cwd.path())
-        .env_clear()
-        .env("PATH", std::env::var_os("PATH").unwrap_or_default())
-        .env("POD_NAME", format!("{}-5f7d9", pod.workload))
-        .env("POD_NAMESPACE", pod.namespace)
-        .env("SERVICE_ACCOUNT", pod.service_account)
-        .env("INSTANCE_IP", pod.ip)
-        .env("CA_ADDR", &istiod_addr)
-        .env("PILOT_CERT_PROVIDER", "istiod")
-        .env("ISTIO_META_CLUSTER_ID", "Kubernetes")
-        .env("ISTIO_META_WORKLOAD_NAME", pod.workload)
+    let agent_pod = AgentPod {
+        workload: pod.workload,
+        namespace: pod.namespace,
+        service_account: pod.service_account,
+        ip: pod.ip,
+    };
+    let (mut cmd, ports) = agent_command(
+        cmd,
+        cwd.path(),
+        &agent_pod,
+        &istiod_addr,
+        &pod.proxy_config,
+        args,
+    );
+    cmd.env("PILOT_CERT_PROVIDER", "istiod")
         .env("ISTIO_META_MESH_ID", "cluster.local")
-        .env("ENVOY_STATUS_PORT", envoy_status.port().to_string())
-        .env("ENVOY_PROMETHEUS_PORT", free_port().to_string())
-        .env("PROXY_CONFIG", pc.to_string())
-        .env("CLOUD_PLATFORM", "none")
-        .env("RUST_BACKTRACE", "1")
         .envs(pod.env.iter().copied());
     let name = match kind {
         AgentKind::Meshagent => format!("meshagent-{}", pod.workload),
         AgentKind::PilotAgent => format!("pilot-agent-{}", pod.workload),
     };
     let proc = Proc::spawn(&name, cmd, cwd.path());
-    Sidecar {
-        proc,
-        cwd,
-        status,
-        admin,
-        envoy_status,
-    }
+    Sidecar::from_parts(proc, cwd, ports)
 }
 
 /// Envoy's `/config_dump` of `sidecar` (its admin port), parsed.
@@ -658,4 +644,50 @@ pub async fn envoy_counter(sidecar: &Sidecar, name: &str) -> u64 {
         .find_map(|l| l.strip_prefix(&format!("{name}: ")))
         .and_then(|v| v.trim().parse().ok())
         .unwrap_or(0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::RunningPod;
+
+    /// The manifest istiod-box accepted when the tests wrote it by hand.
+    #[test]
+    fn running_pod_yaml_is_the_manifest_istiod_box_accepts() {
+        let pod = RunningPod {
+            name: "hl-0",
+            namespace: "default",
+            labels: &[("app", "hl"), ("security.istio.io/tlsMode", "istio")],
+            service_account: Some("hl"),
+            hostname: Some(("hl-0", "hl")),
+            ips: &["10.1.1.1", "fd00::1:1"],
+        };
+        assert_eq!(
+            pod.yaml(),
+            r#"apiVersion: v1
+kind: Pod
+metadata:
+  name: hl-0
+  namespace: default
+  labels:
+    app: hl
+    security.istio.io/tlsMode: istio
+spec:
+  serviceAccountName: hl
+  hostname: hl-0
+  subdomain: hl
+  containers:
+  - name: app
+    image: app
+status:
+  phase: Running
+  podIP: 10.1.1.1
+  podIPs:
+  - ip: 10.1.1.1
+  - ip: fd00::1:1
+  conditions:
+  - type: Ready
+    status: "True"
+"#
+        );
+    }
 }

@@ -729,6 +729,89 @@ pub fn status_only_agent<'a>(cmd: &'a mut Command, cwd: &Path, status: u16) -> &
         .env("PROXY_CONFIG", pc.to_string())
 }
 
+/// The pod an agent runs for: `<workload>-5f7d9` in `namespace`.
+pub struct AgentPod<'a> {
+    pub workload: &'a str,
+    pub namespace: &'a str,
+    pub service_account: &'a str,
+    /// The pod IP (`INSTANCE_IP`).
+    pub ip: &'a str,
+}
+
+/// The free ports an agent's pod was given in place of 15020, 15000 and 15021.
+#[derive(Clone, Copy)]
+pub struct PodPorts {
+    pub status: SocketAddr,
+    pub admin: SocketAddr,
+    pub envoy_status: SocketAddr,
+}
+
+/// `program` (the agent, or a wrapper that execs it) as `pilot-agent proxy sidecar` for `pod`
+/// with the control plane at `discovery` (also the CA): the arguments and environment Istio's
+/// sidecar injector gives the agent, in a cleared environment, with every fixed port moved to a
+/// free one so tests run in parallel. `proxy_config` fields override the defaults here (free
+/// ports, the pinned Envoy, 2 s drains); each of `flags` replaces a default flag of the same
+/// name or is appended. The caller adds its own env (it wins) and spawns.
+pub fn agent_command(
+    mut cmd: Command,
+    cwd: &Path,
+    pod: &AgentPod<'_>,
+    discovery: &str,
+    proxy_config: &Value,
+    flags: &[&str],
+) -> (Command, PodPorts) {
+    let ports = PodPorts {
+        status: free_addr(),
+        admin: free_addr(),
+        envoy_status: free_addr(),
+    };
+    let mut pc = json!({
+        "discoveryAddress": discovery,
+        "binaryPath": envoy_bin(),
+        "proxyAdminPort": ports.admin.port(),
+        "statusPort": ports.status.port(),
+        "terminationDrainDuration": "2s",
+        "drainDuration": "2s",
+    });
+    for (k, v) in proxy_config.as_object().into_iter().flatten() {
+        pc[k] = v.clone();
+    }
+    let domain = format!("{}.svc.cluster.local", pod.namespace);
+    let mut argv = vec![
+        "proxy",
+        "sidecar",
+        "--domain",
+        &domain,
+        "--proxyLogLevel=warning",
+        "--log_output_level=default:info",
+    ];
+    for extra in flags {
+        if let Some((flag, _)) = extra.split_once('=') {
+            argv.retain(|a| !a.starts_with(&format!("{flag}=")));
+        }
+        argv.push(extra);
+    }
+    cmd.args(argv)
+        .current_dir(cwd)
+        .env_clear()
+        .env("PATH", std::env::var_os("PATH").unwrap_or_default())
+        .env("POD_NAME", format!("{}-5f7d9", pod.workload))
+        .env("POD_NAMESPACE", pod.namespace)
+        .env("SERVICE_ACCOUNT", pod.service_account)
+        .env("INSTANCE_IP", pod.ip)
+        .env("CA_ADDR", discovery)
+        .env("ISTIO_META_CLUSTER_ID", "Kubernetes")
+        .env("ISTIO_META_WORKLOAD_NAME", pod.workload)
+        .env("ENVOY_STATUS_PORT", ports.envoy_status.port().to_string())
+        .env("ENVOY_PROMETHEUS_PORT", free_port().to_string())
+        .env("PROXY_CONFIG", pc.to_string())
+        // No cloud metadata probes (link-local addresses) from tests; tests of platform
+        // discovery override this.
+        .env("CLOUD_PLATFORM", "none")
+        .env("RUST_BACKTRACE", "1");
+    (cmd, ports)
+}
+
 /// `meshagent proxy sidecar` run as a separate process, exactly as a pod runs it: Istio's env
 /// vars, a working directory holding the projected token and istiod's root at Istio's
 /// relative paths, and Envoy from [`envoy_bin`].
@@ -744,6 +827,17 @@ pub struct Sidecar {
 }
 
 impl Sidecar {
+    /// A sidecar from its spawned agent, working directory and ports.
+    pub fn from_parts(proc: Proc, cwd: tempfile::TempDir, ports: PodPorts) -> Sidecar {
+        Sidecar {
+            proc,
+            cwd,
+            status: ports.status,
+            admin: ports.admin,
+            envoy_status: ports.envoy_status,
+        }
+    }
+
     /// Starts a sidecar for pod `<workload>-<suffix>` in `namespace` with service account `sa`,
     /// talking to devplane for both CA and xDS. `extra_env` is added last (wins).
     pub async fn start(
@@ -816,58 +910,26 @@ impl Sidecar {
             &[("istio-token", token.as_bytes())],
         );
 
-        let (status, admin, envoy_status) = (free_addr(), free_addr(), free_addr());
         // `localhost:<port>` exercises Istio's server-name rule (→ istiod.istio-system.svc).
-        let istiod = format!("localhost:{}", dp.grpc_addr.port());
-        let mut pc = json!({
-            "discoveryAddress": istiod,
-            "binaryPath": envoy_bin(),
-            "proxyAdminPort": admin.port(),
-            "statusPort": status.port(),
-            "terminationDrainDuration": "2s",
-            "drainDuration": "2s",
-        });
-        for (k, v) in proxy_config.as_object().into_iter().flatten() {
-            pc[k] = v.clone();
-        }
-        let mut cmd = Command::new(workspace_bin("meshagent"));
-        cmd.args([
-            "proxy",
-            "sidecar",
-            "--domain",
-            &format!("{namespace}.svc.cluster.local"),
-            "--proxyLogLevel=warning",
-            "--proxyComponentLogLevel=misc:error",
-            "--log_output_level=default:info",
-        ])
-        .current_dir(cwd.path())
-        .env_clear()
-        .env("PATH", std::env::var_os("PATH").unwrap_or_default())
-        .env("POD_NAME", format!("{workload}-5f7d9"))
-        .env("POD_NAMESPACE", namespace)
-        .env("SERVICE_ACCOUNT", sa)
-        .env("INSTANCE_IP", "127.0.0.1")
-        .env("CA_ADDR", &istiod)
-        .env("ISTIO_META_CLUSTER_ID", "Kubernetes")
-        .env("ISTIO_META_WORKLOAD_NAME", workload)
-        .env("ENVOY_STATUS_PORT", envoy_status.port().to_string())
-        .env("ENVOY_PROMETHEUS_PORT", free_port().to_string())
-        .env("PROXY_CONFIG", pc.to_string())
-        // No cloud metadata probes (link-local addresses) from tests; tests of platform
-        // discovery override this.
-        .env("CLOUD_PLATFORM", "none")
-        .env("RUST_BACKTRACE", "1");
+        let pod = AgentPod {
+            workload,
+            namespace,
+            service_account: sa,
+            ip: "127.0.0.1",
+        };
+        let (mut cmd, ports) = agent_command(
+            Command::new(workspace_bin("meshagent")),
+            cwd.path(),
+            &pod,
+            &format!("localhost:{}", dp.grpc_addr.port()),
+            &proxy_config,
+            &["--proxyComponentLogLevel=misc:error"],
+        );
         for (k, v) in extra_env {
             cmd.env(k, v);
         }
         let proc = Proc::spawn(&format!("agent-{workload}"), cmd, cwd.path());
-        Sidecar {
-            proc,
-            cwd,
-            status,
-            admin,
-            envoy_status,
-        }
+        Sidecar::from_parts(proc, cwd, ports)
     }
 
     /// Waits until the agent's `/healthz/ready` answers 200.

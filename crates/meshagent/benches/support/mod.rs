@@ -6,6 +6,9 @@
 //! Lives in a directory (`support/mod.rs`) so Cargo does not take it for a benchmark target.
 #![allow(clippy::unwrap_used, clippy::expect_used, dead_code)]
 
+#[path = "mem.rs"]
+pub mod mem;
+
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
@@ -222,13 +225,7 @@ pub fn cpu_secs(pid: u32) -> f64 {
 }
 
 pub fn rss_mib(pid: u32) -> f64 {
-    std::fs::read_to_string(format!("/proc/{pid}/status"))
-        .unwrap_or_default()
-        .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<f64>().ok())
-        .unwrap_or(0.0)
-        / 1024.0
+    mem::status_kib(pid, "VmRSS:") / 1024.0
 }
 
 /// The 1-minute load average (recorded next to every figure: the machine is shared).
