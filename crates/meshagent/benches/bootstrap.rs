@@ -6,7 +6,10 @@
 //! runs of 50 renders) and the ratio, both measured in this run.
 //!
 //! `cargo bench -p meshagent --bench bootstrap` (or `make bench`).
-
+#![allow(
+    clippy::disallowed_methods,
+    reason = "test and benchmark code, not on the agent's runtime"
+)]
 #![allow(clippy::unwrap_used, clippy::print_stdout)] // a benchmark binary, not the agent
 
 use std::path::Path;

@@ -15,7 +15,10 @@
 //!
 //! `cargo bench -p meshagent --bench dns` (or `make bench`); needs dnsmasq and dnsperf
 //! (`make dnspeers`) and root (dnsmasq listens on 127.0.53.100:53, as resolv.conf implies).
-
+#![allow(
+    clippy::disallowed_methods,
+    reason = "test and benchmark code, not on the agent's runtime"
+)]
 #![allow(clippy::unwrap_used, clippy::print_stdout)] // a benchmark binary, not the agent
 
 use std::net::SocketAddr;

@@ -23,6 +23,10 @@
 //! MESHAGENT_BIN=$PWD/target/dist/meshagent cargo bench -p meshagent --bench dns_push`.
 //! Root (mount namespace, dnsmasq on port 53); `make dnspeers envoy`.
 //! Knobs: `DNS_PUSH_QPS` (default 2000), `DNS_PUSH_N` (default 10000).
+#![allow(
+    clippy::disallowed_methods,
+    reason = "test and benchmark code, not on the agent's runtime"
+)]
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::print_stdout)] // a benchmark
 
 #[path = "support/mem.rs"]

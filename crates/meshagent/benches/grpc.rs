@@ -19,6 +19,10 @@
 //! MESHAGENT_BIN=$PWD/target/dist/meshagent cargo bench -p meshagent --bench grpc`.
 //! `GRPC_BENCH_N=50,200` chooses the sizes; `GRPC_BENCH_CHANGES` the counted changes per path
 //! (default 20), `GRPC_BENCH_BLOCK` the changes per block (default 5).
+#![allow(
+    clippy::disallowed_methods,
+    reason = "test and benchmark code, not on the agent's runtime"
+)]
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod support;

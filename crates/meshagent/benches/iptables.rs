@@ -12,7 +12,10 @@
 //! `cargo bench -p meshagent --bench iptables` (root; `make netpeers`). `MESHAGENT_BIN`
 //! selects the binary (default: the one cargo built for this bench); `IPTABLES_BENCH_N`
 //! the runs per variant (default 30).
-
+#![allow(
+    clippy::disallowed_methods,
+    reason = "test and benchmark code, not on the agent's runtime"
+)]
 #![allow(clippy::unwrap_used, clippy::print_stdout, clippy::disallowed_types)] // a benchmark binary
 
 use std::fs::File;

@@ -4,7 +4,10 @@
 //! `/proc/self/clear_refs` before each scrape). Goal: ≤ 2 MiB extra.
 //!
 //! `cargo bench -p meshagent --bench merge` (or `make bench`).
-
+#![allow(
+    clippy::disallowed_methods,
+    reason = "test and benchmark code, not on the agent's runtime"
+)]
 #![allow(clippy::unwrap_used, clippy::print_stdout)] // a benchmark binary, not the agent
 
 use std::fmt::Write as _;

@@ -11,6 +11,10 @@
 //!
 //! Run: `cargo bench -p meshagent --bench sds` (ENVOY_BIN or .tools/pip Envoy; builds devplane
 //! first with `cargo build --release --bins`).
+#![allow(
+    clippy::disallowed_methods,
+    reason = "test and benchmark code, not on the agent's runtime"
+)]
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::path::Path;

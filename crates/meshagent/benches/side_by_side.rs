@@ -15,6 +15,10 @@
 //! printed with the ratio meshagent / pilot-agent. Run: `make bench`, or `make agent
 //! pilot-agent istiod-box envoy && MESHAGENT_BIN=$PWD/target/dist/meshagent cargo bench -p
 //! meshagent --bench side_by_side`.
+#![allow(
+    clippy::disallowed_methods,
+    reason = "test and benchmark code, not on the agent's runtime"
+)]
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use support::mem::{pss_kib, status_kib};

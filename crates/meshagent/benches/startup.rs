@@ -10,6 +10,10 @@
 //! Run: `make bench`, or `make agent && cargo build --release --bins &&
 //! MESHAGENT_BIN=$PWD/target/dist/meshagent cargo bench -p meshagent --bench startup`.
 //! `STARTUP_DUMP_STATIC=<file>` writes the static bootstrap, to start that Envoy by hand.
+#![allow(
+    clippy::disallowed_methods,
+    reason = "test and benchmark code, not on the agent's runtime"
+)]
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 #[path = "support/mem.rs"]

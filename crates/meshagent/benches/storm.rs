@@ -24,6 +24,10 @@
 //! Run: `make bench`, or `make agent && cargo build --release --bins &&
 //! MESHAGENT_BIN=$PWD/target/dist/meshagent cargo bench -p meshagent --bench storm`.
 //! `STORM_N`, `STORM_OUTAGE_MS`, `STORM_BUCKET_MS` (histogram bucket, default 100) adjust it.
+#![allow(
+    clippy::disallowed_methods,
+    reason = "test and benchmark code, not on the agent's runtime"
+)]
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod support;

@@ -10,7 +10,10 @@
 //!
 //! The converter runs on a current-thread runtime, as in the agent.
 //! `cargo bench -p meshagent --bench wasm` (or `make bench`); needs python3 and curl.
-
+#![allow(
+    clippy::disallowed_methods,
+    reason = "test and benchmark code, not on the agent's runtime"
+)]
 #![allow(clippy::unwrap_used, clippy::print_stdout)] // a benchmark binary, not the agent
 #![allow(clippy::disallowed_types)] // std Instant: wall-clock timing of a benchmark
 

@@ -7,6 +7,10 @@
 //! process's `VmHWM`, reset before each push through `/proc/self/clear_refs`.
 //!
 //! Run: `make bench` (or `cargo build --release --bins && cargo bench -p meshagent --bench xds`).
+#![allow(
+    clippy::disallowed_methods,
+    reason = "test and benchmark code, not on the agent's runtime"
+)]
 #![allow(clippy::unwrap_used)] // a benchmark fails loudly
 
 #[path = "../tests/xds_support/mod.rs"]

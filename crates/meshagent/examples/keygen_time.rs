@@ -2,7 +2,10 @@
 //! (`WorkloadKey::generate`: rcgen over aws-lc): the distribution behind the RSA start-up
 //! figures in BENCHMARKS.md. `cargo build --release --example keygen_time &&
 //! target/release/examples/keygen_time [N]` (N keys, default 40).
-
+#![allow(
+    clippy::disallowed_methods,
+    reason = "a profiling example, not the agent's runtime"
+)]
 #![allow(clippy::unwrap_used, clippy::print_stdout, clippy::disallowed_types)] // a measuring tool
 
 use meshagent::identity::keys::{KeyKind, KeySpec, WorkloadKey};

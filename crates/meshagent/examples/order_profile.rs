@@ -12,6 +12,10 @@
 //! gRPC bootstrap), the `istio-iptables` init container, and a drain on SIGTERM.
 //!
 //! Run: `make orderfile` (not part of `make test`: it takes minutes under callgrind).
+#![allow(
+    clippy::disallowed_methods,
+    reason = "a profiling example, not the agent's runtime"
+)]
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::net::{Ipv4Addr, SocketAddr, UdpSocket};

@@ -2,6 +2,10 @@
 //! it (`RSS_MODE=grpc`, default) or as a plain sidecar (`RSS_MODE=sidecar`), waits until it is
 //! ready, prints its pid and VmRSS, and keeps it running `RSS_HOLD_SECS` (default 30) so its
 //! `/proc/<pid>/smaps` can be read. A measuring aid (BENCHMARKS.md, memory), not a benchmark.
+#![allow(
+    clippy::disallowed_methods,
+    reason = "a profiling example, not the agent's runtime"
+)]
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::print_stdout)]
 
 use std::time::Duration;

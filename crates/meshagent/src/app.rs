@@ -37,6 +37,8 @@ pub enum AppError {
     },
     #[error("cannot read ISTIO_BOOTSTRAP_OVERRIDE file {path}: {reason}")]
     Override { path: PathBuf, reason: String },
+    #[error("a start-up step on the blocking pool failed: {0}")]
+    Blocking(String),
     #[error("cannot install signal handlers: {0}")]
     Signals(#[source] std::io::Error),
     #[error(transparent)]
@@ -346,15 +348,24 @@ impl Agent {
         });
 
         let code = if envoy_enabled {
-            let (config_file, generated) =
-                if cfg.proxy_config.custom_config_file.as_os_str().is_empty() {
-                    let rendered = bootstrap::generate(cfg, &node, template.as_ref())?;
-                    let path = bootstrap::write(cfg, &self.cwd, &rendered)?;
-                    (path.clone(), Some(crate::fsio::under(&self.cwd, path)))
-                } else {
-                    (cfg.proxy_config.custom_config_file.clone(), None)
-                };
-            let args = envoy_args(cfg, &node, &self.cwd, config_file)?;
+            // Rendering and writing the bootstrap and reading ISTIO_BOOTSTRAP_OVERRIDE are file
+            // work, and the status port and SDS are already served: the blocking pool.
+            let (generated, args) = {
+                let (cfg, node, cwd) = (cfg.clone(), node.clone(), self.cwd.clone());
+                tokio::task::spawn_blocking(move || -> Result<_, AppError> {
+                    let (config_file, generated) =
+                        if cfg.proxy_config.custom_config_file.as_os_str().is_empty() {
+                            let rendered = bootstrap::generate(&cfg, &node, template.as_ref())?;
+                            let path = bootstrap::write(&cfg, &cwd, &rendered)?;
+                            (path.clone(), Some(crate::fsio::under(&cwd, path)))
+                        } else {
+                            (cfg.proxy_config.custom_config_file.clone(), None)
+                        };
+                    Ok((generated, envoy_args(&cfg, &node, &cwd, config_file)?))
+                })
+                .await
+                .map_err(|e| AppError::Blocking(e.to_string()))??
+            };
             let envoy = Envoy::start(&args, &self.cwd, generated)?;
             // Whether this Envoy has Istio's extensions, and one clear error if it rejects
             // istiod's configuration for lack of them (`envoy::extensions`).
@@ -473,6 +484,10 @@ pub(crate) fn bootstrap_override(cfg: &Config, cwd: &Path) -> Result<Option<Stri
         return Ok(None);
     };
     let path = crate::fsio::under(cwd, p);
+    #[allow(
+        clippy::disallowed_methods,
+        reason = "run before anything is served (config::startup) or on the blocking pool (run_inner)"
+    )]
     let text = std::fs::read_to_string(&path).map_err(|e| AppError::Override {
         path: path.clone(),
         reason: e.to_string(),

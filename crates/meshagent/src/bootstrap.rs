@@ -423,6 +423,10 @@ pub fn template_path(cfg: &Config) -> Option<(PathBuf, &'static str)> {
 /// or a function or parameter meshagent does not provide is an error naming it and the line.
 /// Says once, when Envoy's bootstrap is about to be rendered, that the image's template is
 /// not used (config validation calls [`load_template`], which stays quiet).
+#[allow(
+    clippy::disallowed_methods,
+    reason = "runs at start, before anything is served"
+)]
 pub fn check_template(
     cfg: &Config,
     cwd: &Path,
@@ -493,6 +497,10 @@ pub fn generate(
 /// Writes the bootstrap to `<configPath>/<file_name>` (resolved against `cwd`) and returns its
 /// path relative to the agent's working directory, as passed to Envoy. Side files (the
 /// Lightstep token) are written first, mode 0666 as Istio does.
+#[allow(
+    clippy::disallowed_methods,
+    reason = "called on the blocking pool (app::Agent::run_inner)"
+)]
 pub fn write(cfg: &Config, cwd: &Path, rendered: &Rendered) -> Result<PathBuf, BootstrapError> {
     use std::os::unix::fs::PermissionsExt;
     for (rel, text) in &rendered.side_files {

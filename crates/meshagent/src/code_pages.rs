@@ -187,6 +187,10 @@ mod imp {
 /// The address ranges of this process's mappings that hold anonymous (written) pages, from
 /// `/proc/self/smaps`; `None` when it cannot be read or parsed.
 #[cfg(all(target_os = "linux", target_env = "gnu"))]
+#[allow(
+    clippy::disallowed_methods,
+    reason = "procfs, read on the blocking pool with the malloc trim"
+)]
 fn written_mappings() -> Option<Vec<(usize, usize)>> {
     // Called off the reactor thread (see `release`); smaps of a small process is a few KiB.
     let text = std::fs::read_to_string("/proc/self/smaps").ok()?;
@@ -246,6 +250,10 @@ mod imp {
 }
 
 #[cfg(test)]
+#[allow(
+    clippy::disallowed_methods,
+    reason = "test code, not on the agent's runtime"
+)]
 mod tests {
     use super::*;
 

@@ -160,6 +160,10 @@ pub fn ca_target(cfg: &Config) -> Result<Target, DialError> {
 /// `XDS_ROOT_CA` (`SYSTEM` or a path) | `./etc/certs/root-cert.pem` if it exists |
 /// `<PROV_CERT>/root-cert.pem` | file-mounted `TLS_CLIENT_ROOT_CERT` | the istiod root;
 /// `ISTIOD_SAN` always wins for the server name.
+#[allow(
+    clippy::disallowed_methods,
+    reason = "computed once at start (config checks, xds::XdsOptions::from_config), before the proxy serves"
+)]
 pub fn xds_target(cfg: &Config, cwd: &Path) -> Result<Target, DialError> {
     let addr = cfg.proxy_config.discovery_address.clone();
     let host = host_of(&addr)?;
@@ -399,6 +403,10 @@ pub fn client_config(tls: &Tls, cwd: &Path) -> std::io::Result<rustls::ClientCon
     Ok(config)
 }
 
+#[allow(
+    clippy::disallowed_methods,
+    reason = "called by client_config, on the blocking pool"
+)]
 fn load_roots(roots: &Roots, cwd: &Path) -> std::io::Result<rustls::RootCertStore> {
     let path = match roots {
         Roots::File(p) => crate::fsio::under(cwd, p),
@@ -543,6 +551,10 @@ impl CallMetadata {
 }
 
 #[cfg(test)]
+#[allow(
+    clippy::disallowed_methods,
+    reason = "test code, not on the agent's runtime"
+)]
 mod tests {
     use super::*;
 

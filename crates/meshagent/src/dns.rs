@@ -139,6 +139,10 @@ pub struct Options {
 }
 
 impl Options {
+    #[allow(
+        clippy::disallowed_methods,
+        reason = "computed once at start, before the DNS proxy serves"
+    )]
     pub fn from_config(cfg: &Config) -> Options {
         let mut addr = cfg.dns.proxy_addr.clone();
         let mut resolv_conf = cfg.dns.resolv_conf.clone();

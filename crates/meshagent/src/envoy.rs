@@ -140,7 +140,7 @@ impl Envoy {
             }
         };
         if let Some(p) = self.bootstrap.take() {
-            let _ = std::fs::remove_file(&p);
+            let _ = tokio::fs::remove_file(&p).await;
         }
         Ok(outcome)
     }

@@ -8,6 +8,10 @@
 //! and only up to a size cap. The open itself never blocks (`O_NONBLOCK`: a FIFO with no
 //! writer would), and the type is checked on the opened descriptor, so swapping a FIFO in
 //! between check and read does not work.
+#![allow(
+    clippy::disallowed_methods,
+    reason = "this module is the blocking side: its callers run it on the blocking pool"
+)]
 
 use std::io::Read as _;
 use std::os::unix::fs::{FileTypeExt as _, OpenOptionsExt as _};

@@ -818,6 +818,7 @@ pub fn check_nft_text(cfg: &crate::iptables::config::Config, text: &str) -> Resu
 /// talks to the kernel, which must not see the host's tables), with a deadline.
 #[allow(
     clippy::disallowed_types,
+    clippy::disallowed_methods,
     reason = "synchronous check outside any Tokio runtime"
 )]
 pub fn nft_load_check(text: &str) -> Result<(), String> {

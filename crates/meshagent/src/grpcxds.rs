@@ -172,6 +172,10 @@ pub fn render(
 
 /// Writes the bootstrap atomically: directory created 0700 if missing, file 0644 (Istio:
 /// `os.MkdirAll(dir, 0o700)`, `file.AtomicWrite(path, data, 0o644)`). Returns the absolute path.
+#[allow(
+    clippy::disallowed_methods,
+    reason = "called on the blocking pool (app.rs)"
+)]
 pub fn write(cwd: &Path, path: &Path, contents: &str) -> Result<PathBuf, GrpcXdsError> {
     use std::io::Write as _;
     use std::os::unix::fs::{DirBuilderExt as _, OpenOptionsExt as _, PermissionsExt as _};
@@ -217,6 +221,10 @@ pub fn write(cwd: &Path, path: &Path, contents: &str) -> Result<PathBuf, GrpcXds
 
 #[cfg(test)]
 mod tests {
+    #![allow(
+        clippy::disallowed_methods,
+        reason = "test code, not on the agent's runtime"
+    )]
     #![allow(clippy::unwrap_used)]
     use super::*;
     use crate::config::{MapEnv, ProxyFlags};

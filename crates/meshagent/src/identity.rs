@@ -87,6 +87,8 @@ pub enum IdentityError {
         #[source]
         source: std::io::Error,
     },
+    #[error("cannot probe the identity mode: {0}")]
+    Probe(String),
     #[error("CA_PROVIDER {0} is not supported (only Citadel, as in open-source Istio)")]
     CaProvider(String),
     #[error(transparent)]
@@ -250,65 +252,34 @@ pub async fn start(
     start_with(cfg, cwd, registry, shutdown, Options::default()).await
 }
 
-/// Dials the external socket like Istio's `checkSocket` (1 s); healthy = accepts connections.
-async fn external_socket_healthy(path: &Path) -> Result<bool, IdentityError> {
-    let Ok(meta) = std::fs::symlink_metadata(path) else {
-        return Ok(false);
-    };
-    if meta.is_file() {
-        return Ok(false);
-    }
-    if crate::uds::accepts_connections(path) {
-        return Ok(true);
-    }
-    tracing::warn!(path = %path.display(), "removing unhealthy SDS socket");
-    std::fs::remove_file(path).map_err(|source| IdentityError::RemoveSocket {
-        path: path.to_path_buf(),
-        source,
-    })?;
-    Ok(false)
+/// What [`probe_mode`] found.
+struct Probed {
+    mode: IdentityMode,
+    aliases: Aliases,
+    /// A healthy external SDS socket: serve only file certificates, on the files socket.
+    serve_only_files: bool,
+    external: PathBuf,
 }
 
-fn non_empty(p: &Path) -> bool {
-    std::fs::metadata(p).is_ok_and(|m| m.len() > 0)
-}
-
-fn file_cert_name(chain: &Path, key: &Path) -> String {
-    format!(
-        "{}{}~{}",
-        store::FILE_CERT_PREFIX,
-        chain.display(),
-        key.display()
-    )
-}
-
-fn file_root_name(root: &Path) -> String {
-    format!("{}{}", store::FILE_ROOT_PREFIX, root.display())
-}
-
-/// [`start`] with explicit [`Options`].
-pub async fn start_with(
-    cfg: &Config,
+/// The identity source, in Istio's order (`pkg/istio-agent/agent.go`): an external SDS socket,
+/// mounted credentials, the file-mounted metadata paths, then the CA, with `./etc/certs`
+/// taking precedence for `default`/`ROOTCA`. Blocking (stats, a unix connect): run it on the
+/// blocking pool.
+#[allow(
+    clippy::disallowed_methods,
+    reason = "runs on the blocking pool (start_with)"
+)]
+fn probe_mode(
+    id: &crate::config::IdentityConfig,
     cwd: &Path,
-    registry: &Registry,
-    shutdown: CancellationToken,
-    opts: Options,
-) -> Result<IdentityHandle, IdentityError> {
-    let id = &cfg.identity;
-    let metrics = metrics::Metrics::register(registry)?;
-    let cwd = if cwd.is_absolute() {
-        cwd.to_path_buf()
-    } else {
-        std::env::current_dir()
-            .map(|d| d.join(cwd))
-            .unwrap_or_else(|_| cwd.to_path_buf())
-    };
-
+    meta: &std::collections::BTreeMap<String, String>,
+) -> Result<Probed, IdentityError> {
+    let cwd = cwd.to_path_buf();
     // 1–3: an external workload SDS socket?
     let external = cwd
         .join(WORKLOAD_SPIFFE_UDS_DIR)
         .join(&id.workload_identity_socket_file);
-    let serve_only_files = external_socket_healthy(&external).await?;
+    let serve_only_files = external_socket_healthy(&external)?;
     if !serve_only_files && id.workload_identity_socket_file != "socket" {
         return Err(IdentityError::NoExternalSocket(external));
     }
@@ -321,7 +292,6 @@ pub async fn start_with(
         creds.join("root-cert.pem"),
     );
     let etc = crate::fsio::under(&cwd, ETC_CERTS_DIR);
-    let meta = &cfg.proxy_config.proxy_metadata;
     let meta_path = |k: &str, default: PathBuf| {
         meta.get(k)
             .filter(|v| !v.is_empty())
@@ -365,6 +335,94 @@ pub async fn start_with(
         }
         IdentityMode::Ca
     };
+    Ok(Probed {
+        mode,
+        aliases,
+        serve_only_files,
+        external,
+    })
+}
+
+/// Dials the external socket like Istio's `checkSocket` (1 s); healthy = accepts connections.
+#[allow(
+    clippy::disallowed_methods,
+    reason = "called by probe_mode, on the blocking pool"
+)]
+fn external_socket_healthy(path: &Path) -> Result<bool, IdentityError> {
+    let Ok(meta) = std::fs::symlink_metadata(path) else {
+        return Ok(false);
+    };
+    if meta.is_file() {
+        return Ok(false);
+    }
+    if crate::uds::accepts_connections(path) {
+        return Ok(true);
+    }
+    tracing::warn!(path = %path.display(), "removing unhealthy SDS socket");
+    std::fs::remove_file(path).map_err(|source| IdentityError::RemoveSocket {
+        path: path.to_path_buf(),
+        source,
+    })?;
+    Ok(false)
+}
+
+#[allow(
+    clippy::disallowed_methods,
+    reason = "called by probe_mode, on the blocking pool"
+)]
+fn non_empty(p: &Path) -> bool {
+    std::fs::metadata(p).is_ok_and(|m| m.len() > 0)
+}
+
+fn file_cert_name(chain: &Path, key: &Path) -> String {
+    format!(
+        "{}{}~{}",
+        store::FILE_CERT_PREFIX,
+        chain.display(),
+        key.display()
+    )
+}
+
+fn file_root_name(root: &Path) -> String {
+    format!("{}{}", store::FILE_ROOT_PREFIX, root.display())
+}
+
+/// [`start`] with explicit [`Options`].
+pub async fn start_with(
+    cfg: &Config,
+    cwd: &Path,
+    registry: &Registry,
+    shutdown: CancellationToken,
+    opts: Options,
+) -> Result<IdentityHandle, IdentityError> {
+    let id = &cfg.identity;
+    let metrics = metrics::Metrics::register(registry)?;
+    let cwd = if cwd.is_absolute() {
+        cwd.to_path_buf()
+    } else {
+        std::env::current_dir()
+            .map(|d| d.join(cwd))
+            .unwrap_or_else(|_| cwd.to_path_buf())
+    };
+
+    // Which mode: stats and a connect of the pod's mounted paths, on the blocking pool (the
+    // status port is already served).
+    let probed = {
+        let (id, cwd, meta) = (
+            id.clone(),
+            cwd.clone(),
+            cfg.proxy_config.proxy_metadata.clone(),
+        );
+        tokio::task::spawn_blocking(move || probe_mode(&id, &cwd, &meta))
+            .await
+            .map_err(|e| IdentityError::Probe(e.to_string()))??
+    };
+    let Probed {
+        mode,
+        aliases,
+        serve_only_files,
+        external,
+    } = probed;
     tracing::info!(?mode, "identity mode");
 
     // Validate everything before starting any task, so an error leaves nothing running.

@@ -9,6 +9,10 @@
 //! - [`canon`] — canonical rule form: our spelling vs `iptables-save`'s.
 //! - [`apply`] — binary selection, `*-save`/`*-restore`, `nft -f -`, `ip rule/route`.
 //! - [`validation`] — `--run-validation`.
+#![allow(
+    clippy::disallowed_methods,
+    reason = "istio-iptables runs synchronously as its own command; no runtime is serving"
+)]
 
 pub mod apply;
 pub mod canon;

@@ -803,6 +803,10 @@ enum Target {
 struct LogWriter(Arc<Vec<Target>>);
 
 impl LogWriter {
+    #[allow(
+        clippy::disallowed_methods,
+        reason = "log files open at start, before the runtime exists"
+    )]
     fn open(paths: &[String]) -> Result<Self, LoggingError> {
         let mut out = Vec::new();
         for p in paths.iter().flat_map(|p| p.split(',')).map(str::trim) {

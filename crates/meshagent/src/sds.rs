@@ -42,13 +42,23 @@ pub async fn bind(path: &Path) -> Result<UnixListener, SdsError> {
         path: path.to_path_buf(),
         source,
     };
-    if let Some(dir) = bind_path(path).parent() {
-        std::fs::create_dir_all(dir).map_err(err)?;
-    }
+    // Directory creation, stale-socket removal and chmod are file work, and a rebind happens
+    // while everything else is served: the blocking pool (a blocking-pool thread is in the
+    // runtime's context, so the listener registers with its reactor).
     let mut delay = Duration::from_secs(1);
     let mut attempt = 0;
     loop {
-        match crate::uds::bind_once(path, "SDS") {
+        let p = path.to_path_buf();
+        #[allow(clippy::disallowed_methods, reason = "inside spawn_blocking")]
+        let bound = tokio::task::spawn_blocking(move || {
+            if let Some(dir) = bind_path(&p).parent() {
+                std::fs::create_dir_all(dir)?;
+            }
+            crate::uds::bind_once(&p, "SDS")
+        })
+        .await
+        .map_err(|e| err(std::io::Error::other(e)))?;
+        match bound {
             Ok(l) => return Ok(l),
             Err(e) if attempt < 5 && e.kind() != std::io::ErrorKind::InvalidInput => {
                 tracing::warn!(path = %path.display(), error = %e, retry_in = %crate::logging::dur(delay), "cannot listen for SDS; retrying");

@@ -140,6 +140,10 @@ fn jittered(d: Duration) -> Duration {
 /// futex wake-ups, an eventfd write and an extra runtime wake-up, ~10 syscalls and three
 /// context switches — per second per agent; idle proxyless agents spent most of their CPU
 /// on it (BENCHMARKS.md, "Proxyless gRPC at scale").
+#[allow(
+    clippy::disallowed_methods,
+    reason = "one lstat of the agent's own socket per second, cheaper than a blocking-pool hand-off (README, Runtime policy)"
+)]
 fn inode_of(p: &std::path::Path) -> Option<u64> {
     use std::os::unix::fs::MetadataExt as _;
     std::fs::symlink_metadata(p).ok().map(|m| m.ino())
@@ -167,6 +171,10 @@ async fn socket_lost(socket: Option<PathBuf>, inode: Option<u64>) -> String {
 
 #[cfg(test)]
 mod tests {
+    #![allow(
+        clippy::disallowed_methods,
+        reason = "test code, not on the agent's runtime"
+    )]
     #![allow(clippy::unwrap_used)]
     use super::*;
     use std::sync::atomic::{AtomicU32, Ordering};

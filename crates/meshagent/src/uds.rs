@@ -53,6 +53,10 @@ pub fn accepts_connections(path: &Path) -> bool {
 ///
 /// A socket removed between bind and chmod is not an error: the listener is returned and the
 /// server's supervisor (`supervise.rs`) notices the missing file and binds it again.
+#[allow(
+    clippy::disallowed_methods,
+    reason = "callers run it on the blocking pool (sds::bind, xds rebinds) or once at start"
+)]
 pub fn bind_once(path: &Path, what: &str) -> std::io::Result<UnixListener> {
     let bound = bind_path(path);
     match std::fs::remove_file(&bound) {
@@ -73,6 +77,10 @@ pub fn bind_once(path: &Path, what: &str) -> std::io::Result<UnixListener> {
 
 #[cfg(test)]
 mod tests {
+    #![allow(
+        clippy::disallowed_methods,
+        reason = "test code, not on the agent's runtime"
+    )]
     #![allow(clippy::unwrap_used)]
     use super::*;
     use std::os::unix::fs::FileTypeExt as _;

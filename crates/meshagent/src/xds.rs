@@ -419,7 +419,13 @@ pub fn start_with(
                     async move {
                         let listener = match listener {
                             Some(l) => l,
-                            None => bind(&path).map_err(|e| e.to_string())?,
+                            None => {
+                                let p = path.clone();
+                                tokio::task::spawn_blocking(move || bind(&p))
+                                    .await
+                                    .map_err(|e| e.to_string())?
+                                    .map_err(|e| e.to_string())?
+                            }
                         };
                         let server = tonic::transport::Server::builder()
                             .http2_keepalive_interval(Some(keepalive.interval))
@@ -472,6 +478,10 @@ pub fn start_with(
 /// flapping on both. At startup that is an error ([`XdsError::InUse`], the agent exits); for
 /// a supervisor restart it keeps the server down (and the agent unready) with that reason
 /// rather than stealing the socket back.
+#[allow(
+    clippy::disallowed_methods,
+    reason = "the first bind at start; rebinds run it on the blocking pool"
+)]
 fn bind(path: &Path) -> Result<tokio::net::UnixListener, XdsError> {
     use std::os::unix::fs::DirBuilderExt;
     if let Some(dir) = path.parent() {
@@ -581,6 +591,10 @@ impl AdsServer {
 
 #[cfg(test)]
 mod tests {
+    #![allow(
+        clippy::disallowed_methods,
+        reason = "test code, not on the agent's runtime"
+    )]
     #![allow(clippy::unwrap_used)]
     use super::*;
     use std::os::unix::fs::PermissionsExt;

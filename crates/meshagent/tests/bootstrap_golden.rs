@@ -6,7 +6,10 @@
 //! Every case is compared as an `envoy.config.bootstrap.v3.Bootstrap` proto (both sides parsed
 //! strictly with Envoy's descriptors, then diffed field by field; list order matters as it
 //! does to Envoy) and then checked by the real Envoy with `--mode validate`.
-
+#![allow(
+    clippy::disallowed_methods,
+    reason = "test and benchmark code, not on the agent's runtime"
+)]
 #![allow(clippy::unwrap_used)] // tests fail loudly by design
 
 mod bootstrap_support;

@@ -2,7 +2,10 @@
 //! Go's text/template and sprig produce), startup errors naming an unknown function or
 //! parameter and its line, and a template of the project's own that reproduces the built-in
 //! default bootstrap through the template path, validated by Envoy.
-
+#![allow(
+    clippy::disallowed_methods,
+    reason = "test and benchmark code, not on the agent's runtime"
+)]
 #![allow(clippy::unwrap_used)] // tests fail loudly by design
 
 use std::path::Path;

@@ -1,6 +1,9 @@
 //! The `meshagent` binary as a pod runs it: env vars, a cwd with Istio's relative paths, and
 //! the `pilot-agent` name.
-
+#![allow(
+    clippy::disallowed_methods,
+    reason = "test and benchmark code, not on the agent's runtime"
+)]
 #![allow(clippy::unwrap_used)] // tests fail loudly by design
 
 use std::net::SocketAddr;

@@ -24,6 +24,10 @@
 //! (a custom template's YAML), as text; gRPC bootstraps as JSON. A difference that is not in
 //! `KNOWN` fails, and so does a listed one that is gone. A missing pilot-agent is a failure,
 //! never a skip.
+#![allow(
+    clippy::disallowed_methods,
+    reason = "test and benchmark code, not on the agent's runtime"
+)]
 #![allow(clippy::unwrap_used)]
 
 mod bootstrap_support;

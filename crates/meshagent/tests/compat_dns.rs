@@ -12,6 +12,10 @@
 //! purpose the difference is matched to its COMPAT.md row ("Deliberate differences",
 //! [`deliberate`]); any other difference fails, and so does a listed one that no case shows
 //! any more.
+#![allow(
+    clippy::disallowed_methods,
+    reason = "test and benchmark code, not on the agent's runtime"
+)]
 #![allow(clippy::unwrap_used)] // tests fail loudly by design
 
 mod dns_support;

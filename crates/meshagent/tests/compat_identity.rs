@@ -23,6 +23,10 @@
 //! headers (the gRPC library's, grpc-go against tonic; no CA reads them). Where meshagent
 //! differs on purpose (COMPAT.md, "Deliberate differences") the difference is listed in
 //! `DELIBERATE` with that row's reason; any other difference fails.
+#![allow(
+    clippy::disallowed_methods,
+    reason = "test and benchmark code, not on the agent's runtime"
+)]
 #![allow(clippy::unwrap_used)] // tests fail loudly by design
 
 use std::collections::BTreeMap;

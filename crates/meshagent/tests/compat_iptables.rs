@@ -13,6 +13,10 @@
 //! Istio's dry run with `--native-nftables` loads its rules for real. Both read the machine's
 //! `/etc/resolv.conf` for DNS capture, in the same run. A missing
 //! pilot-agent is a failure, never a skip: `make test` builds it first.
+#![allow(
+    clippy::disallowed_methods,
+    reason = "test and benchmark code, not on the agent's runtime"
+)]
 #![allow(clippy::unwrap_used)]
 
 use std::collections::BTreeMap;

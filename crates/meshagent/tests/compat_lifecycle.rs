@@ -10,6 +10,10 @@
 //! agents: where each fails (refuses to start, runs not ready with the error logged, or
 //! exits when Envoy refuses to start), its exit status, and that meshagent's message lists
 //! the values that work.
+#![allow(
+    clippy::disallowed_methods,
+    reason = "test and benchmark code, not on the agent's runtime"
+)]
 #![allow(clippy::unwrap_used)] // tests fail loudly by design
 
 use std::process::ExitStatus;

@@ -21,6 +21,10 @@
 //! Every difference fails unless COMPAT.md ("Deliberate differences") lists it; those are
 //! written here as the expected (pilot-agent, meshagent) pair with the row's reason, and a
 //! listed difference that is gone fails too.
+#![allow(
+    clippy::disallowed_methods,
+    reason = "test and benchmark code, not on the agent's runtime"
+)]
 #![allow(clippy::unwrap_used)] // tests fail loudly by design
 
 use std::collections::{BTreeMap, BTreeSet};

@@ -17,6 +17,10 @@
 //! ports (status, admin, Envoy's readiness and Prometheus ports): those numbers are replaced
 //! by their names wherever they appear, the same for both. Differences meshagent makes on
 //! purpose are listed in `DELIBERATE` with their COMPAT.md row; any other difference fails.
+#![allow(
+    clippy::disallowed_methods,
+    reason = "test and benchmark code, not on the agent's runtime"
+)]
 #![allow(clippy::unwrap_used)] // tests fail loudly by design
 
 use std::collections::BTreeMap;

@@ -8,7 +8,10 @@
 //!
 //! Needs the image and podman: `make image-test` runs it (`--run-ignored only`), with
 //! MESHAGENT_IMAGE naming the image. Host networking: devplane and the apps stay on loopback.
-
+#![allow(
+    clippy::disallowed_methods,
+    reason = "test and benchmark code, not on the agent's runtime"
+)]
 #![allow(clippy::unwrap_used)] // tests fail loudly by design
 
 use std::path::{Path, PathBuf};

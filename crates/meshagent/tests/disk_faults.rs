@@ -9,6 +9,10 @@
 //!   error naming the file and the system's reason, and leaves no temporary file behind.
 //!
 //! The Wasm cache's own disk faults are tested with the Wasm cache (`tests/wasm_fetch.rs`).
+#![allow(
+    clippy::disallowed_methods,
+    reason = "test and benchmark code, not on the agent's runtime"
+)]
 #![allow(clippy::unwrap_used)]
 
 use std::path::{Path, PathBuf};

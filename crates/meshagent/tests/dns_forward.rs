@@ -1,6 +1,10 @@
 //! Forwarding to real upstreams: dnsmasq on loopback addresses of the test's own (port 53, as
 //! resolv.conf implies), a black-hole upstream for timeouts, the cache, and malformed input.
 //! Each test uses its own 127.0.53.x addresses so they can run in parallel.
+#![allow(
+    clippy::disallowed_methods,
+    reason = "test and benchmark code, not on the agent's runtime"
+)]
 #![allow(clippy::unwrap_used)] // tests fail loudly by design
 
 mod dns_support;

@@ -1,6 +1,10 @@
 //! Hostile and unusual peers of the DNS proxy: TCP clients that never read, upstreams with
 //! huge or odd answers, EDNS versions we do not speak, and listen addresses that are not
 //! loopback. Upstreams are the test's own on 127.0.54.x (port 53, as resolv.conf implies).
+#![allow(
+    clippy::disallowed_methods,
+    reason = "test and benchmark code, not on the agent's runtime"
+)]
 #![allow(clippy::unwrap_used)] // tests fail loudly by design
 
 mod dns_support;

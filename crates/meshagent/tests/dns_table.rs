@@ -1,6 +1,10 @@
 //! The DNS proxy answering from the NDS table that devplane (stand-in istiod) sends through
 //! the agent's xDS proxy to a real Envoy: every expansion form, CNAME chains, wildcards,
 //! families, sizes — over UDP and TCP, with hickory-proto messages and with `dig`.
+#![allow(
+    clippy::disallowed_methods,
+    reason = "test and benchmark code, not on the agent's runtime"
+)]
 #![allow(clippy::unwrap_used)] // tests fail loudly by design
 
 mod dns_support;

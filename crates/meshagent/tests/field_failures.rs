@@ -4,6 +4,10 @@
 //! do not apply. The peers are real: devplane as istiod (ADS + CA over TLS), real Envoy, the
 //! agent binary as a pod runs it or its modules in-process, and loopback TCP relays that
 //! black-hole or reset the path to istiod.
+#![allow(
+    clippy::disallowed_methods,
+    reason = "test and benchmark code, not on the agent's runtime"
+)]
 #![allow(clippy::unwrap_used)] // tests fail loudly by design
 
 mod xds_support;

@@ -2,6 +2,10 @@
 //! so far as a regression entry) through the same entry points the cargo-fuzz targets call
 //! (`meshagent::fuzzing`), so `make test` catches a regression without nightly or
 //! cargo-fuzz. `make fuzz` grows the corpus; this only replays it.
+#![allow(
+    clippy::disallowed_methods,
+    reason = "test and benchmark code, not on the agent's runtime"
+)]
 
 use std::path::{Path, PathBuf};
 

@@ -3,6 +3,10 @@
 //! devplane's grpc generator through the agent's xDS proxy, certificates from the agent's
 //! OUTPUT_CERTS files. The agents run in `DISABLE_ENVOY` mode with `binaryPath` pointing at a
 //! real Envoy, which must never start.
+#![allow(
+    clippy::disallowed_methods,
+    reason = "test and benchmark code, not on the agent's runtime"
+)]
 #![allow(clippy::unwrap_used)]
 
 use std::collections::BTreeSet;

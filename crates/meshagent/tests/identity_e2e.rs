@@ -1,6 +1,10 @@
 //! Identity end to end: the agent's identity subsystem in-process (in a temp dir as its cwd),
 //! devplane as the CA, and a real Envoy whose `sds-grpc` cluster points at the agent's socket.
 //! Envoy asks for the secrets because a static listener's TLS context names them.
+#![allow(
+    clippy::disallowed_methods,
+    reason = "test and benchmark code, not on the agent's runtime"
+)]
 #![allow(clippy::unwrap_used)] // test helpers: failing loudly is the point
 
 use std::path::{Path, PathBuf};

@@ -2,7 +2,10 @@
 //! network namespace with a lock of the pod's own, so a held host xtables lock (another pod
 //! being set up, kube-proxy) does not stall it. Root test in a network namespace it creates
 //! and deletes (address 192.0.2.9 on one end of a veth pair inside it); needs iptables-legacy (`make netpeers`).
-
+#![allow(
+    clippy::disallowed_methods,
+    reason = "test and benchmark code, not on the agent's runtime"
+)]
 #![allow(clippy::unwrap_used)] // tests fail loudly by design
 #![allow(
     clippy::disallowed_types,

@@ -25,7 +25,10 @@
 //!   `-I chain N` → `insert rule … index N-1`, or `add` when the chain is shorter.
 //!   Names are written bare as Istio writes them (`iifname eth1`, `skgid != java`) when they
 //!   are plain identifiers; any other name is quoted, so none can end its token or the rule.
-
+#![allow(
+    clippy::disallowed_methods,
+    reason = "test and benchmark code, not on the agent's runtime"
+)]
 #![allow(clippy::unwrap_used)] // tests fail loudly by design
 
 use meshagent::iptables::config::{Config, MapEnv};

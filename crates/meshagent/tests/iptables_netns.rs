@@ -7,7 +7,10 @@
 //! Sockets are opened inside a namespace by a thread that first `setns`es into it; a socket
 //! stays in the namespace it was created in. Traffic owned by uid 1337 comes from a
 //! `setpriv`-ed bash (`/dev/tcp`).
-
+#![allow(
+    clippy::disallowed_methods,
+    reason = "test and benchmark code, not on the agent's runtime"
+)]
 #![allow(clippy::unwrap_used)] // tests fail loudly by design
 #![allow(
     clippy::disallowed_types,

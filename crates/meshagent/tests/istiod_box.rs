@@ -3,7 +3,10 @@
 //! meshagent and with the real pilot-agent (`make pilot-agent`), each as a pod runs it with a
 //! real Envoy. Both must get their workload certificate from Istio's CA with the token
 //! istiod-box issued, and load the listeners and clusters istiod generated from the YAML.
-
+#![allow(
+    clippy::disallowed_methods,
+    reason = "test and benchmark code, not on the agent's runtime"
+)]
 #![allow(clippy::unwrap_used)] // tests fail loudly by design
 
 use std::time::Duration;

@@ -2,6 +2,10 @@
 //! a small C program and the linker rustc uses (its self-contained `rust-lld`): an order file
 //! whose names resolve places those functions first; one whose names are mostly gone (a
 //! dependency bump renamed them) still links, without the layout, and says so.
+#![allow(
+    clippy::disallowed_methods,
+    reason = "test and benchmark code, not on the agent's runtime"
+)]
 #![allow(clippy::unwrap_used)]
 
 use std::path::{Path, PathBuf};

@@ -8,6 +8,10 @@
 //! message texts, except where meshagent uses Istio's text. Each run is in a network
 //! namespace of its own (`unshare --net`, the tests run as root), so no port is open. A missing
 //! pilot-agent is a failure, never a skip: `make test` builds it first.
+#![allow(
+    clippy::disallowed_methods,
+    reason = "test and benchmark code, not on the agent's runtime"
+)]
 #![allow(clippy::unwrap_used)]
 
 use std::path::{Path, PathBuf};

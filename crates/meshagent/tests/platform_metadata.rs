@@ -3,7 +3,10 @@
 //! (IMDSv2 token flow and the IMDSv1 fallback), Azure, and unreachable and slow servers; then
 //! the agent end to end: the platform reaches Envoy's node, and a hanging metadata server does
 //! not keep the proxy from becoming ready.
-
+#![allow(
+    clippy::disallowed_methods,
+    reason = "test and benchmark code, not on the agent's runtime"
+)]
 #![allow(clippy::unwrap_used)] // tests fail loudly by design
 
 use std::collections::BTreeMap;

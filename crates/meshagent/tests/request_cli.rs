@@ -3,7 +3,10 @@
 //! machine is reached: a 100 MiB body streams through in bounded memory, and a body cut
 //! short (Content-Length not reached, a broken chunked encoding) exits non-zero naming the
 //! problem.
-
+#![allow(
+    clippy::disallowed_methods,
+    reason = "test and benchmark code, not on the agent's runtime"
+)]
 #![allow(clippy::unwrap_used)] // tests fail loudly by design
 
 use std::io::{Read, Write};

@@ -1,6 +1,10 @@
 //! The runtime policy, checked on the product's runtime (the agent binary, one thread):
 //! nothing that can block or burn CPU for long runs on the reactor, so the status port keeps
 //! answering quickly while file-backed secrets are re-read in a loop.
+#![allow(
+    clippy::disallowed_methods,
+    reason = "test and benchmark code, not on the agent's runtime"
+)]
 #![allow(clippy::unwrap_used)] // tests fail loudly by design
 
 use std::net::SocketAddr;

@@ -5,7 +5,10 @@
 //! endpoints filtered to the proxy's region, workload name and pod-template-hash. Istio's own
 //! integration test checks the same thing: Envoy's `/clusters` lists `local_cluster` with
 //! the expected hosts.
-
+#![allow(
+    clippy::disallowed_methods,
+    reason = "test and benchmark code, not on the agent's runtime"
+)]
 #![allow(clippy::unwrap_used)] // tests fail loudly by design
 
 use std::collections::BTreeSet;

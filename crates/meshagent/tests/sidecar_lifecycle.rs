@@ -1,7 +1,10 @@
 //! `meshagent proxy` as a pod runs it (separate process, Istio's env vars, temp cwd): Envoy
 //! started with a generated bootstrap that Envoy itself validates, readiness reasons, `wait`,
 //! SIGTERM drain, Envoy crash propagation, `/quitquitquit`.
-
+#![allow(
+    clippy::disallowed_methods,
+    reason = "test and benchmark code, not on the agent's runtime"
+)]
 #![allow(clippy::unwrap_used)] // tests fail loudly by design
 
 use std::net::SocketAddr;

@@ -2,7 +2,10 @@
 //! run with Istio's env vars in its own working directory exactly as a pod runs it; A's app
 //! calls B through both Envoys over mTLS. Also readiness, `wait`, and graceful drain with a
 //! slow request in flight.
-
+#![allow(
+    clippy::disallowed_methods,
+    reason = "test and benchmark code, not on the agent's runtime"
+)]
 #![allow(clippy::unwrap_used)] // tests fail loudly by design
 
 use std::process::Command;

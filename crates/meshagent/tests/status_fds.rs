@@ -3,7 +3,10 @@
 //! `accept` fails with EMFILE while a python peer holds idle connections and re-opens each one
 //! that is closed: the accept loop must stay alive, free a descriptor by closing an idle
 //! connection, not spin, and keep answering `/healthz/ready`.
-
+#![allow(
+    clippy::disallowed_methods,
+    reason = "test and benchmark code, not on the agent's runtime"
+)]
 #![allow(clippy::unwrap_used)] // tests fail loudly by design
 
 use std::net::SocketAddr;

@@ -4,7 +4,10 @@
 //! veth pair, so its connections come from a non-loopback address, and re-opens every
 //! connection the agent closes. Kubelet-style probes from another address of that namespace
 //! and local probes from the pod's loopback must keep being answered.
-
+#![allow(
+    clippy::disallowed_methods,
+    reason = "test and benchmark code, not on the agent's runtime"
+)]
 #![allow(clippy::unwrap_used)] // tests fail loudly by design
 
 use std::net::{IpAddr, SocketAddr};

@@ -3,7 +3,10 @@
 //! once and contiguous, every series once, `# EOF` last for OpenMetrics), and failing
 //! application targets (down, slow past the scrape timeout, over the 10 MiB cap) leave the
 //! agent's and Envoy's metrics intact with the failures counted.
-
+#![allow(
+    clippy::disallowed_methods,
+    reason = "test and benchmark code, not on the agent's runtime"
+)]
 #![allow(clippy::unwrap_used)] // tests fail loudly by design
 
 use std::collections::{HashMap, HashSet};

@@ -3,7 +3,10 @@
 //! (`python3 -m http.server`), a real TCP listener and grpcio's gRPC health server, each
 //! healthy and unhealthy; unknown probe paths; and startup validation of
 //! `ISTIO_KUBE_APP_PROBERS` / `ISTIO_PROMETHEUS_ANNOTATIONS`.
-
+#![allow(
+    clippy::disallowed_methods,
+    reason = "test and benchmark code, not on the agent's runtime"
+)]
 #![allow(clippy::unwrap_used)] // tests fail loudly by design
 
 use std::net::{IpAddr, SocketAddr};

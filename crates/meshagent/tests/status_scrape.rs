@@ -2,7 +2,10 @@
 //! with application targets from `ISTIO_PROMETHEUS_ANNOTATIONS` served by a real HTTP server
 //! in the test, some of them broken, parsed by a real strict Prometheus parser:
 //! `expfmt-check` (github.com/prometheus/common/expfmt, installed by `make metricspeers`).
-
+#![allow(
+    clippy::disallowed_methods,
+    reason = "test and benchmark code, not on the agent's runtime"
+)]
 #![allow(clippy::unwrap_used)] // tests fail loudly by design
 
 use std::collections::HashMap;

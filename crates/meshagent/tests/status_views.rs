@@ -2,7 +2,10 @@
 //! `/debug/certz`, `/debug/xdsz`, `/logging` and the HTML page at `/` (rendered by a real
 //! headless Chromium, `make chromiumpeers`), including failure states (CA down, a NACK). The
 //! loopback rule (403 from any other peer) is unit-tested in `status.rs`.
-
+#![allow(
+    clippy::disallowed_methods,
+    reason = "test and benchmark code, not on the agent's runtime"
+)]
 #![allow(clippy::unwrap_used)] // tests fail loudly by design
 
 use std::net::SocketAddr;

@@ -3,7 +3,10 @@
 //! proxy-wasm module (assembled from WAT by wabt), so A → B responses carry its header.
 //! Failures give Envoy Istio's RBAC stand-ins (403 fail-closed, plain 200 fail-open), never
 //! a stuck listener; a slow module server holds back only ECDS.
-
+#![allow(
+    clippy::disallowed_methods,
+    reason = "test and benchmark code, not on the agent's runtime"
+)]
 #![allow(clippy::unwrap_used)]
 
 mod wasm_support;

@@ -2,7 +2,10 @@
 //! an HTTP module server, Debian's `docker-registry` filled by skopeo, and the proxy-wasm
 //! module assembled by wabt. Each failure must produce Istio's RBAC stand-in (allow-all for
 //! fail-open, deny-all otherwise) and the right `istio_agent_wasm_*` sample.
-
+#![allow(
+    clippy::disallowed_methods,
+    reason = "test and benchmark code, not on the agent's runtime"
+)]
 #![allow(clippy::unwrap_used)]
 
 mod status_support;

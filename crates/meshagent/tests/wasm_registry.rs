@@ -3,7 +3,10 @@
 //! config keychain), and HTTPS module servers and registries with a test CA (trusted,
 //! untrusted, `WASM_INSECURE_REGISTRIES`). Peers: Debian's `docker-registry`, skopeo,
 //! htpasswd (apache2-utils), wabt, and rustls servers in the test.
-
+#![allow(
+    clippy::disallowed_methods,
+    reason = "test and benchmark code, not on the agent's runtime"
+)]
 #![allow(clippy::unwrap_used)]
 
 mod wasm_support;

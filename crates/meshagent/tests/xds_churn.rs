@@ -1,6 +1,10 @@
 //! Downstream stream churn (proxyless clients opening and closing xDS streams): memory goes
 //! back to where it was, and the log does not get a line per stream. Its own test binary, so
 //! the process's RSS is this test's alone.
+#![allow(
+    clippy::disallowed_methods,
+    reason = "test and benchmark code, not on the agent's runtime"
+)]
 #![allow(clippy::unwrap_used)] // tests fail loudly by design
 
 mod xds_support;

@@ -1,4 +1,8 @@
 //! The agent's xDS proxy between a real Envoy and devplane (stand-in istiod over TLS).
+#![allow(
+    clippy::disallowed_methods,
+    reason = "test and benchmark code, not on the agent's runtime"
+)]
 #![allow(clippy::unwrap_used)] // tests fail loudly by design
 
 mod xds_support;

@@ -1,6 +1,10 @@
 //! Two agents started in one working directory: the second must not take the first's live
 //! `XDS` socket (which made both supervisors rebind in turn forever, readiness flapping on
 //! both); it fails at startup naming the socket.
+#![allow(
+    clippy::disallowed_methods,
+    reason = "test and benchmark code, not on the agent's runtime"
+)]
 #![allow(clippy::unwrap_used)] // tests fail loudly by design
 
 use std::os::unix::fs::MetadataExt as _;

@@ -3,6 +3,10 @@
 //! CDS from devplane (the size of istiod's for 3,000 services; it is the size that matters for
 //! flow control). The bulk is one large cluster: devplane generating 3,500 services for each
 //! of the stuck clients' 160 requests made its own CPU, not the agent, the test's bottleneck.
+#![allow(
+    clippy::disallowed_methods,
+    reason = "test and benchmark code, not on the agent's runtime"
+)]
 #![allow(clippy::unwrap_used)] // tests fail loudly by design
 
 mod xds_support;

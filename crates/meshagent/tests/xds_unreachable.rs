@@ -3,6 +3,10 @@
 //! own backoff (the agent never retries or holds Envoy's stream).
 //!
 //! Own test binary: it installs a global log capture.
+#![allow(
+    clippy::disallowed_methods,
+    reason = "test and benchmark code, not on the agent's runtime"
+)]
 #![allow(clippy::unwrap_used)] // tests fail loudly by design
 
 mod xds_support;

@@ -125,6 +125,10 @@ pub fn function_names() -> Vec<&'static str> {
 
 impl Template {
     /// Reads, scans and parses the template at `abs` (`shown` is the configured path).
+    #[allow(
+        clippy::disallowed_methods,
+        reason = "templates load at start, before anything is served"
+    )]
     pub fn load(abs: &Path, shown: &Path, origin: &'static str) -> Result<Self, TemplateError> {
         let text = std::fs::read_to_string(abs).map_err(|source| TemplateError::Read {
             path: shown.to_path_buf(),

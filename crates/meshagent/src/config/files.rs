@@ -1,5 +1,9 @@
 //! The files read while loading config: the mesh config and the pod
 //! annotations written by the Kubernetes downward API.
+#![allow(
+    clippy::disallowed_methods,
+    reason = "config loads before the runtime serves anything"
+)]
 
 use std::collections::BTreeMap;
 use std::io;

@@ -8,6 +8,10 @@
 //! choice of identity mode depends on them: the CA checks only apply when the start would
 //! use the CA, as in `identity::start_with`. Certificates and roots, read per connection,
 //! are not checked here.
+#![allow(
+    clippy::disallowed_methods,
+    reason = "config checks run before the runtime serves anything"
+)]
 
 use std::fmt::Display;
 use std::path::Path;

@@ -1,3 +1,7 @@
+#![allow(
+    clippy::disallowed_methods,
+    reason = "test code, not on the agent's runtime"
+)]
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 

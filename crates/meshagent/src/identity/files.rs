@@ -111,6 +111,10 @@ fn parse_name(name: &str, cwd: &Path) -> Result<Source, FileSecretError> {
     })
 }
 
+#[allow(
+    clippy::disallowed_methods,
+    reason = "called from load/source_dirs on the blocking pool"
+)]
 fn system_roots() -> Result<PathBuf, FileSecretError> {
     SYSTEM_ROOT_PATHS
         .iter()
@@ -217,6 +221,10 @@ enum Found {
 /// Reads the source's files and parses them unless they are byte-for-byte what was loaded
 /// last time (`prev`): most reloads are caused by events for *other* files of a directory, or
 /// by rewrites with the same content, and parsing and key checks are the expensive part.
+#[allow(
+    clippy::disallowed_methods,
+    reason = "runs on the blocking pool (FileSecrets::load_one)"
+)]
 fn load(
     source: &Source,
     crl: &Option<PathBuf>,
@@ -267,6 +275,10 @@ fn source_files(source: &Source) -> Vec<PathBuf> {
 
 /// The directories to watch for a source: each file's own, and its resolved target's
 /// (kubelet's `..data` indirection). Blocking (canonicalize, stat).
+#[allow(
+    clippy::disallowed_methods,
+    reason = "runs on the blocking pool with load"
+)]
 fn source_dirs(source: &Source) -> HashSet<PathBuf> {
     let mut dirs = HashSet::new();
     for f in source_files(source) {
@@ -596,6 +608,10 @@ fn far_future() -> Instant {
 }
 
 #[cfg(test)]
+#[allow(
+    clippy::disallowed_methods,
+    reason = "test code, not on the agent's runtime"
+)]
 mod tests {
     use super::*;
 

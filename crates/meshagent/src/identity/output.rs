@@ -17,6 +17,10 @@
 //! previous generation is kept (a reader that resolved it a moment ago can finish), older ones
 //! are removed. Files have mode 0600 — or 0644 when `KUBERNETES_SERVICE_HOST` is set, as Istio
 //! does for other containers of the pod. Nothing is written when the set is unchanged.
+#![allow(
+    clippy::disallowed_methods,
+    reason = "OUTPUT_CERTS writes run on the blocking pool (OutputCerts::write_workload)"
+)]
 
 use std::io::Write as _;
 use std::os::unix::fs::{DirBuilderExt as _, OpenOptionsExt as _, PermissionsExt as _};

@@ -6,6 +6,10 @@
 //! default. Values that cannot be set from the environment (`fs.Set` fails, e.g. an empty
 //! bool) are dropped as Istio drops them; the command line is strict: a bad flag is an error
 //! naming the flag and the value.
+#![allow(
+    clippy::disallowed_methods,
+    reason = "istio-iptables runs synchronously as its own command; no runtime is serving"
+)]
 
 use std::collections::HashMap;
 use std::net::IpAddr;

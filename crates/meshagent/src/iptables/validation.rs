@@ -6,6 +6,7 @@
 //! This runs in the synchronous `istio-iptables` command, outside any Tokio runtime, so it
 //! uses std sockets, threads and `std::time::Instant`.
 #![allow(
+    clippy::disallowed_methods,
     clippy::disallowed_types,
     reason = "synchronous command without a Tokio runtime"
 )]

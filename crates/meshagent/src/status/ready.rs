@@ -328,6 +328,10 @@ impl Readiness {
 }
 
 #[cfg(test)]
+#[allow(
+    clippy::disallowed_methods,
+    reason = "test code, not on the agent's runtime"
+)]
 mod tests {
     use super::*;
 

@@ -453,6 +453,7 @@ impl Cache {
         if expired.is_empty() {
             return;
         }
+        #[allow(clippy::disallowed_methods, reason = "inside spawn_blocking")]
         let _ = tokio::task::spawn_blocking(move || {
             for (_, p) in expired {
                 tracing::info!(file = %p.display(), "Wasm module expired; removed");
@@ -486,6 +487,10 @@ const MAX_DOCKER_CONFIG: u64 = 1024 * 1024;
 /// `config.Load` (`cli/config/config.go`), which fails on an unreadable file but takes an
 /// empty one as no configuration (`LoadFromReader` ignores `io.EOF`: 0 bytes or only
 /// whitespace). `Ok(None)`: anonymous. Blocking.
+#[allow(
+    clippy::disallowed_methods,
+    reason = "runs on the blocking pool (Cache::auth)"
+)]
 fn read_docker_config(path: &Path) -> Result<Option<Vec<u8>>, String> {
     match std::fs::metadata(path) {
         Ok(m) if !m.is_dir() => {}
@@ -510,6 +515,7 @@ fn read_docker_config(path: &Path) -> Result<Option<Vec<u8>>, String> {
     }
 }
 
+#[allow(clippy::disallowed_methods, reason = "runs on the blocking pool")]
 fn persist(file: tempfile::NamedTempFile, dir: &Path, path: &Path) -> std::io::Result<()> {
     use std::os::unix::fs::{DirBuilderExt as _, PermissionsExt as _};
     std::fs::DirBuilder::new()
@@ -526,6 +532,10 @@ fn persist(file: tempfile::NamedTempFile, dir: &Path, path: &Path) -> std::io::R
 
 /// `(module dir, checksum, file, mtime)` of every `<hex>/<checksum>.wasm` under `dir`; the
 /// temp directory of interrupted downloads is emptied.
+#[allow(
+    clippy::disallowed_methods,
+    reason = "runs on the blocking pool (Cache::load)"
+)]
 fn scan(dir: &Path) -> Vec<(String, String, PathBuf, SystemTime, Option<u64>)> {
     let _ = std::fs::remove_dir_all(unpack::tmp_dir(dir));
     let mut out = Vec::new();
@@ -566,6 +576,10 @@ fn scan(dir: &Path) -> Vec<(String, String, PathBuf, SystemTime, Option<u64>)> {
     out
 }
 
+#[allow(
+    clippy::disallowed_methods,
+    reason = "called from scan, on the blocking pool"
+)]
 fn starts_with_magic(p: &Path) -> bool {
     use std::io::Read as _;
     let mut head = [0u8; 8];
@@ -577,6 +591,10 @@ fn starts_with_magic(p: &Path) -> bool {
 
 #[cfg(test)]
 mod tests {
+    #![allow(
+        clippy::disallowed_methods,
+        reason = "test code, not on the agent's runtime"
+    )]
     #![allow(clippy::unwrap_used)]
     use super::*;
 

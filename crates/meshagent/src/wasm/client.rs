@@ -116,6 +116,7 @@ fn fallback_config() -> rustls::ClientConfig {
 
 /// The OS trust bundle (the first of Istio's paths that exists) plus the mesh CA bundle.
 /// Blocking: file reads and certificate parsing.
+#[allow(clippy::disallowed_methods, reason = "runs on the blocking pool")]
 fn verified_config(mesh_root: Option<&Path>) -> rustls::ClientConfig {
     let mut roots = rustls::RootCertStore::empty();
     let files = crate::control_plane::SYSTEM_ROOT_PATHS

@@ -137,6 +137,7 @@ pub(crate) async fn body_to_temp(
     deadline: Instant,
 ) -> Result<(NamedTempFile, String), ClientError> {
     let dir = tmp_dir.to_owned();
+    #[allow(clippy::disallowed_methods, reason = "inside spawn_blocking")]
     let (tmp, std_file) = tokio::task::spawn_blocking(move || {
         std::fs::create_dir_all(&dir)?;
         let t = NamedTempFile::new_in(&dir)?;

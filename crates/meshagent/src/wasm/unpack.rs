@@ -146,6 +146,10 @@ fn copy_limited(
 }
 
 /// Hex sha256 and length of a file, streamed.
+#[allow(
+    clippy::disallowed_methods,
+    reason = "runs on the blocking pool (unpack)"
+)]
 pub fn sha256_file(path: &Path) -> std::io::Result<(String, u64)> {
     let mut f = File::open(path)?;
     let mut ctx = aws_lc_rs::digest::Context::new(&aws_lc_rs::digest::SHA256);

@@ -76,14 +76,7 @@ async fn main() {
     .await;
     println!("HTTP {status}: {}", body.trim());
 
-    println!("\n--- workload identities (Envoy /certs) ---");
-    println!("envoy a: {}", a.spiffe_ids().await.join(", "));
-    println!("envoy b: {}", b.spiffe_ids().await.join(", "));
-
-    println!("\n==> SIGTERM to both agents (graceful drain)");
-    stop("a", &mut a).await;
-    stop("b", &mut b).await;
-    println!("\ndemo OK");
+    finish("", &mut a, &mut b).await;
 }
 
 /// The demo against istiod-box (`ISTIOD=box`).
@@ -127,12 +120,17 @@ async fn with_istiod_box() {
     let body = response.split("\r\n\r\n").nth(1).unwrap_or_default();
     println!("HTTP 200: {}", body.trim());
 
-    println!("\n--- workload identities (Envoy /certs), signed by Istio's CA ---");
+    finish(", signed by Istio's CA", &mut a, &mut b).await;
+}
+
+/// Both demos' ending: the identities Envoy holds, then SIGTERM (drain) to both agents.
+async fn finish(signed_by: &str, a: &mut Sidecar, b: &mut Sidecar) {
+    println!("\n--- workload identities (Envoy /certs){signed_by} ---");
     println!("envoy a: {}", a.spiffe_ids().await.join(", "));
     println!("envoy b: {}", b.spiffe_ids().await.join(", "));
 
     println!("\n==> SIGTERM to both agents (graceful drain)");
-    stop("a", &mut a).await;
-    stop("b", &mut b).await;
+    stop("a", a).await;
+    stop("b", b).await;
     println!("\ndemo OK");
 }

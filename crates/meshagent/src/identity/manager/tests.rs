@@ -1,5 +1,9 @@
 //! Rotation schedule, jitter bounds and backoff on paused time, against devplane's CA code
 //! signing in-process with the paused clock as "now".
+#![allow(
+    clippy::disallowed_methods,
+    reason = "test code, not on the agent's runtime"
+)]
 
 use std::sync::Mutex;
 
