@@ -16,6 +16,7 @@ use crate::bootstrap::{self, Node};
 use crate::config::Config;
 use crate::envoy::{self, DrainOptions, DrainState, Envoy, EnvoyArgs, Outcome};
 use crate::metrics::Registry;
+use crate::preflight::StartPlan;
 use crate::status;
 use crate::tasks::Tasks;
 
@@ -35,8 +36,8 @@ pub enum AppError {
         #[source]
         source: std::io::Error,
     },
-    #[error("cannot read ISTIO_BOOTSTRAP_OVERRIDE file {path}: {reason}")]
-    Override { path: PathBuf, reason: String },
+    #[error(transparent)]
+    Preflight(#[from] crate::preflight::PreflightError),
     #[error("a start-up step on the blocking pool failed: {0}")]
     Blocking(String),
     #[error("cannot install signal handlers: {0}")]
@@ -75,6 +76,9 @@ pub struct Agent {
     pub servers: crate::supervise::Servers,
     /// What the status server's operability views read (`/debug/certz`, `/debug/xdsz`, `/`).
     pub views: status::views::Views,
+    /// The start's plan when the caller ran preflight already (`main` does, to fail before
+    /// anything starts); otherwise the agent runs it.
+    pub plan: Option<StartPlan>,
 }
 
 impl Agent {
@@ -91,6 +95,15 @@ impl Agent {
             tasks: Tasks::new(),
             servers: crate::supervise::Servers::new(),
             views: Default::default(),
+            plan: None,
+        }
+    }
+
+    /// [`Agent::new`] with the plan `preflight::plan` made for `config`.
+    pub fn with_plan(config: Config, plan: StartPlan, cwd: &Path) -> Agent {
+        Agent {
+            plan: Some(plan),
+            ..Agent::new(config, cwd)
         }
     }
 
@@ -114,8 +127,12 @@ impl Agent {
         }
     }
 
-    async fn run_inner(self) -> Result<u8, AppError> {
+    async fn run_inner(mut self) -> Result<u8, AppError> {
         raise_fd_limit();
+        let plan = match self.plan.take() {
+            Some(p) => p,
+            None => crate::preflight::plan(&self.config, &self.cwd)?,
+        };
         let cfg = &self.config;
         crate::metrics::register_process_metrics(&self.registry)?;
         self.registry.counter_fn(
@@ -123,8 +140,12 @@ impl Agent {
             "Long-lived agent tasks that died by panicking (readiness names the first).",
             || crate::tasks::Deaths::process().all().len() as f64,
         )?;
-        let template = bootstrap::check_template(cfg, &self.cwd)?;
-        let node = Node::from_config(cfg)?;
+        bootstrap::note_unused_image_template(cfg, &self.cwd, plan.template.as_ref());
+        let StartPlan {
+            template,
+            node,
+            bootstrap_override,
+        } = plan;
         // Cloud platform discovery (bounded, see `platform`) runs while the status server and
         // identity start; the node gets its result before the xDS proxy and Envoy need it.
         let platform = self.tasks.spawn("platform-discovery", {
@@ -361,7 +382,8 @@ impl Agent {
                         } else {
                             (cfg.proxy_config.custom_config_file.clone(), None)
                         };
-                    Ok((generated, envoy_args(&cfg, &node, &cwd, config_file)?))
+                    let args = envoy_args(&cfg, &node, config_file, bootstrap_override);
+                    Ok((generated, args))
                 })
                 .await
                 .map_err(|e| AppError::Blocking(e.to_string()))??
@@ -476,38 +498,13 @@ fn probe_destination(cfg: &Config, localhost: std::net::IpAddr) -> std::net::IpA
     cfg.pod.instance_ip.unwrap_or(localhost)
 }
 
-/// The `ISTIO_BOOTSTRAP_OVERRIDE` file as JSON for Envoy's `--config-yaml`, `$(HOST_IP)`
-/// substituted. Also run when the config is loaded (`config::startup`), so a bad file fails
-/// `--dump-config` as it fails a start.
-pub(crate) fn bootstrap_override(cfg: &Config, cwd: &Path) -> Result<Option<String>, AppError> {
-    let Some(p) = &cfg.bootstrap.bootstrap_override else {
-        return Ok(None);
-    };
-    let path = crate::fsio::under(cwd, p);
-    #[allow(
-        clippy::disallowed_methods,
-        reason = "run before anything is served (config::startup) or on the blocking pool (run_inner)"
-    )]
-    let text = std::fs::read_to_string(&path).map_err(|e| AppError::Override {
-        path: path.clone(),
-        reason: e.to_string(),
-    })?;
-    let text = bootstrap::expand_host_ip(&text, &cfg.pod.host_ip);
-    let value: serde_json::Value = serde_yaml::from_str(&text).map_err(|e| AppError::Override {
-        path: path.clone(),
-        reason: format!("not YAML/JSON: {e}"),
-    })?;
-    Ok(Some(value.to_string()))
-}
-
 fn envoy_args(
     cfg: &Config,
     node: &Node,
-    cwd: &Path,
     config: PathBuf,
-) -> Result<EnvoyArgs, AppError> {
-    let config_yaml = bootstrap_override(cfg, cwd)?;
-    Ok(EnvoyArgs {
+    config_yaml: Option<String>,
+) -> EnvoyArgs {
+    EnvoyArgs {
         binary: cfg.proxy_config.binary_path.clone(),
         config,
         drain_duration: cfg.proxy_config.drain_duration.get(),
@@ -533,7 +530,7 @@ fn envoy_args(
         enable_core_dump: cfg.bootstrap.envoy_enable_core_dump,
         config_yaml,
         concurrency: cfg.proxy_config.concurrency,
-    })
+    }
 }
 
 /// Raises the soft open-files limit to the hard limit, as the Go runtime does at start

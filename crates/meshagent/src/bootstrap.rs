@@ -65,6 +65,8 @@ pub enum BootstrapError {
     LoadStats { value: String, reason: String },
     #[error(transparent)]
     Template(#[from] template::TemplateError),
+    #[error("cannot read ISTIO_BOOTSTRAP_OVERRIDE file {path}: {reason}")]
+    Override { path: PathBuf, reason: String },
     #[error("cannot write bootstrap {path}: {source}")]
     Write {
         path: PathBuf,
@@ -161,7 +163,7 @@ pub const FILE_CREDENTIAL_META: &str = "file-credential";
 pub fn custom_file_sds_path(node: &Node) -> Option<String> {
     node.metadata
         .contains_key(FILE_CREDENTIAL_META)
-        .then(|| format!("./{}", crate::sds::FILES_SOCKET))
+        .then(|| format!("./{}", crate::identity::sds::FILES_SOCKET))
 }
 
 /// Renders Istio's default bootstrap for `cfg` and `node`.
@@ -432,7 +434,18 @@ pub fn check_template(
     cwd: &Path,
 ) -> Result<Option<template::Template>, BootstrapError> {
     let t = load_template(cfg, cwd)?;
-    if t.is_none()
+    note_unused_image_template(cfg, cwd, t.as_ref());
+    Ok(t)
+}
+
+/// Says once, when Envoy's bootstrap is about to be rendered, that the image's template
+/// (`/var/lib/istio/envoy/envoy_bootstrap_tmpl.json`) is not used.
+#[allow(
+    clippy::disallowed_methods,
+    reason = "one stat at start, before anything is served"
+)]
+pub fn note_unused_image_template(cfg: &Config, cwd: &Path, template: Option<&template::Template>) {
+    if template.is_none()
         && cfg.proxy_config.custom_config_file.as_os_str().is_empty()
         && crate::fsio::under(cwd, IMAGE_TEMPLATE_PATH).exists()
     {
@@ -442,7 +455,6 @@ pub fn check_template(
              produces Istio's default bootstrap (set ISTIO_BOOTSTRAP to render a template)"
         );
     }
-    Ok(t)
 }
 
 /// [`check_template`] without the log line.
@@ -536,4 +548,29 @@ pub fn write(cfg: &Config, cwd: &Path, rendered: &Rendered) -> Result<PathBuf, B
         source,
     })?;
     Ok(rel)
+}
+
+/// The `ISTIO_BOOTSTRAP_OVERRIDE` file as JSON for Envoy's `--config-yaml`, `$(HOST_IP)`
+/// substituted (pkg/envoy/proxy.go passes it as `--config-yaml`). Read once, by
+/// [`crate::preflight::plan`].
+#[allow(
+    clippy::disallowed_methods,
+    reason = "read once by preflight, before anything is served"
+)]
+pub fn read_override(cfg: &Config, cwd: &Path) -> Result<Option<String>, BootstrapError> {
+    let Some(p) = &cfg.bootstrap.bootstrap_override else {
+        return Ok(None);
+    };
+    let path = crate::fsio::under(cwd, p);
+    let text = std::fs::read_to_string(&path).map_err(|e| BootstrapError::Override {
+        path: path.clone(),
+        reason: e.to_string(),
+    })?;
+    let text = expand_host_ip(&text, &cfg.pod.host_ip);
+    let value: serde_json::Value =
+        serde_yaml::from_str(&text).map_err(|e| BootstrapError::Override {
+            path: path.clone(),
+            reason: format!("not YAML/JSON: {e}"),
+        })?;
+    Ok(Some(value.to_string()))
 }

@@ -7,8 +7,9 @@
 //!
 //! Environment variables follow Istio's parsing rules (see `env::Reader`): a scalar
 //! that does not parse is a warning and the default, as in Istio. Every other bad
-//! value is an error, and so is everything a start would reject (`startup`): loading
-//! runs the start's own checks, so `proxy --dump-config` fails exactly as `proxy` does.
+//! value is an error. What a start would reject beyond that (a template, the override file,
+//! the CA and xDS endpoints) is checked one layer up, by `preflight`, which `proxy` and
+//! `proxy --dump-config` both run. This module imports nothing else of the agent.
 
 use std::collections::BTreeMap;
 use std::fmt;
@@ -23,7 +24,6 @@ mod identity;
 pub(crate) mod parse;
 pub mod probers;
 mod proxy_config;
-mod startup;
 mod vars;
 
 #[cfg(test)]
@@ -97,9 +97,6 @@ pub enum ConfigError {
         value: String,
         expected: &'static str,
     },
-    /// A value the start itself would reject; the message is the one a start prints.
-    #[error("{0}")]
-    Startup(String),
     /// Several of the above.
     #[error("{} configuration errors: {}", .0.len(), join(.0))]
     Multiple(Vec<ConfigError>),
@@ -418,10 +415,6 @@ pub fn load(
         grpc,
         warnings,
     };
-    let startup = startup::check(&config, base_dir);
-    if !startup.is_empty() {
-        return Err(ConfigError::from_many(startup));
-    }
     Ok(config)
 }
 

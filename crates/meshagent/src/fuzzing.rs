@@ -171,7 +171,7 @@ fn sds_store() -> (Arc<SecretStore>, Subscription) {
 
 /// Fuzz target `sds`: the input is the request body of an SDS stream. The first byte picks
 /// SotW or Delta; the rest is gRPC-framed `DiscoveryRequest`s (or `DeltaDiscoveryRequest`s)
-/// fed to the real [`SdsService`](crate::sds::SdsService) over a store holding `default`,
+/// fed to the real [`SdsService`](crate::identity::sds::SdsService) over a store holding `default`,
 /// `ROOTCA` and one failed file resource ([`FAILING`]) (file resources stay pending: nothing loads files here).
 /// Every response is drained until the service ends the stream.
 pub fn sds(data: &[u8]) {
@@ -180,7 +180,7 @@ pub fn sds(data: &[u8]) {
     };
     let body = http_body_util::Full::new(Bytes::copy_from_slice(body));
     let (store, _failing) = sds_store();
-    let service = crate::sds::SdsService::new(store, Default::default());
+    let service = crate::identity::sds::SdsService::new(store, Default::default());
     runtime().block_on(async move {
         if mode & 1 == 0 {
             let mut codec =

@@ -34,6 +34,7 @@ pub mod keys;
 pub mod manager;
 pub mod metrics;
 pub mod output;
+pub mod sds;
 pub mod store;
 pub mod verify;
 
@@ -96,7 +97,7 @@ pub enum IdentityError {
     #[error(transparent)]
     Dial(#[from] crate::control_plane::DialError),
     #[error(transparent)]
-    Sds(#[from] crate::sds::SdsError),
+    Sds(#[from] crate::identity::sds::SdsError),
 }
 
 /// Where the identity subsystem stands, for readiness and debugging.
@@ -451,13 +452,13 @@ pub async fn start_with(
     let socket = crate::fsio::under(
         &cwd,
         if serve_only_files {
-            crate::sds::FILES_SOCKET
+            crate::identity::sds::FILES_SOCKET
         } else {
-            crate::sds::WORKLOAD_SOCKET
+            crate::identity::sds::WORKLOAD_SOCKET
         },
     );
     let listener = if opts.sds_server {
-        Some(crate::sds::bind(&socket).await?)
+        Some(crate::identity::sds::bind(&socket).await?)
     } else {
         None
     };
@@ -568,11 +569,13 @@ pub async fn start_with(
                     async move {
                         let listener = match listener {
                             Some(l) => l,
-                            None => crate::sds::bind(&path).await.map_err(|e| e.to_string())?,
+                            None => crate::identity::sds::bind(&path)
+                                .await
+                                .map_err(|e| e.to_string())?,
                         };
                         Ok(crate::supervise::Serving {
                             serve: Box::pin(async move {
-                                crate::sds::serve(listener, store, stop)
+                                crate::identity::sds::serve(listener, store, stop)
                                     .await
                                     .map_err(|e| e.to_string())
                             }),
@@ -597,9 +600,4 @@ pub async fn start_with(
         output_certs,
         cwd,
     })
-}
-
-/// A random factor in `[1 - spread, 1 + spread]`.
-pub(crate) fn jitter_factor(spread: f64) -> f64 {
-    1.0 + spread * (2.0 * rand::random::<f64>() - 1.0)
 }

@@ -137,7 +137,7 @@ pub const TARGET_SCOPES: &[(&str, &str)] = &[
     ("meshagent::identity", "cache"),
     ("meshagent::control_plane", "cache"),
     // security/pkg/nodeagent/sds/sdsservice.go
-    ("meshagent::sds", "sds"),
+    ("meshagent::identity::sds", "sds"),
     // pkg/istio-agent/xds_proxy.go
     ("meshagent::xds", "xdsproxy"),
     // pkg/dns/client/dns.go

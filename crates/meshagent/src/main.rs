@@ -130,6 +130,11 @@ fn proxy(args: &ProxyArgs, log_as_json: bool) -> ExitCode {
         Err(e) => return fail(&e),
     };
     config::resolve_statsd(&mut config.proxy_config);
+    // What the start would reject, before anything starts; `--dump-config` fails the same way.
+    let plan = match meshagent::preflight::plan(&config, Path::new(".")) {
+        Ok(p) => p,
+        Err(e) => return fail(&e),
+    };
     if args.dump_config {
         return match serde_json::to_string_pretty(&config) {
             Ok(json) => {
@@ -144,7 +149,7 @@ fn proxy(args: &ProxyArgs, log_as_json: bool) -> ExitCode {
         Err(e) => tracing::warn!("cannot render effective config: {e}"),
     }
     let _ = rustls::crypto::aws_lc_rs::default_provider().install_default();
-    let agent = meshagent::app::Agent::new(config, Path::new("."));
+    let agent = meshagent::app::Agent::with_plan(config, plan, Path::new("."));
     match runtime().map(|rt| rt.block_on(agent.run())) {
         Ok(Ok(code)) => ExitCode::from(code),
         Ok(Err(e)) => fail(&e),

@@ -128,7 +128,7 @@ pub async fn run<F, Fut>(
 }
 
 fn jittered(d: Duration) -> Duration {
-    d.mul_f64(crate::identity::jitter_factor(0.2))
+    d.mul_f64(jitter_factor(0.2))
 }
 
 /// The inode at `p` (not following a symlink), by a synchronous `lstat` on the runtime thread.
@@ -167,6 +167,11 @@ async fn socket_lost(socket: Option<PathBuf>, inode: Option<u64>) -> String {
             None => return format!("socket {} was removed", path.display()),
         }
     }
+}
+
+/// A random factor in `[1 - spread, 1 + spread]`: the jitter of every backoff in the agent.
+pub(crate) fn jitter_factor(spread: f64) -> f64 {
+    1.0 + spread * (2.0 * rand::random::<f64>() - 1.0)
 }
 
 #[cfg(test)]

@@ -1,5 +1,5 @@
 //! The unix sockets the agent serves Envoy on (SDS `var/run/secrets/...`, xDS
-//! `etc/istio/proxy/XDS`): one way to bind them, shared by [`crate::sds`] and [`crate::xds`].
+//! `etc/istio/proxy/XDS`): one way to bind them, shared by [`crate::identity::sds`] and [`crate::xds`].
 //!
 //! Istio (`pkg/uds/listener.go`, `NewListener`) removes a stale socket left by a previous run,
 //! listens, and makes the socket 0666 so Envoy can connect whatever its uid.

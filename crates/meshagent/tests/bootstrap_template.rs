@@ -156,14 +156,6 @@ fn parse_errors_name_the_template() {
 }
 
 fn cfg(env: &[(&str, &str)], annotations: &[(&str, &str)], dir: &Path) -> config::Config {
-    try_cfg(env, annotations, dir).unwrap()
-}
-
-fn try_cfg(
-    env: &[(&str, &str)],
-    annotations: &[(&str, &str)],
-    dir: &Path,
-) -> Result<config::Config, config::ConfigError> {
     let mut e: Vec<(String, String)> = [
         ("POD_NAME", "foo"),
         ("POD_NAMESPACE", "bar"),
@@ -183,7 +175,7 @@ fn try_cfg(
         std::fs::create_dir_all(dir.join("etc/istio/pod")).unwrap();
         std::fs::write(dir.join("etc/istio/pod/annotations"), text).unwrap();
     }
-    config::load(&ProxyFlags::default(), &MapEnv::from_pairs(e), dir)
+    config::load(&ProxyFlags::default(), &MapEnv::from_pairs(e), dir).unwrap()
 }
 
 /// The project's own default template, rendered through the template path (as
@@ -317,8 +309,9 @@ fn template_selection_and_output_name() {
     let r = bootstrap::generate(&c, &node, Some(&t)).unwrap();
     assert_eq!(r.file_name, "envoy-rev.json");
 
-    // A missing template fails at load already (the start's check runs there).
-    let e = try_cfg(&[("ISTIO_BOOTSTRAP", "missing.json")], &[], dir.path())
+    // A missing template fails preflight (before anything starts, and `--dump-config`).
+    let c = cfg(&[("ISTIO_BOOTSTRAP", "missing.json")], &[], dir.path());
+    let e = meshagent::preflight::plan(&c, dir.path())
         .unwrap_err()
         .to_string();
     assert!(

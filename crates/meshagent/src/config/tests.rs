@@ -64,9 +64,13 @@ impl Fixture {
             .unwrap_or_else(|e| panic!("unexpected error: {e}"))
     }
 
+    /// The error a start fails with: loading, then preflight (as `main` runs them).
     fn err(&self) -> String {
         match self.load() {
-            Ok(_) => panic!("expected an error"),
+            Ok(c) => match crate::preflight::plan(&c, self.dir.path()) {
+                Ok(_) => panic!("expected an error"),
+                Err(e) => e.to_string(),
+            },
             Err(e) => e.to_string(),
         }
     }

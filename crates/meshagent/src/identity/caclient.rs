@@ -202,7 +202,7 @@ impl IstioCaClient {
             if retryable(status.code()) && attempt < self.retry.retries {
                 attempt += 1;
                 self.metrics.csr_retries.inc();
-                let wait = delay.mul_f64(super::jitter_factor(0.1));
+                let wait = delay.mul_f64(crate::supervise::jitter_factor(0.1));
                 tracing::debug!(code = ?status.code(), error = status.message(), attempt, ?wait, "CSR failed, retrying");
                 tokio::time::sleep(wait).await;
                 delay *= 2;

@@ -136,7 +136,7 @@ fn scopes_of_modules() {
     assert_eq!(scope_of("meshagent::xds::stream"), "xdsproxy");
     assert_eq!(scope_of("meshagent::xds"), "xdsproxy");
     assert_eq!(scope_of("meshagent::xdsfoo"), "default");
-    assert_eq!(scope_of("meshagent::sds::service"), "sds");
+    assert_eq!(scope_of("meshagent::identity::sds::service"), "sds");
     assert_eq!(scope_of("meshagent::identity::caclient"), "citadelclient");
     assert_eq!(scope_of("meshagent::identity::manager"), "cache");
     assert_eq!(scope_of("meshagent::dns::forward"), "dns");
