@@ -7,6 +7,7 @@
     clippy::disallowed_methods,
     reason = "test code, not on the agent's runtime"
 )]
+#![allow(clippy::unwrap_used)] // tests fail loudly by design
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
