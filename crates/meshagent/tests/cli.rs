@@ -190,7 +190,7 @@ fn answers_as_pilot_agent() {
     assert!(String::from_utf8_lossy(&bad.stderr).contains("invalid proxy Type"));
 }
 
-/// D8: `CA_HEADER_*` / `XDS_HEADER_*` values are often credentials. The names show in the
+/// `CA_HEADER_*` / `XDS_HEADER_*` values are often credentials. The names show in the
 /// INFO "Effective config" line and on `/debug/config_dump`; the values never do.
 #[tokio::test]
 async fn header_values_never_reach_the_log_or_config_dump() {
@@ -235,7 +235,7 @@ async fn header_values_never_reach_the_log_or_config_dump() {
     assert!(!log.contains("credential-"), "{log}");
 }
 
-/// D10: a non-UTF-8 value of a variable the agent reads is a startup error naming it, not
+/// A non-UTF-8 value of a variable the agent reads is a startup error naming it, not
 /// "unset" (a non-UTF-8 PROXY_CONFIG used to be ignored and the agent ran on defaults).
 #[test]
 fn non_utf8_env_value_exits_nonzero_naming_the_variable() {

@@ -565,7 +565,7 @@ async fn pull_policy_always_follows_the_resource_version_and_purge_expires() {
     assert_eq!(srv.hits("/hdr.wasm"), 3, "fetched again after the purge");
 }
 
-// === R2: stalled servers and superseded ECDS responses ===
+// === Stalled servers and superseded ECDS responses ===
 
 /// Slack over a deadline for the conversion to return (no IO is left at the deadline).
 const SLACK: Duration = Duration::from_millis(1500);
@@ -823,7 +823,7 @@ async fn r2_a_newer_ecds_response_is_not_queued_behind_a_hung_fetch() {
     assert!(matches!(d[0].1, Out::Local(_)), "{d:?}");
 }
 
-// === R6: disk full and read-only cache ===
+// === Disk full and read-only cache ===
 
 /// The cache's answer for `url` (the error text the agent logs for a failed fetch).
 async fn get(

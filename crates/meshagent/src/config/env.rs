@@ -92,7 +92,7 @@ impl EnvSource for MapEnv {
 ///
 /// It also remembers which variables and prefix families were read, so that
 /// [`Reader::not_unicode_errors`] reports exactly the non-UTF-8 variables the agent would
-/// otherwise have mistaken for unset (D10), and none it does not use.
+/// otherwise have mistaken for unset, and none it does not use.
 pub(crate) struct Reader<'a> {
     env: &'a dyn EnvSource,
     pub(crate) errors: Vec<ConfigError>,
