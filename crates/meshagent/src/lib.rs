@@ -25,6 +25,7 @@ pub mod logging;
 pub mod malloc;
 pub mod metrics;
 pub mod platform;
+pub mod reference;
 pub mod request;
 pub mod sds;
 pub mod status;

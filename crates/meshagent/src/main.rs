@@ -52,6 +52,13 @@ fn main() -> ExitCode {
     }
     match command {
         Command::Version(args) => exit_with(cli::version_output(&args), |out| print!("{out}")),
+        Command::ConfigReference => match meshagent::reference::markdown() {
+            Ok(text) => {
+                print!("{text}");
+                ExitCode::SUCCESS
+            }
+            Err(e) => fail(&e),
+        },
         Command::Proxy(args) => proxy(&args, log.as_json),
         Command::Wait(args) => exit_with(on_runtime(meshagent::wait::run(&args)), |()| {}),
         // The body streams to stdout as it arrives (a config dump can be hundreds of MiB).

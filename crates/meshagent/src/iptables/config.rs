@@ -375,6 +375,32 @@ fn spec_short(c: char) -> Option<&'static Spec> {
     SPECS.iter().find(|s| s.short == Some(c))
 }
 
+/// One `istio-iptables` flag as the configuration reference lists it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FlagInfo {
+    /// Long name, without `--`.
+    pub long: &'static str,
+    /// Short letter, if any.
+    pub short: Option<char>,
+    /// Whether it is a bool flag (`--flag`, `--flag=false`) rather than one taking a value.
+    pub bool: bool,
+    /// The environment variables bound to it, the primary one first (later ones win).
+    pub env: Vec<&'static str>,
+}
+
+/// Every flag `istio-iptables` accepts, in `--help` order.
+pub fn flags() -> Vec<FlagInfo> {
+    SPECS
+        .iter()
+        .map(|s| FlagInfo {
+            long: s.long,
+            short: s.short,
+            bool: s.kind == Kind::Bool,
+            env: s.env.iter().chain(s.extra_env).copied().collect(),
+        })
+        .collect()
+}
+
 /// `istio-iptables --help`: every flag with its short letter and env names.
 pub fn usage() -> String {
     let mut out = String::from(
