@@ -154,7 +154,7 @@ async fn recovers(agent: &Sidecar, out: &Path) {
 /// On ENOSPC the agent left `..<ts>/` with a complete `key.pem` and an empty
 /// `cert-chain.pem` and tried again only at the next rotation, while readiness stayed 503.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn r6_output_certs_on_a_full_disk_are_retried_until_written() {
+async fn output_certs_on_a_full_disk_are_retried_until_written() {
     let dp = devplane().await;
     let cwd = tempfile::tempdir().unwrap();
     let out = cwd.path().join("out");
@@ -171,7 +171,7 @@ async fn r6_output_certs_on_a_full_disk_are_retried_until_written() {
 
 /// A read-only filesystem is retried the same way, until it is writable again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn r6_output_certs_on_a_read_only_filesystem_are_retried_until_written() {
+async fn output_certs_on_a_read_only_filesystem_are_retried_until_written() {
     let dp = devplane().await;
     let cwd = tempfile::tempdir().unwrap();
     let out = cwd.path().join("out");
@@ -229,7 +229,7 @@ async fn start_fails(cwd: tempfile::TempDir, env: &[(&str, String)], file: &str,
 
 /// Envoy's bootstrap on a full disk: a clear startup error, nothing half-written.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn r6_envoy_bootstrap_on_a_full_disk_is_a_clear_startup_error() {
+async fn envoy_bootstrap_on_a_full_disk_is_a_clear_startup_error() {
     let cwd = tempfile::tempdir().unwrap();
     let fs = Tmpfs::mount(&cwd.path().join("etc/istio/proxy"), "64k");
     fs.fill(0);
@@ -240,7 +240,7 @@ async fn r6_envoy_bootstrap_on_a_full_disk_is_a_clear_startup_error() {
 
 /// The gRPC bootstrap on a full disk: a clear startup error, nothing half-written.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn r6_grpc_bootstrap_on_a_full_disk_is_a_clear_startup_error() {
+async fn grpc_bootstrap_on_a_full_disk_is_a_clear_startup_error() {
     let cwd = tempfile::tempdir().unwrap();
     let fs = Tmpfs::mount(&cwd.path().join("etc/istio/proxy"), "64k");
     fs.fill(0);
@@ -250,7 +250,7 @@ async fn r6_grpc_bootstrap_on_a_full_disk_is_a_clear_startup_error() {
 /// A read-only `etc/istio/proxy`: the start fails naming the path (the XDS socket or a
 /// bootstrap, whichever the agent creates first) and the filesystem's reason.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn r6_read_only_proxy_config_dir_is_a_clear_startup_error() {
+async fn read_only_proxy_config_dir_is_a_clear_startup_error() {
     let cwd = tempfile::tempdir().unwrap();
     let fs = Tmpfs::mount(&cwd.path().join("etc/istio/proxy"), "1m");
     fs.remount("ro");

@@ -593,7 +593,7 @@ async fn convert_timed(
 }
 
 #[tokio::test(flavor = "multi_thread")]
-async fn r2_stalled_bodies_end_within_http_uri_timeout_and_apply_the_fail_strategy() {
+async fn stalled_bodies_end_within_http_uri_timeout_and_apply_the_fail_strategy() {
     let timeout = Duration::from_secs(2);
     let short = Duration::from_secs(1);
     // (status, a registry challenge first, OCI, fail-open)
@@ -692,7 +692,7 @@ fn delta_out(b: &[u8]) -> Vec<(String, Out)> {
 }
 
 #[tokio::test(flavor = "multi_thread")]
-async fn r2_a_newer_ecds_response_is_not_queued_behind_a_hung_fetch() {
+async fn a_newer_ecds_response_is_not_queued_behind_a_hung_fetch() {
     use convert::Converted;
     let module = module();
     // A module download whose body stalls (200, 10 of 1000 bytes).
@@ -844,7 +844,7 @@ async fn get(
 }
 
 #[tokio::test(flavor = "multi_thread")]
-async fn r6_wasm_cache_disk_full_leaves_nothing_behind_and_is_retried() {
+async fn wasm_cache_disk_full_leaves_nothing_behind_and_is_retried() {
     let small = module();
     let big = padded_module(&small, 600 * 1024);
     let srv = ModServer::start().await;
@@ -899,7 +899,7 @@ async fn r6_wasm_cache_disk_full_leaves_nothing_behind_and_is_retried() {
 }
 
 #[tokio::test(flavor = "multi_thread")]
-async fn r6_wasm_cache_read_only_serves_cached_modules_and_retries() {
+async fn wasm_cache_read_only_serves_cached_modules_and_retries() {
     let one = module();
     let two = padded_module(&one, 4096);
     let srv = ModServer::start().await;

@@ -139,12 +139,12 @@ fn relative_links_in_markdown_resolve() {
                 broken.push(format!("{shown}: {target} (no such file)"));
                 continue;
             }
-            if let Some(anchor) = anchor {
-                if resolved.extension().is_some_and(|e| e == "md") {
-                    let target_text = std::fs::read_to_string(&resolved).unwrap();
-                    if !anchors(&target_text).contains(anchor) {
-                        broken.push(format!("{shown}: {target} (no such heading)"));
-                    }
+            if let Some(anchor) = anchor
+                && resolved.extension().is_some_and(|e| e == "md")
+            {
+                let target_text = std::fs::read_to_string(&resolved).unwrap();
+                if !anchors(&target_text).contains(anchor) {
+                    broken.push(format!("{shown}: {target} (no such heading)"));
                 }
             }
         }

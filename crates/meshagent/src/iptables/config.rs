@@ -1302,7 +1302,7 @@ mod tests {
     }
 
     #[test]
-    fn r1_owner_ids_and_interface_names() {
+    fn owner_ids_and_interface_names() {
         assert_eq!(OwnerId::parse("1337"), Some(OwnerId::Id(1337)));
         assert_eq!(OwnerId::parse("0"), Some(OwnerId::Id(0)));
         assert_eq!(OwnerId::parse("4294967294"), Some(OwnerId::Id(MAX_ID)));
