@@ -37,8 +37,10 @@ fn main() -> ExitCode {
     };
     let cli::Cli { log, command } = parsed.cli;
     let mut log_options = log.to_options();
-    // `--dump-config` keeps stdout for the JSON dump; logs go to stderr.
-    let stdout_reserved = matches!(&command, Command::Proxy(a) if a.dump_config);
+    // `--dump-config` keeps stdout for the JSON dump, `config-reference` for the Markdown;
+    // logs go to stderr.
+    let stdout_reserved = matches!(&command, Command::Proxy(a) if a.dump_config)
+        || matches!(&command, Command::ConfigReference);
     if stdout_reserved {
         log_options.targets = vec!["stderr".into()];
     }

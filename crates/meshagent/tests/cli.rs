@@ -62,6 +62,31 @@ fn dump_config_reflects_env_and_files() {
     assert!(text.contains("X_TEAM"), "{text}");
 }
 
+/// `config-reference` prints docs/configuration-reference.md, whatever the environment and
+/// the log level (logs go to stderr, so the Markdown can be redirected into the file).
+#[test]
+fn config_reference_prints_the_committed_reference() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = run(
+        dir.path(),
+        meshagent(),
+        &["config-reference", "--log_output_level=default:debug"],
+        &[("TRUST_DOMAIN", "example.org"), ("ISTIO_META_FOO", "bar")],
+    );
+    assert!(out.status.success(), "{out:?}");
+    let doc = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../docs/configuration-reference.md"
+    ))
+    .unwrap();
+    let printed = String::from_utf8(out.stdout).unwrap();
+    assert!(
+        printed == doc,
+        "`meshagent config-reference` differs from docs/configuration-reference.md; regenerate \
+         it with: cargo run -p meshagent -- config-reference > docs/configuration-reference.md"
+    );
+}
+
 #[test]
 fn bad_value_exits_nonzero_naming_the_variable() {
     let dir = tempfile::tempdir().unwrap();
