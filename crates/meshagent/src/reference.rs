@@ -204,7 +204,7 @@ const SECTIONS: &[(&str, &str, &[Var])] = &[
             ("GCP_ZONE", "GCP zone for node metadata.", SAME),
             (
                 "CLOUD_PLATFORM",
-                "`aws`, `gcp`, `azure` or `none`; unset means probe the metadata servers.",
+                "`aws`, `gcp`, `azure` or `none`; unset (or another value, with a warning) means discover it from the metadata servers.",
                 SAME,
             ),
             (
@@ -390,12 +390,12 @@ const SECTIONS: &[(&str, &str, &[Var])] = &[
             ),
             (
                 "ISTIO_ENABLE_HTTP2_PROBING",
-                "HTTP/2 for probes of HTTP/2 apps.",
+                "App probes over HTTPS negotiate HTTP/2 (ALPN), as kubelet does.",
                 SAME,
             ),
             (
                 "REWRITE_PROBE_LEGACY_LOCALHOST_DESTINATION",
-                "Probes to `localhost` go to the pod IP instead.",
+                "Send app probes to loopback instead of the pod IP (`INSTANCE_IP`, the default, as Kubernetes does).",
                 SAME,
             ),
             (
@@ -655,10 +655,7 @@ const IPTABLES_FLAGS: &[(&str, &str)] = &[
         "probe-timeout",
         "Timeout of the rule-validation probe (default 5s).",
     ),
-    (
-        "skip-rule-apply",
-        "Apply no rules (only the setup around them).",
-    ),
+    ("skip-rule-apply", "Do not apply the rules."),
     (
         "run-validation",
         "Check the rules capture traffic after applying them.",
