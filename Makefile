@@ -189,7 +189,7 @@ endif
 test-loaded:
 	RUNS=$(or $(RUNS),3) .ci/test-loaded
 
-# Benchmarks (not tests): release builds against real Envoy and devplane; results go to BENCHMARKS.md.
+# Benchmarks (not tests): release builds against real Envoy and devplane; results go to docs/benchmarks-log.md, the latest of each into BENCHMARKS.md's table.
 bench: envoy agent netpeers dnspeers wasmpeers pilot-agent istiod-box
 	cargo build --release --bins
 	cargo bench -p meshagent --bench sds
