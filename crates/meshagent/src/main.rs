@@ -117,8 +117,8 @@ fn on_runtime<T, E: std::error::Error + 'static>(
 }
 
 /// One thread runs every task (blocking work — key generation, file reads — goes to Tokio's
-/// blocking pool). The agent's own work is small (docs/benchmarks-log.md: ~2 ms of CPU per MB of xDS
-/// forwarded), so a multi-threaded scheduler would only add threads, per-thread malloc
+/// blocking pool). The agent's own work is small (docs/benchmarks-log.md: ~2 ms of CPU per MB of
+/// xDS forwarded), so a multi-threaded scheduler would only add threads, per-thread malloc
 /// arenas and, through its poll-time statistics, libm: about 1 MiB of RSS next to every
 /// sidecar. (Unlike Envoy or a data-plane proxy, nothing here is on the request path.)
 fn runtime() -> std::io::Result<tokio::runtime::Runtime> {
