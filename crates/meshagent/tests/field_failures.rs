@@ -1,7 +1,7 @@
 //! The field-failure suite: one test per scenario of the agent's field lessons (F1–F21) that
 //! applies to what exists, named after its scenario. docs/testing.md "Field-failure suite" maps
-//! every scenario to its test (some are proven by tests elsewhere, named there) and lists those that
-//! do not apply. The peers are real: devplane as istiod (ADS + CA over TLS), real Envoy, the
+//! every scenario to its test (some are proven by tests elsewhere, named there) and lists those
+//! that do not apply. The peers are real: devplane as istiod (ADS + CA over TLS), real Envoy, the
 //! agent binary as a pod runs it or its modules in-process, and loopback TCP relays that
 //! black-hole or reset the path to istiod.
 #![allow(clippy::unwrap_used)] // tests fail loudly by design
