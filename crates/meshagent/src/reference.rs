@@ -279,14 +279,10 @@ const SECTIONS: &[(&str, &str, &[Var])] = &[
         "Bootstrap",
         "pkg/bootstrap/config.go",
         &[
-            (
-                "ISTIO_META_*",
-                "Node metadata `KEY` = value, one variable per key.",
-                SAME,
-            ),
+            ("ISTIO_META_*", "Node metadata `NAME` = value.", SAME),
             (
                 "ISTIO_METAJSON_*",
-                "A JSON object merged at the top of node metadata, one variable per key.",
+                "A JSON object whose keys are merged at the top of node metadata; `ISTIO_METAJSON_LABELS` also becomes `LABELS` and `STATIC_LABELS`.",
                 "a value that is not a JSON object is a start error",
             ),
             ("ISTIO_BOOTSTRAP", "Bootstrap template path override.", SAME),
