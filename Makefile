@@ -24,13 +24,13 @@ AGENT_BIN := $(CURDIR)/target/dist/meshagent
 # 2.36 and 2.39): the PIE's 380 KB of RELA entries, read by ld.so at every start and resident
 # afterwards, become 4 KB. And with identical code folding (rust-lld, Rust's default linker
 # here): monomorphised copies with the same machine code are kept once, -190 KB of text, and
-# text is resident (BENCHMARKS.md, sidecar startup). Passed to the final link only, so no
+# text is resident (docs/benchmarks-log.md, sidecar startup). Passed to the final link only, so no
 # dependency is rebuilt.
 # And with the functions a pod's agent runs placed first and together (ORDER_FILE, written by
 # `make orderfile` from callgrind profiles; applied by the link/cc-ordered linker wrapper):
 # the kernel maps text 64 KiB around each fault, so hot code packed together leaves the rest
-# of the binary unmapped (-2 MiB of RSS, BENCHMARKS.md "Code layout"). Names in the file that
-# no longer exist are ignored.
+# of the binary unmapped (-2 MiB of RSS, docs/benchmarks-log.md "Code layout"). Names in the file
+# that no longer exist are ignored.
 ORDER_FILE := $(CURDIR)/crates/meshagent/link/agent.order
 export MESHAGENT_ORDER_FILE := $(ORDER_FILE)
 AGENT_LINK := -C link-arg=-Wl,-z,pack-relative-relocs -C link-arg=-Wl,--icf=all \
@@ -189,7 +189,8 @@ endif
 test-loaded:
 	RUNS=$(or $(RUNS),3) .ci/test-loaded
 
-# Benchmarks (not tests): release builds against real Envoy and devplane; results go to BENCHMARKS.md.
+# Benchmarks (not tests): release builds against real Envoy and devplane; results go to
+# docs/benchmarks-log.md, the latest of each into BENCHMARKS.md's table.
 bench: envoy agent netpeers dnspeers wasmpeers pilot-agent istiod-box
 	cargo build --release --bins
 	cargo bench -p meshagent --bench sds

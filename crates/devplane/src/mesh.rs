@@ -1,7 +1,7 @@
 //! The mesh file: the workloads and services devplane generates sidecar configuration for.
 //!
 //! There is no traffic capture here, so every listener binds an explicit address (see
-//! README "devplane" for the port scheme):
+//! docs/devplane.md for the port scheme):
 //! * each workload port has an `inboundPort`: the workload's sidecar terminates mTLS there and
 //!   forwards plaintext to the application on `address:port`;
 //! * each `outbound` entry of a workload makes its sidecar bind `bind` (plain HTTP from the app)

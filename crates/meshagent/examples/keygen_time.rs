@@ -1,6 +1,6 @@
 //! RSA-2048 workload key generation time on this machine, one thread, the agent's own code path
 //! (`WorkloadKey::generate`: rcgen over aws-lc): the distribution behind the RSA start-up
-//! figures in BENCHMARKS.md. `cargo build --release --example keygen_time &&
+//! figures in docs/benchmarks-log.md. `cargo build --release --example keygen_time &&
 //! target/release/examples/keygen_time [N]` (N keys, default 40).
 #![allow(
     clippy::disallowed_methods,

@@ -1,7 +1,7 @@
 //! The workload `make orderfile` profiles to lay out the shipped agent's code: the functions a
 //! pod's agent runs are linked next to each other, so the pages the kernel maps around them
 //! (64 KiB per fault) hold code that runs, not code that never does. See "Code layout" in
-//! BENCHMARKS.md.
+//! docs/benchmarks-log.md.
 //!
 //! Each scenario runs the agent binary named by `MESHAGENT_BIN`; `make orderfile` points it at
 //! a wrapper that runs the agent under callgrind, which records every function executed. The

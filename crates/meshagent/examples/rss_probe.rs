@@ -1,7 +1,8 @@
 //! Starts the agent binary (`MESHAGENT_BIN`) against devplane as the grpc-agent template runs
 //! it (`RSS_MODE=grpc`, default) or as a plain sidecar (`RSS_MODE=sidecar`), waits until it is
 //! ready, prints its pid and VmRSS, and keeps it running `RSS_HOLD_SECS` (default 30) so its
-//! `/proc/<pid>/smaps` can be read. A measuring aid (BENCHMARKS.md, memory), not a benchmark.
+//! `/proc/<pid>/smaps` can be read. A measuring aid (docs/benchmarks-log.md, memory), not a
+//! benchmark.
 #![allow(
     clippy::disallowed_methods,
     reason = "a profiling example, not the agent's runtime"

@@ -8,7 +8,8 @@ symbol name. `make agent` links through link/cc-ordered, which resolves the name
 the binary being linked (names whose rustc hash has changed since by their name without the
 hash) and has lld place those functions first and together in .text (--symbol-ordering-file). Code
 that runs then shares its 64 KiB fault-around windows with other code that runs, instead of
-with code that never does, so fewer text pages become resident (BENCHMARKS.md, "Code layout").
+with code that never does, so fewer text pages become resident (docs/benchmarks-log.md, "Code
+layout").
 
 Names not in the binary's symbol table (libc, ld.so, valgrind's own) are dropped. The list
 is sorted so regenerating it after a change gives a readable diff.

@@ -7,7 +7,7 @@
 //! `text/template` semantics and Istio's parameter names by [`template`]. The template that
 //! Istio's proxyv2 image ships at `/var/lib/istio/envoy/envoy_bootstrap_tmpl.json` (Istio's
 //! default path) is *not* rendered: it is Istio's default template, which the built-in renderer
-//! reproduces (see README, "Bootstrap").
+//! reproduces (see docs/bootstrap.md).
 
 mod inputs;
 pub mod node;

@@ -91,6 +91,8 @@ pub enum Command {
     Wait(WaitArgs),
     /// Send an HTTP request to Envoy's admin or the agent's status port and print the body.
     Request(RequestArgs),
+    /// Print the reference of every environment variable, flag and annotation, as Markdown.
+    ConfigReference,
 }
 
 /// `wait` flags (Istio `pilot/cmd/pilot-agent/app/wait.go`).

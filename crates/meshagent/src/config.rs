@@ -283,10 +283,25 @@ pub fn load(
     env: &dyn EnvSource,
     base_dir: &Path,
 ) -> Result<Config, ConfigError> {
+    load_cataloging(flags, env, base_dir, None)
+}
+
+/// [`load`], and when `catalog` is given, every environment variable the load read, with
+/// its type and default as the typed read states them (for `meshagent config-reference`).
+pub(crate) fn load_cataloging(
+    flags: &ProxyFlags,
+    env: &dyn EnvSource,
+    base_dir: &Path,
+    catalog: Option<&mut BTreeMap<String, (String, String)>>,
+) -> Result<Config, ConfigError> {
     let mut errors = Vec::new();
     let mut warnings = Vec::new();
     let mut pc = ProxyConfig::default();
-    let mut r = Reader::new(env);
+    let mut r = if catalog.is_some() {
+        Reader::cataloging(env)
+    } else {
+        Reader::new(env)
+    };
 
     let mut apply = |pc: &mut ProxyConfig, origin: &str, layer: serde_json::Value| {
         let unknown = pc.apply_layer(origin, layer, &mut errors);
@@ -386,6 +401,9 @@ pub fn load(
     let dns = DnsConfig::from_env(&mut r, flags.proxy_type == ProxyType::Sidecar);
     let wasm = WasmConfig::from_env(&mut r);
     let grpc = GrpcConfig::from_env(&r);
+    if let Some(c) = catalog {
+        *c = r.take_catalog();
+    }
     errors.extend(r.not_unicode_errors());
     errors.extend(r.errors);
     warnings.extend(r.warnings);
@@ -416,6 +434,22 @@ pub fn load(
         warnings,
     };
     Ok(config)
+}
+
+/// Every environment variable `proxy` reads (prefix families as `PREFIX*`), with its type
+/// and default as the typed read states them: the configuration reference is generated from
+/// this, so it lists what the code reads, not what a document remembers. Read from an empty
+/// environment, where every variable is read (none depends on another's value).
+pub fn env_catalog() -> BTreeMap<String, (String, String)> {
+    let mut catalog = BTreeMap::new();
+    // The start's own checks fail on an empty environment; the reads happened before them.
+    let _ = load_cataloging(
+        &ProxyFlags::default(),
+        &MapEnv::default(),
+        Path::new("/nonexistent/meshagent-config-reference"),
+        Some(&mut catalog),
+    );
+    catalog
 }
 
 /// Envoy's log levels (`envoy --help`, `-l`), for `--proxyLogLevel` and

@@ -56,7 +56,7 @@ pub type NameTableWatch = watch::Receiver<Option<Arc<LookupTable>>>;
 
 /// Decodes an NDS resource and builds the lookup table, then drops the decoded proto and
 /// hands what it used back to the OS: of a 5,000-name table the agent keeps ~0.5 MiB instead
-/// of ~2.3 MiB of decoded strings and hash map (BENCHMARKS.md, DNS proxy). Blocking:
+/// of ~2.3 MiB of decoded strings and hash map (docs/benchmarks-log.md, DNS proxy). Blocking:
 /// milliseconds of CPU for such a table.
 pub fn build_table(wire: &[u8], scope: &Scope) -> Result<LookupTable, prost::DecodeError> {
     let nt = NameTable::decode(wire)?;

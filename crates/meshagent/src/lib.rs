@@ -26,6 +26,7 @@ pub mod malloc;
 pub mod metrics;
 pub mod platform;
 pub mod preflight;
+pub mod reference;
 pub mod request;
 pub mod status;
 pub mod supervise;

@@ -37,8 +37,10 @@ fn main() -> ExitCode {
     };
     let cli::Cli { log, command } = parsed.cli;
     let mut log_options = log.to_options();
-    // `--dump-config` keeps stdout for the JSON dump; logs go to stderr.
-    let stdout_reserved = matches!(&command, Command::Proxy(a) if a.dump_config);
+    // `--dump-config` keeps stdout for the JSON dump, `config-reference` for the Markdown;
+    // logs go to stderr.
+    let stdout_reserved = matches!(&command, Command::Proxy(a) if a.dump_config)
+        || matches!(&command, Command::ConfigReference);
     if stdout_reserved {
         log_options.targets = vec!["stderr".into()];
     }
@@ -52,6 +54,13 @@ fn main() -> ExitCode {
     }
     match command {
         Command::Version(args) => exit_with(cli::version_output(&args), |out| print!("{out}")),
+        Command::ConfigReference => match meshagent::reference::markdown() {
+            Ok(text) => {
+                print!("{text}");
+                ExitCode::SUCCESS
+            }
+            Err(e) => fail(&e),
+        },
         Command::Proxy(args) => proxy(&args, log.as_json),
         Command::Wait(args) => exit_with(on_runtime(meshagent::wait::run(&args)), |()| {}),
         // The body streams to stdout as it arrives (a config dump can be hundreds of MiB).
@@ -108,8 +117,8 @@ fn on_runtime<T, E: std::error::Error + 'static>(
 }
 
 /// One thread runs every task (blocking work — key generation, file reads — goes to Tokio's
-/// blocking pool). The agent's own work is small (BENCHMARKS.md: ~2 ms of CPU per MB of xDS
-/// forwarded), so a multi-threaded scheduler would only add threads, per-thread malloc
+/// blocking pool). The agent's own work is small (docs/benchmarks-log.md: ~2 ms of CPU per MB of
+/// xDS forwarded), so a multi-threaded scheduler would only add threads, per-thread malloc
 /// arenas and, through its poll-time statistics, libm: about 1 MiB of RSS next to every
 /// sidecar. (Unlike Envoy or a data-plane proxy, nothing here is on the request path.)
 fn runtime() -> std::io::Result<tokio::runtime::Runtime> {

@@ -139,10 +139,10 @@ fn jittered(d: Duration) -> Duration {
 /// device. Through the blocking pool (`tokio::fs`) each check was a thread hand-off — two
 /// futex wake-ups, an eventfd write and an extra runtime wake-up, ~10 syscalls and three
 /// context switches — per second per agent; idle proxyless agents spent most of their CPU
-/// on it (BENCHMARKS.md, "Proxyless gRPC at scale").
+/// on it (docs/benchmarks-log.md, "Proxyless gRPC at scale").
 #[allow(
     clippy::disallowed_methods,
-    reason = "one lstat of the agent's own socket per second, cheaper than a blocking-pool hand-off (README, Runtime policy)"
+    reason = "one lstat of the agent's own socket per second, cheaper than a blocking-pool hand-off (ARCHITECTURE.md, Runtime policy)"
 )]
 fn inode_of(p: &std::path::Path) -> Option<u64> {
     use std::os::unix::fs::MetadataExt as _;

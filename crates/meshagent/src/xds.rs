@@ -233,7 +233,7 @@ const WARM_TTL: Duration = Duration::from_secs(30);
 
 /// Dials istiod now, while Envoy is still initialising, so Envoy's first ADS stream finds a
 /// connection with TCP, TLS and HTTP/2 done (about 6 ms of the sidecar's start-up on
-/// loopback, more across a cluster; BENCHMARKS.md). Istio dials only when Envoy connects.
+/// loopback, more across a cluster; docs/benchmarks-log.md). Istio dials only when Envoy connects.
 /// Only the first stream uses it; later streams dial their own connection, as Istio does.
 fn prewarm(shared: &Arc<stream::Shared>, shutdown: CancellationToken) {
     let (target, cwd, keepalive) = (shared.target.clone(), shared.cwd.clone(), shared.keepalive);

@@ -65,6 +65,31 @@ fn dump_config_reflects_env_and_files() {
     assert!(text.contains("X_TEAM"), "{text}");
 }
 
+/// `config-reference` prints docs/configuration-reference.md, whatever the environment and
+/// the log level (logs go to stderr, so the Markdown can be redirected into the file).
+#[test]
+fn config_reference_prints_the_committed_reference() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = run(
+        dir.path(),
+        meshagent(),
+        &["config-reference", "--log_output_level=default:debug"],
+        &[("TRUST_DOMAIN", "example.org"), ("ISTIO_META_FOO", "bar")],
+    );
+    assert!(out.status.success(), "{out:?}");
+    let doc = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../docs/configuration-reference.md"
+    ))
+    .unwrap();
+    let printed = String::from_utf8(out.stdout).unwrap();
+    assert!(
+        printed == doc,
+        "`meshagent config-reference` differs from docs/configuration-reference.md; regenerate \
+         it with: cargo run -p meshagent -- config-reference > docs/configuration-reference.md"
+    );
+}
+
 #[test]
 fn bad_value_exits_nonzero_naming_the_variable() {
     let dir = tempfile::tempdir().unwrap();
@@ -193,7 +218,7 @@ fn answers_as_pilot_agent() {
     assert!(String::from_utf8_lossy(&bad.stderr).contains("invalid proxy Type"));
 }
 
-/// D8: `CA_HEADER_*` / `XDS_HEADER_*` values are often credentials. The names show in the
+/// `CA_HEADER_*` / `XDS_HEADER_*` values are often credentials. The names show in the
 /// INFO "Effective config" line and on `/debug/config_dump`; the values never do.
 #[tokio::test]
 async fn header_values_never_reach_the_log_or_config_dump() {
@@ -238,7 +263,7 @@ async fn header_values_never_reach_the_log_or_config_dump() {
     assert!(!log.contains("credential-"), "{log}");
 }
 
-/// D10: a non-UTF-8 value of a variable the agent reads is a startup error naming it, not
+/// A non-UTF-8 value of a variable the agent reads is a startup error naming it, not
 /// "unset" (a non-UTF-8 PROXY_CONFIG used to be ignored and the agent ran on defaults).
 #[test]
 fn non_utf8_env_value_exits_nonzero_naming_the_variable() {

@@ -645,8 +645,8 @@ const NOT_RECORDED_IN_ISTIO: &[&str] = &[
     "istio_agent_wasm_remote_fetch_count",
 ];
 
-/// meshagent's own families (the COMPAT.md row listing them), documented in README.md where
-/// each mechanism is.
+/// meshagent's own families (the COMPAT.md row listing them), documented in docs/ where each
+/// mechanism is.
 const MESHAGENT_ONLY: &[&str] = &[
     "istio_agent_file_secret_loads_total",
     "istio_agent_file_secret_resources",
@@ -700,7 +700,7 @@ fn shape(name: &str, b: &Block) -> Value {
     json!({"help": b.help, "type": b.types, "series": series})
 }
 
-/// COMPAT.md row "a metric family in two merged sources" (README, "Merged metrics"):
+/// COMPAT.md row "a metric family in two merged sources" (docs/operations.md, "Merged metrics"):
 /// pilot-agent concatenates the sources, so a family the app shares with Envoy is
 /// written twice; meshagent drops the later block. Expected: pilot-agent's first block.
 fn expected_family(pilot_blocks: &[Block]) -> &Block {

@@ -238,7 +238,7 @@ async fn demo_mesh_in_containers_with_read_only_root() {
     // The agent's own status port answers as in a pod.
     let (code, _) = http_get(a.status, "/healthz/ready").await.unwrap();
     assert_eq!(code, 200);
-    // `meshagent version` inside the container (what the README tells users to run).
+    // `meshagent version` inside the container (what docs/install.md tells users to run).
     let out = Command::new("podman")
         .env("CONTAINERS_CONF", &a.container.conf)
         .args(["exec", &a.container.name, "meshagent", "version", "--short"])

@@ -155,10 +155,10 @@ async fn recovers(agent: &Sidecar, out: &Path) {
     );
 }
 
-/// R6: on ENOSPC the agent left `..<ts>/` with a complete `key.pem` and an empty
+/// On ENOSPC the agent left `..<ts>/` with a complete `key.pem` and an empty
 /// `cert-chain.pem` and tried again only at the next rotation, while readiness stayed 503.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn r6_output_certs_on_a_full_disk_are_retried_until_written() {
+async fn output_certs_on_a_full_disk_are_retried_until_written() {
     let dp = devplane().await;
     let cwd = tempfile::tempdir().unwrap();
     let out = cwd.path().join("out");
@@ -173,9 +173,9 @@ async fn r6_output_certs_on_a_full_disk_are_retried_until_written() {
     recovers(&agent, &out).await;
 }
 
-/// R6: a read-only filesystem is retried the same way, until it is writable again.
+/// A read-only filesystem is retried the same way, until it is writable again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn r6_output_certs_on_a_read_only_filesystem_are_retried_until_written() {
+async fn output_certs_on_a_read_only_filesystem_are_retried_until_written() {
     let dp = devplane().await;
     let cwd = tempfile::tempdir().unwrap();
     let out = cwd.path().join("out");
@@ -231,9 +231,9 @@ async fn start_fails(cwd: tempfile::TempDir, env: &[(&str, String)], file: &str,
     assert!(left.is_empty(), "temporary files left: {left:?}");
 }
 
-/// R6: Envoy's bootstrap on a full disk: a clear startup error, nothing half-written.
+/// Envoy's bootstrap on a full disk: a clear startup error, nothing half-written.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn r6_envoy_bootstrap_on_a_full_disk_is_a_clear_startup_error() {
+async fn envoy_bootstrap_on_a_full_disk_is_a_clear_startup_error() {
     let cwd = tempfile::tempdir().unwrap();
     let fs = Tmpfs::mount(&cwd.path().join("etc/istio/proxy"), "64k");
     fs.fill(0);
@@ -242,19 +242,19 @@ async fn r6_envoy_bootstrap_on_a_full_disk_is_a_clear_startup_error() {
     start_fails(cwd, &env, "envoy-rev.json", "No space left on device").await;
 }
 
-/// R6: the gRPC bootstrap on a full disk: a clear startup error, nothing half-written.
+/// The gRPC bootstrap on a full disk: a clear startup error, nothing half-written.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn r6_grpc_bootstrap_on_a_full_disk_is_a_clear_startup_error() {
+async fn grpc_bootstrap_on_a_full_disk_is_a_clear_startup_error() {
     let cwd = tempfile::tempdir().unwrap();
     let fs = Tmpfs::mount(&cwd.path().join("etc/istio/proxy"), "64k");
     fs.fill(0);
     start_fails(cwd, &[], "grpc-bootstrap.json", "No space left on device").await;
 }
 
-/// R6: a read-only `etc/istio/proxy`: the start fails naming the path (the XDS socket or a
+/// A read-only `etc/istio/proxy`: the start fails naming the path (the XDS socket or a
 /// bootstrap, whichever the agent creates first) and the filesystem's reason.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn r6_read_only_proxy_config_dir_is_a_clear_startup_error() {
+async fn read_only_proxy_config_dir_is_a_clear_startup_error() {
     let cwd = tempfile::tempdir().unwrap();
     let fs = Tmpfs::mount(&cwd.path().join("etc/istio/proxy"), "1m");
     fs.remount("ro");

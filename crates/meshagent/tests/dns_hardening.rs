@@ -58,12 +58,12 @@ impl Drop for OnFailure<'_> {
     }
 }
 
-/// R4: 300 TCP peers (more than the 256 connections served at once) each pipeline queries
+/// 300 TCP peers (more than the 256 connections served at once) each pipeline queries
 /// whose replies (~48 KB each) fill their small receive buffers, and never read. The slots
 /// they hold are freed once a reply write has stalled for the TCP write timeout, so a fresh
 /// TCP client is answered within that deadline; UDP is answered throughout.
 #[tokio::test(flavor = "multi_thread")]
-async fn r4_tcp_peers_that_never_read_release_their_slots() {
+async fn tcp_peers_that_never_read_release_their_slots() {
     let (_tx, tables) = fixed_table(huge_table());
     let proxy = Proxy::start("nameserver 127.0.54.254\n", tables, |_| {}).await;
     let _dump = OnFailure(&proxy);
@@ -120,10 +120,10 @@ async fn r4_tcp_peers_that_never_read_release_their_slots() {
     drop(peers);
 }
 
-/// R4: 300 TCP peers that connect and send nothing hold their slots only for the first
+/// 300 TCP peers that connect and send nothing hold their slots only for the first
 /// request's read timeout (2 s), not the 10 s idle timeout between requests.
 #[tokio::test(flavor = "multi_thread")]
-async fn r4_silent_tcp_peers_release_their_slots_after_the_read_timeout() {
+async fn silent_tcp_peers_release_their_slots_after_the_read_timeout() {
     let (_tx, tables) = fixed_table(mesh_table());
     let proxy = Proxy::start(
         "nameserver 127.0.54.254
@@ -210,11 +210,11 @@ fn upstream_zone(name: &str, ty: RecordType) -> Vec<Rr> {
     }
 }
 
-/// R5: a cache hit is the upstream's reply — the same size and answers as the miss, over
+/// A cache hit is the upstream's reply — the same size and answers as the miss, over
 /// UDP and TCP — so it fits wherever the first reply fitted (re-encoding made it 284 bytes
 /// larger here, and truncated it at a limit the miss fitted).
 #[tokio::test(flavor = "multi_thread")]
-async fn r5_cache_hits_are_the_size_of_the_miss() {
+async fn cache_hits_are_the_size_of_the_miss() {
     let up = Upstream::start("127.0.54.1", Arc::new(upstream_zone)).await;
     let (_tx, tables) = fixed_table(mesh_table());
     let proxy = Proxy::start("nameserver 127.0.54.1\n", tables, |_| {}).await;
@@ -267,12 +267,12 @@ async fn r5_cache_hits_are_the_size_of_the_miss() {
     assert!(proxy.metric("istio_agent_dns_cache_hits_total") >= 2.0);
 }
 
-/// R5: the issue's scenario — 4,096 distinct ~60 KiB TXT answers over TCP from a wildcard
+/// The worst case for the cache — 4,096 distinct ~60 KiB TXT answers over TCP from a wildcard
 /// zone — leaves the cache within its byte budget (answers over the per-entry cap are not
 /// kept at all), and 4,096 answers of ~6 KiB, under the cap, are evicted to stay within
 /// the budget, each eviction counted.
 #[tokio::test(flavor = "multi_thread")]
-async fn r5_cache_is_bounded_in_bytes() {
+async fn cache_is_bounded_in_bytes() {
     let _up = Upstream::start(
         "127.0.54.2",
         Arc::new(|name: &str, ty| match ty {

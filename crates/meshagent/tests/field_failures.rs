@@ -1,7 +1,7 @@
 //! The field-failure suite: one test per scenario of the agent's field lessons (F1–F21) that
-//! applies to what exists, named after its scenario. README "Field-failure suite" maps every
-//! scenario to its test (some are proven by tests elsewhere, named there) and lists those that
-//! do not apply. The peers are real: devplane as istiod (ADS + CA over TLS), real Envoy, the
+//! applies to what exists, named after its scenario. docs/testing.md "Field-failure suite" maps
+//! every scenario to its test (some are proven by tests elsewhere, named there) and lists those
+//! that do not apply. The peers are real: devplane as istiod (ADS + CA over TLS), real Envoy, the
 //! agent binary as a pod runs it or its modules in-process, and loopback TCP relays that
 //! black-hole or reset the path to istiod.
 #![allow(
@@ -329,7 +329,7 @@ async fn f01_istiod_blackholed_at_start_then_restored() {
 /// the CA's own arrival times), readiness names the error and the likely cause, and the pod
 /// recovers once the cause is fixed. The full status matrix (which codes are retried, hints
 /// for `Unimplemented`/`InvalidArgument`) and the 150 s cap are proven in the unit tests named
-/// in the README.
+/// in docs/testing.md.
 #[tokio::test(flavor = "multi_thread")]
 async fn f02_ca_rejects_unauthenticated_backs_off_with_jitter() {
     let dp = Devplane::start(&TwoWorkloads::new().yaml(false)).await;

@@ -129,7 +129,7 @@ fn nft_render_required(name: &str, data: &[u8]) -> meshagent::fuzzing::NftRender
 /// namespace; tests run as root with nft installed). Entries named `*_rejected` must be
 /// refused before any rule text exists; every other entry must render and load.
 #[test]
-fn r1_nft_render_corpus_loads_in_nft() {
+fn nft_render_corpus_loads_in_nft() {
     use meshagent::fuzzing::NftRender;
     let dir = corpus_dir().join("nft_render");
     let mut entries: Vec<PathBuf> = std::fs::read_dir(&dir)
@@ -190,7 +190,7 @@ impl Gen {
 /// out-of-range ids spliced in. Every input is either refused with an error naming its
 /// source, or renders text in which every rule keeps its verdict and nft loads it.
 #[test]
-fn r1_generated_hostile_configs_keep_every_verdict() {
+fn generated_hostile_configs_keep_every_verdict() {
     use meshagent::fuzzing::NftRender;
     let hostile = [
         "#",

@@ -699,7 +699,9 @@ mod raw {
             .unwrap_or(0)
     }
 
-    /// Defects D1, D2 and D6 of the field-hardening review. Runs on a current-thread runtime,
+    /// Hostile file roots (a FIFO, a character device, a file over the size bound) are refused
+    /// without stalling other resources, and reading the watched files does not trigger more
+    /// loads. Runs on a current-thread runtime,
     /// as the agent does, so a blocking read on the reactor would stall the test itself.
     #[tokio::test(flavor = "current_thread")]
     async fn hostile_file_roots_stall_nothing_and_reads_do_not_retrigger() {
@@ -763,7 +765,7 @@ mod raw {
         }
     }
 
-    /// Defect D9: file resources used to be kept (and re-read on every change) forever.
+    /// File resources used to be kept (and re-read on every change) forever.
     #[tokio::test(flavor = "current_thread")]
     async fn file_resources_are_forgotten_when_no_stream_subscribes() {
         const N: usize = 300;

@@ -1053,7 +1053,7 @@ fn iptables_complex_rerun_is_noop_and_drift_is_detected() {
 /// command exited 0. Now both backends refuse `-u 1337#` before touching the namespace,
 /// naming the flag, the value and what was expected.
 #[test]
-fn r1_hash_in_uid_and_interface_fails_on_both_backends() {
+fn hash_in_uid_and_interface_fails_on_both_backends() {
     let pod = Pod::new();
     for backend in [Backend::Nft, Backend::Iptables] {
         let args = with_backend(backend, &["-u", "1337#", "-c", "eth9#"]);
@@ -1083,7 +1083,7 @@ fn r1_hash_in_uid_and_interface_fails_on_both_backends() {
 /// `return`; iptables' `+` wildcard becomes nft's `*`. A name the kernel refuses, and user
 /// names that do not exist, fail before anything is applied.
 #[test]
-fn r1_kernel_valid_interface_names_apply_on_both_backends() {
+fn kernel_valid_interface_names_apply_on_both_backends() {
     let pod = Pod::new();
     let nics = "eth9#,a;{b},return,veth+";
     for backend in [Backend::Nft, Backend::Iptables] {
@@ -1164,7 +1164,7 @@ enum Outcome {
 /// numbers. Each is refused with a clear error, or — interface names the kernel accepts —
 /// rendered quoted so that nft loads it and every rule keeps its verdict.
 #[test]
-fn r1_every_rule_text_value_refuses_or_quotes_hostile_input() {
+fn every_rule_text_value_refuses_or_quotes_hostile_input() {
     use Outcome::{Quoted, Refused};
     use meshagent::iptables::config::{Config, MapEnv};
     // (flag, env variable, what it takes)

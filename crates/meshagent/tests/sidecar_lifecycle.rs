@@ -112,7 +112,7 @@ async fn not_ready_without_config_then_sigterm_drains_and_exits() {
     let status = a.status;
     // Nothing answers at the discovery address, which is also the CA: readiness reports the
     // root cause (no certificate from the CA, naming it) before its consequence (Envoy has no
-    // config) — defect D12.
+    // config).
     let reason = wait_for(
         "readiness 503 with the CA failure",
         DEADLINE,
@@ -559,7 +559,7 @@ async fn removed_sds_and_xds_sockets_are_rebound() {
     }
 }
 
-/// Defects D3 and D4: the status port answers on both loopback families, and a flood of idle
+/// The status port answers on both loopback families, and a flood of idle
 /// connections neither exhausts the agent's file descriptors (its soft limit is raised to the
 /// hard one, as Go does) nor keeps the port unusable (idle connections time out).
 #[tokio::test(flavor = "multi_thread")]

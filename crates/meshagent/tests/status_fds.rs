@@ -72,10 +72,10 @@ async fn get_ready(sock: tokio::net::TcpSocket, addr: SocketAddr) -> Result<Stri
     Ok(String::from_utf8_lossy(&buf).into_owned())
 }
 
-/// D4 seen from `accept`: EMFILE neither ends the accept loop nor makes it spin, and
-/// readiness keeps answering within 2 s.
+/// Running out of file descriptors, seen from `accept`: EMFILE neither ends the accept loop nor
+/// makes it spin, and readiness keeps answering within 2 s.
 #[tokio::test]
-async fn d4_accept_loop_survives_running_out_of_file_descriptors() {
+async fn accept_loop_survives_running_out_of_file_descriptors() {
     let registry = Registry::new();
     let metrics = MergeMetrics::register(&registry).unwrap();
     let state = StatusState {

@@ -337,13 +337,13 @@ async fn flood_and_probe(tag: &str, subnet: u8, held: usize, nofile: Option<u64>
 /// A peer holding 1,100 idle connections (more than the old fixed cap of 1,024) and
 /// re-opening each one the agent closes: readiness and app probes are still answered.
 #[tokio::test]
-async fn r3_probes_answered_with_1100_idle_connections_held() {
+async fn probes_answered_with_1100_idle_connections_held() {
     flood_and_probe("r3a", 1, 1100, None).await;
 }
 
 /// The same with 5,000 held idle connections.
 #[tokio::test]
-async fn r3_probes_answered_with_5000_idle_connections_held() {
+async fn probes_answered_with_5000_idle_connections_held() {
     flood_and_probe("r3b", 2, 5000, None).await;
 }
 
@@ -351,6 +351,6 @@ async fn r3_probes_answered_with_5000_idle_connections_held() {
 /// 1,100 idle connections held: more than it has file descriptors for, so it must close old
 /// idle connections to serve the probes rather than run out of descriptors.
 #[tokio::test]
-async fn d4_readiness_answers_under_nofile_1024_with_1100_idle_connections() {
+async fn readiness_answers_under_nofile_1024_with_1100_idle_connections() {
     flood_and_probe("d4", 3, 1100, Some(1024)).await;
 }

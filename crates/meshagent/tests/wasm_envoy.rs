@@ -267,7 +267,7 @@ async fn c2_oci_module_with_home_an_empty_directory() {
 /// once (fail-closed: 403). A plugin whose download hangs (200, body stalled; istiod's
 /// `http_uri.timeout` is 30 s) is replaced by the next push at once, not after the timeout.
 #[tokio::test(flavor = "multi_thread")]
-async fn r2_stalled_servers_hold_neither_readiness_nor_the_next_ecds_push() {
+async fn stalled_servers_hold_neither_readiness_nor_the_next_ecds_push() {
     let module = module();
     let sha = sha256_hex(&module);
     let srv = ModServer::start().await;

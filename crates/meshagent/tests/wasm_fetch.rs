@@ -568,7 +568,7 @@ async fn pull_policy_always_follows_the_resource_version_and_purge_expires() {
     assert_eq!(srv.hits("/hdr.wasm"), 3, "fetched again after the purge");
 }
 
-// === R2: stalled servers and superseded ECDS responses ===
+// === Stalled servers and superseded ECDS responses ===
 
 /// Slack over a deadline for the conversion to return (no IO is left at the deadline).
 const SLACK: Duration = Duration::from_millis(1500);
@@ -596,7 +596,7 @@ async fn convert_timed(
 }
 
 #[tokio::test(flavor = "multi_thread")]
-async fn r2_stalled_bodies_end_within_http_uri_timeout_and_apply_the_fail_strategy() {
+async fn stalled_bodies_end_within_http_uri_timeout_and_apply_the_fail_strategy() {
     let timeout = Duration::from_secs(2);
     let short = Duration::from_secs(1);
     // (status, a registry challenge first, OCI, fail-open)
@@ -695,7 +695,7 @@ fn delta_out(b: &[u8]) -> Vec<(String, Out)> {
 }
 
 #[tokio::test(flavor = "multi_thread")]
-async fn r2_a_newer_ecds_response_is_not_queued_behind_a_hung_fetch() {
+async fn a_newer_ecds_response_is_not_queued_behind_a_hung_fetch() {
     use convert::Converted;
     let module = module();
     // A module download whose body stalls (200, 10 of 1000 bytes).
@@ -826,7 +826,7 @@ async fn r2_a_newer_ecds_response_is_not_queued_behind_a_hung_fetch() {
     assert!(matches!(d[0].1, Out::Local(_)), "{d:?}");
 }
 
-// === R6: disk full and read-only cache ===
+// === Disk full and read-only cache ===
 
 /// The cache's answer for `url` (the error text the agent logs for a failed fetch).
 async fn get(
@@ -847,7 +847,7 @@ async fn get(
 }
 
 #[tokio::test(flavor = "multi_thread")]
-async fn r6_wasm_cache_disk_full_leaves_nothing_behind_and_is_retried() {
+async fn wasm_cache_disk_full_leaves_nothing_behind_and_is_retried() {
     let small = module();
     let big = padded_module(&small, 600 * 1024);
     let srv = ModServer::start().await;
@@ -902,7 +902,7 @@ async fn r6_wasm_cache_disk_full_leaves_nothing_behind_and_is_retried() {
 }
 
 #[tokio::test(flavor = "multi_thread")]
-async fn r6_wasm_cache_read_only_serves_cached_modules_and_retries() {
+async fn wasm_cache_read_only_serves_cached_modules_and_retries() {
     let one = module();
     let two = padded_module(&one, 4096);
     let srv = ModServer::start().await;

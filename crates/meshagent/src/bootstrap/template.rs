@@ -28,7 +28,7 @@ pub enum TemplateError {
     },
     #[error(
         "bootstrap template {path}:{line}: function {name:?} is not provided by meshagent \
-         (available: Go's builtins, sprig's generic functions listed in the README, toJSON)",
+         (available: Go's builtins, sprig's generic functions listed in docs/bootstrap.md, toJSON)",
         path = .path.display()
     )]
     UnknownFunction {
@@ -38,7 +38,7 @@ pub enum TemplateError {
     },
     #[error(
         "bootstrap template {path}:{line}: parameter .{name} is not provided by meshagent \
-         (see the README for the parameter list)",
+         (see docs/bootstrap.md for the parameter list)",
         path = .path.display()
     )]
     UnknownParameter {

@@ -92,7 +92,7 @@ impl EnvSource for MapEnv {
 ///
 /// It also remembers which variables and prefix families were read, so that
 /// [`Reader::not_unicode_errors`] reports exactly the non-UTF-8 variables the agent would
-/// otherwise have mistaken for unset (D10), and none it does not use.
+/// otherwise have mistaken for unset, and none it does not use.
 pub(crate) struct Reader<'a> {
     env: &'a dyn EnvSource,
     pub(crate) errors: Vec<ConfigError>,
@@ -100,6 +100,9 @@ pub(crate) struct Reader<'a> {
     pub(crate) warnings: Vec<String>,
     read: RefCell<BTreeSet<String>>,
     prefixes: RefCell<BTreeSet<String>>,
+    /// When asked for (the configuration reference), how each variable is read: its type
+    /// and default, as the typed read states them. `None` in the agent: nothing is kept.
+    catalog: Option<RefCell<BTreeMap<String, (String, String)>>>,
 }
 
 impl<'a> Reader<'a> {
@@ -110,21 +113,52 @@ impl<'a> Reader<'a> {
             warnings: Vec::new(),
             read: RefCell::default(),
             prefixes: RefCell::default(),
+            catalog: None,
+        }
+    }
+
+    /// A reader that also records each variable's type and default, for
+    /// [`Reader::take_catalog`].
+    pub(crate) fn cataloging(env: &'a dyn EnvSource) -> Self {
+        Self {
+            catalog: Some(RefCell::default()),
+            ..Self::new(env)
+        }
+    }
+
+    /// Every variable read so far (prefix families as `PREFIX*`) with its type and default,
+    /// as recorded by a [`Reader::cataloging`] reader (empty otherwise).
+    pub(crate) fn take_catalog(&mut self) -> BTreeMap<String, (String, String)> {
+        self.catalog
+            .take()
+            .map(RefCell::into_inner)
+            .unwrap_or_default()
+    }
+
+    /// Records how `key` is read (the first, most specific, record wins).
+    fn note(&self, key: &str, kind: &str, default: impl Display) {
+        if let Some(c) = &self.catalog {
+            c.borrow_mut()
+                .entry(key.to_owned())
+                .or_insert_with(|| (kind.to_owned(), default.to_string()));
         }
     }
 
     /// The raw value; every read goes through here.
     pub(crate) fn get(&self, key: &str) -> Option<String> {
+        self.note(key, "string", "unset");
         self.read.borrow_mut().insert(key.to_owned());
         self.env.get(key)
     }
 
     pub(crate) fn string(&self, key: &str, default: &str) -> String {
+        self.note(key, "string", shown_str(default));
         self.get(key).unwrap_or_else(|| default.to_owned())
     }
 
     /// The value if set and non-empty.
     pub(crate) fn non_empty(&self, key: &str) -> Option<String> {
+        self.note(key, "string", "unset (empty = unset)");
         self.get(key).filter(|v| !v.is_empty())
     }
 
@@ -183,6 +217,7 @@ impl<'a> Reader<'a> {
         expected: &str,
         parse: impl FnOnce(&str) -> Option<T>,
     ) -> T {
+        self.note(key, expected, "unset");
         let Some(raw) = self.non_empty(key) else {
             return default;
         };
@@ -196,6 +231,7 @@ impl<'a> Reader<'a> {
     }
 
     pub(crate) fn bool(&mut self, key: &str, default: bool) -> bool {
+        self.note(key, "bool", default);
         self.scalar(
             key,
             default,
@@ -210,6 +246,7 @@ impl<'a> Reader<'a> {
     /// refused at start by the node metadata check, naming it, as Istio's decode into
     /// `NodeMetadata` refuses it: it is not also warned about as "defaulting to false".
     pub(crate) fn meta_bool(&mut self, key: &str) -> bool {
+        self.note(key, "bool (node metadata)", false);
         match self.get(key) {
             Some(raw) if !raw.is_empty() && parse_go_bool(&raw).is_none() => false,
             _ => self.bool(key, false),
@@ -217,6 +254,7 @@ impl<'a> Reader<'a> {
     }
 
     pub(crate) fn opt_bool(&mut self, key: &str) -> Option<bool> {
+        self.note(key, "bool", "unset");
         self.scalar(key, None, "unset", EXPECT_BOOL, |s| {
             parse_go_bool(s).map(Some)
         })
@@ -224,6 +262,7 @@ impl<'a> Reader<'a> {
 
     pub(crate) fn duration(&mut self, key: &str, default: Duration) -> Duration {
         let shown = go_duration_string(default);
+        self.note(key, "duration", &shown);
         self.scalar(key, default, &shown, EXPECT_DURATION, parse_go_duration)
     }
 
@@ -233,6 +272,7 @@ impl<'a> Reader<'a> {
     where
         T: TryFrom<i128> + PartialOrd + Copy + Display,
     {
+        self.note(key, &range("integer", min, max), default);
         let Some(n) = self.scalar(key, None, &default.to_string(), "an integer", |s| {
             s.parse::<i128>().ok().map(Some)
         }) else {
@@ -252,12 +292,14 @@ impl<'a> Reader<'a> {
     }
 
     pub(crate) fn port(&mut self, key: &str, default: u16) -> u16 {
+        self.note(key, "port", default);
         self.int(key, default, 0, u16::MAX)
     }
 
     /// A finite float within `min..=max`: not a number → warning and default; a number out
     /// of range (or NaN) → error.
     pub(crate) fn float(&mut self, key: &str, default: f64, min: f64, max: f64) -> f64 {
+        self.note(key, &range("number", min, max), default);
         let Some(x) = self.scalar(key, None, &default.to_string(), "a number", |s| {
             s.parse::<f64>().ok().map(Some)
         }) else {
@@ -277,6 +319,7 @@ impl<'a> Reader<'a> {
 
     /// A comma-separated list; blank items are dropped.
     pub(crate) fn list(&self, key: &str, default: &[&str]) -> Vec<String> {
+        self.note(key, "comma-separated list", shown_str(&default.join(",")));
         match self.get(key) {
             Some(v) => split_list(&v),
             None => default.iter().map(|s| (*s).to_owned()).collect(),
@@ -285,6 +328,7 @@ impl<'a> Reader<'a> {
 
     /// Every variable `<prefix><NAME>` with a non-empty NAME, keyed by NAME.
     pub(crate) fn prefixed(&self, prefix: &str) -> BTreeMap<String, String> {
+        self.note(&format!("{prefix}*"), "one variable per name", "none");
         self.prefixes.borrow_mut().insert(prefix.to_owned());
         self.env
             .vars()
@@ -294,6 +338,25 @@ impl<'a> Reader<'a> {
                 (!name.is_empty()).then(|| (name.to_owned(), v))
             })
             .collect()
+    }
+}
+
+/// A string default as the reference shows it.
+fn shown_str(default: &str) -> String {
+    if default.is_empty() {
+        "\"\"".to_owned()
+    } else {
+        format!("`{default}`")
+    }
+}
+
+/// `kind` with its bounds, unless they are a type's whole range (which says nothing).
+fn range(kind: &str, min: impl Display, max: impl Display) -> String {
+    let (min, max) = (min.to_string(), max.to_string());
+    if min.len() > 9 || max.len() > 9 {
+        kind.to_owned()
+    } else {
+        format!("{kind} {min}–{max}")
     }
 }
 

@@ -346,10 +346,10 @@ mod tests {
         assert!(c.evictions.get() >= 2);
     }
 
-    /// R5: the byte budget holds whatever the answers' sizes, each eviction is counted, and
+    /// The byte budget holds whatever the answers' sizes, each eviction is counted, and
     /// answers over the per-entry cap are not cached.
     #[test]
-    fn r5_bounded_in_bytes_with_a_per_entry_cap() {
+    fn bounded_in_bytes_with_a_per_entry_cap() {
         let budget = 64 << 10;
         let c = cache(4096, budget);
         for i in 0..200 {
@@ -367,9 +367,9 @@ mod tests {
         assert!(c.len() <= before);
     }
 
-    /// R5: a hit is the cached bytes: same size and answers, the client's ID, RD and spelling.
+    /// A hit is the cached bytes: same size and answers, the client's ID, RD and spelling.
     #[test]
-    fn r5_a_hit_is_the_upstream_reply_with_the_clients_id_and_question() {
+    fn a_hit_is_the_upstream_reply_with_the_clients_id_and_question() {
         let c = cache(16, DEFAULT_BYTES);
         let (m, wire, _) = answer("many.example.", 8000);
         c.insert(Key::of(&m).unwrap(), &wire, &m);

@@ -132,9 +132,9 @@ const POOL_REUSE: u32 = 64;
 /// Sockets kept per proxy: as many as the queries a burst keeps in flight (glibc sends A and
 /// AAAA together; a client with a thread pool sends dozens). With 64, dnsperf's 100 in flight
 /// opened, registered and closed a socket for a third of its queries: 15 % of the proxy's
-/// forwarding CPU (BENCHMARKS.md, DNS proxy). Beyond the cap a socket is opened per query and
-/// closed after it, as miekg does. An idle socket costs the kernel ~1 KiB and the agent one
-/// descriptor.
+/// forwarding CPU (docs/benchmarks-log.md, DNS proxy). Beyond the cap a socket is opened per
+/// query and closed after it, as miekg does. An idle socket costs the kernel ~1 KiB and the
+/// agent one descriptor.
 const POOL_MAX: usize = 256;
 
 impl Pool {

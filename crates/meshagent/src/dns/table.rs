@@ -17,7 +17,7 @@
 //! key — its hash and (host, form) — sorted by hash: a lookup is a binary search, then a
 //! compare of the asked name with the form spelled from the host's strings (e.g.
 //! `<shortname>.<namespace>.`), case-insensitively. A 5,000-name table is ~0.5 MiB
-//! (BENCHMARKS.md, DNS proxy); the decoded NDS proto it replaces was ~2.3 MiB.
+//! (docs/benchmarks-log.md, DNS proxy); the decoded NDS proto it replaces was ~2.3 MiB.
 
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 

@@ -215,7 +215,7 @@ fn lower_to_idle_priority() {
 /// before it is needed: on a dedicated thread at nice 19. At start-up the first certificate
 /// goes out while Envoy is still warming its clusters and listeners; an RSA generation at
 /// normal priority then took a core from Envoy for 60–250 ms and delayed the agent's
-/// readiness by as much (the startup bench's per-thread CPU, BENCHMARKS.md). A dedicated
+/// readiness by as much (the startup bench's per-thread CPU, docs/benchmarks-log.md). A dedicated
 /// thread, so no blocking-pool thread keeps the lowered priority; the blocking pool when no
 /// thread can be started.
 fn spawn_idle_key(spec: KeySpec) -> KeyJob {
@@ -248,8 +248,8 @@ fn spawn_idle_key(spec: KeySpec) -> KeyJob {
 /// second racer runs at nice 19 (it gets the CPU only when nothing else wants it), and the
 /// loser is dropped to nice 19 the moment the race is decided (it cannot be cancelled inside aws-lc; its thread ends when it
 /// finishes). Both racers are dedicated threads, so no blocking-pool thread keeps the lowered
-/// priority. ECDSA takes well under a millisecond and is never raced. BENCHMARKS.md, sidecar
-/// startup, has the numbers.
+/// priority. ECDSA takes well under a millisecond and is never raced. docs/benchmarks-log.md,
+/// sidecar startup, has the numbers.
 fn spawn_first_key(spec: KeySpec) -> KeyJob {
     let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
     if !matches!(spec.kind, super::keys::KeyKind::Rsa(_)) || cpus < 2 {

@@ -379,6 +379,32 @@ fn spec_short(c: char) -> Option<&'static Spec> {
     SPECS.iter().find(|s| s.short == Some(c))
 }
 
+/// One `istio-iptables` flag as the configuration reference lists it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FlagInfo {
+    /// Long name, without `--`.
+    pub long: &'static str,
+    /// Short letter, if any.
+    pub short: Option<char>,
+    /// Whether it is a bool flag (`--flag`, `--flag=false`) rather than one taking a value.
+    pub bool: bool,
+    /// The environment variables bound to it, the primary one first (later ones win).
+    pub env: Vec<&'static str>,
+}
+
+/// Every flag `istio-iptables` accepts, in `--help` order.
+pub fn flags() -> Vec<FlagInfo> {
+    SPECS
+        .iter()
+        .map(|s| FlagInfo {
+            long: s.long,
+            short: s.short,
+            bool: s.kind == Kind::Bool,
+            env: s.env.iter().chain(s.extra_env).copied().collect(),
+        })
+        .collect()
+}
+
 /// `istio-iptables --help`: every flag with its short letter and env names.
 pub fn usage() -> String {
     let mut out = String::from(
@@ -1280,7 +1306,7 @@ mod tests {
     }
 
     #[test]
-    fn r1_owner_ids_and_interface_names() {
+    fn owner_ids_and_interface_names() {
         assert_eq!(OwnerId::parse("1337"), Some(OwnerId::Id(1337)));
         assert_eq!(OwnerId::parse("0"), Some(OwnerId::Id(0)));
         assert_eq!(OwnerId::parse("4294967294"), Some(OwnerId::Id(MAX_ID)));

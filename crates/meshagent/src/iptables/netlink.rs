@@ -3,7 +3,7 @@
 //! (as Istio does through vishvananda/netlink, capture/run.go `configureIPv6Addresses`).
 //!
 //! Reading the state with `iptables-save` costs a process start (about as long as the
-//! `iptables-restore` that follows; BENCHMARKS.md), and in a fresh pod namespace — the
+//! `iptables-restore` that follows; docs/benchmarks-log.md), and in a fresh pod namespace — the
 //! init container's normal case — there is nothing to read. One netlink dump of the
 //! nftables tables (`NFT_MSG_GETTABLE`, every family) plus the legacy table lists in /proc
 //! answer that without a process. Any doubt (an error, an unexpected answer) means "maybe",

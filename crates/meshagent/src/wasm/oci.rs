@@ -13,7 +13,7 @@
 //! The protocol runs on the agent's own client rather than an OCI client crate: oci-client
 //! (and its predecessor oci-distribution) builds its reqwest client itself from a
 //! `ClientConfig` that has no resolver, connector or redirect hook, so the dial-time SSRF
-//! check (resolved address, every redirect and realm) could not be applied (README, Wasm).
+//! check (resolved address, every redirect and realm) could not be applied (docs/wasm.md).
 //! The formats are maintained crates: manifests and indexes are `oci-spec` types, docker
 //! config files are read by `docker_credential`.
 

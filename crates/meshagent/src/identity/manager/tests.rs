@@ -250,7 +250,7 @@ async fn failures_keep_the_old_cert_back_off_and_recover() {
     r.cancel.cancel();
 }
 
-/// Defect D5: an expired certificate from the CA used to count as success (resetting the
+/// An expired certificate from the CA used to count as success (resetting the
 /// backoff: a CSR hot loop) and was served while the pod reported ready.
 #[tokio::test(start_paused = true)]
 async fn an_expired_certificate_from_the_ca_is_a_failure_with_backoff() {
