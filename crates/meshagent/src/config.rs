@@ -517,6 +517,22 @@ fn is_host_port(addr: &str) -> bool {
     !host.is_empty() && port.parse::<u16>().is_ok_and(|p| p != 0)
 }
 
+/// Values in `env` that are credentials by name: `CA_HEADER_*` and `XDS_HEADER_*` (the
+/// config serializes them redacted; `meshagent debug bundle` also scrubs them from every file
+/// it collects). Values shorter than 4 bytes are left out: scrubbing `"1"` everywhere would
+/// mangle the bundle and protect nothing.
+pub fn secret_env_values(env: &dyn EnvSource) -> Vec<String> {
+    let r = Reader::new(env);
+    let mut out: Vec<String> = ["CA_HEADER_", "XDS_HEADER_"]
+        .iter()
+        .flat_map(|p| r.prefixed(p).into_values())
+        .filter(|v| v.len() >= 4)
+        .collect();
+    out.sort();
+    out.dedup();
+    out
+}
+
 /// Serializes a header map (`CA_HEADER_*`, `XDS_HEADER_*`) with its names and every value
 /// replaced: the values are often credentials, and the config is logged at INFO
 /// ("Effective config") and served on `/debug/config_dump`.
