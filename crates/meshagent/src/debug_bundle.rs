@@ -80,6 +80,10 @@ struct Piece {
     data: Result<Vec<u8>, String>,
     /// A remark for the manifest (e.g. how the piece was obtained).
     note: Option<String>,
+    /// JSON to parse, redact by key and pretty-print before it is written (done with the
+    /// scrubbing off the runtime thread, so a large config dump does not stall the fetches
+    /// still running against their deadlines).
+    json: bool,
 }
 
 impl Piece {
@@ -88,6 +92,14 @@ impl Piece {
             name: name.to_owned(),
             data: Ok(data),
             note: None,
+            json: false,
+        }
+    }
+
+    fn json(name: &str, data: Vec<u8>) -> Self {
+        Self {
+            json: true,
+            ..Self::ok(name, data)
         }
     }
 
@@ -96,6 +108,7 @@ impl Piece {
             name: name.to_owned(),
             data: Err(e.into()),
             note: None,
+            json: false,
         }
     }
 }
@@ -117,16 +130,11 @@ async fn get(addr: SocketAddr, path: &str, timeout: Duration) -> Result<(u16, By
     Ok((status, body))
 }
 
-/// A JSON view: 200 → pretty JSON, redacted by key; anything else → the reason.
+/// A JSON view: 200 → JSON (redacted and pretty-printed by [`finish`]); anything else →
+/// the reason.
 async fn json_piece(name: &str, addr: SocketAddr, path: &str, timeout: Duration) -> Piece {
     match get(addr, path, timeout).await {
-        Ok((200, body)) => match serde_json::from_slice::<Value>(&body) {
-            Ok(mut v) => {
-                redact_json(&mut v);
-                Piece::ok(name, pretty(&v))
-            }
-            Err(e) => Piece::err(name, format!("GET {path}: not JSON ({e})")),
-        },
+        Ok((200, body)) => Piece::json(name, body.to_vec()),
         Ok((code, body)) => Piece::err(name, status_error(path, code, &body)),
         Err(e) => Piece::err(name, e),
     }
@@ -522,12 +530,13 @@ pub async fn run(opts: &BundleOptions, env: &dyn EnvSource) -> Result<Summary, B
     pieces.push(Piece::ok("versions.json", pretty(&versions)));
 
     let scrubber = Scrubber::new(known_secrets(opts, env).await);
-    let (entries, manifest, summary) = finish(pieces, &scrubber);
     let output = opts.output.clone();
-    tokio::task::spawn_blocking(move || write_archive(output.as_deref(), &entries, &manifest))
-        .await
-        .map_err(|e| BundleError::Join(e.to_string()))??;
-    Ok(summary)
+    tokio::task::spawn_blocking(move || {
+        let (entries, manifest, summary) = finish(pieces, &scrubber);
+        write_archive(output.as_deref(), &entries, &manifest).map(|()| summary)
+    })
+    .await
+    .map_err(|e| BundleError::Join(e.to_string()))?
 }
 
 /// The credentials this process can know: the projected token and the header values.
@@ -555,12 +564,26 @@ fn finish(pieces: Vec<Piece>, scrubber: &Scrubber) -> (Vec<(String, Vec<u8>)>, S
         redactions: 0,
     };
     for p in pieces {
-        match p.data {
+        let mut by_key = 0;
+        let data = match p.data {
+            Ok(d) if p.json => match serde_json::from_slice::<Value>(&d) {
+                Ok(mut v) => {
+                    by_key = redact_json(&mut v);
+                    Ok(pretty(&v))
+                }
+                Err(e) => Err(format!("not JSON ({e})")),
+            },
+            other => other,
+        };
+        match data {
             Ok(data) => {
                 let text = String::from_utf8_lossy(&data);
                 let (clean, n) = scrubber.scrub(&text);
-                summary.redactions += n;
+                summary.redactions += n + by_key;
                 let mut notes: Vec<String> = p.note.into_iter().collect();
+                if by_key > 0 {
+                    notes.push(format!("{by_key} value(s) redacted by key"));
+                }
                 if n > 0 {
                     notes.push(format!("{n} secret(s) scrubbed"));
                 }
@@ -682,11 +705,18 @@ mod tests {
         let pieces = vec![
             Piece::ok("a.txt", b"hello hunter22".to_vec()),
             Piece::err("b.txt", "GET /b: timed out"),
+            Piece::json("c.json", br#"{"private_key":"k","x":1}"#.to_vec()),
+            Piece::json("d.json", b"{not json".to_vec()),
         ];
         let (entries, manifest, summary) = finish(pieces, &Scrubber::new(["hunter22".into()]));
-        assert_eq!(
-            entries,
-            vec![("a.txt".into(), b"hello [redacted]".to_vec())]
+        assert_eq!(entries.len(), 2);
+        assert_eq!(entries[0], ("a.txt".into(), b"hello [redacted]".to_vec()));
+        let c: Value = serde_json::from_slice(&entries[1].1).unwrap();
+        assert_eq!(c, serde_json::json!({"private_key": REDACTED, "x": 1}));
+        assert!(manifest.contains("d.json\tERROR\tnot JSON"), "{manifest}");
+        assert!(
+            manifest.contains("c.json\t") && manifest.contains("\t1 value(s) redacted by key\n"),
+            "{manifest}"
         );
         assert!(
             manifest.contains("a.txt\t16\t1 secret(s) scrubbed\n"),
@@ -699,9 +729,9 @@ mod tests {
         assert_eq!(
             summary,
             Summary {
-                files: 1,
-                errors: 1,
-                redactions: 1
+                files: 2,
+                errors: 2,
+                redactions: 2
             }
         );
     }

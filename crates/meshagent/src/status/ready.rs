@@ -114,12 +114,11 @@ impl EnvoyProbe {
         if let Err(reason) = &mut result
             && !reason.starts_with("server is terminated")
             && !reason.starts_with("failed to get readiness stats")
+            && let Some(waiting) = self.waiting_for().await
         {
-            if let Some(waiting) = self.waiting_for().await {
-                self.log_waiting(&waiting);
-                reason.push_str("; ");
-                reason.push_str(&waiting);
-            }
+            self.log_waiting(&waiting);
+            reason.push_str("; ");
+            reason.push_str(&waiting);
         }
         if let Err(reason) = &result {
             *self.last_scan.lock().unwrap_or_else(|e| e.into_inner()) =
