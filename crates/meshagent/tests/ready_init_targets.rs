@@ -83,3 +83,69 @@ async fn not_ready_body_names_the_pending_ecds_resource() {
     let (code, body) = http_get(a.status, "/healthz/ready").await.unwrap();
     assert_eq!((code, body.as_str()), (200, ""));
 }
+
+/// An EDS cluster whose endpoints never come (no fetch timeout, as istiod's clusters): Envoy's
+/// cluster manager cannot finish, which `/init_dump` does not list; the body names the warming
+/// cluster from Envoy's `cluster_manager.warming_clusters`, and the endpoints end the wait.
+#[tokio::test(flavor = "multi_thread")]
+async fn not_ready_body_names_a_warming_cluster() {
+    use meshagent_proto::envoy::pb::envoy::config::cluster::v3 as cluster;
+    use meshagent_proto::envoy::pb::envoy::config::core::v3 as core;
+    use meshagent_proto::envoy::pb::envoy::config::endpoint::v3::ClusterLoadAssignment;
+    use meshagent_proto::type_url;
+    use prost::Message;
+
+    let m = TwoWorkloads::new();
+    let dp = Devplane::start(&m.yaml(false)).await;
+    let ads = core::ConfigSource {
+        config_source_specifier: Some(core::config_source::ConfigSourceSpecifier::Ads(
+            core::AggregatedConfigSource {},
+        )),
+        initial_fetch_timeout: Some(meshagent_proto::google::protobuf::Duration {
+            seconds: 0,
+            nanos: 0,
+        }),
+        resource_api_version: core::ApiVersion::V3 as i32,
+        ..Default::default()
+    };
+    let c = cluster::Cluster {
+        name: "warm-forever".into(),
+        connect_timeout: Some(meshagent_proto::google::protobuf::Duration {
+            seconds: 1,
+            nanos: 0,
+        }),
+        cluster_discovery_type: Some(cluster::cluster::ClusterDiscoveryType::Type(
+            cluster::cluster::DiscoveryType::Eds as i32,
+        )),
+        eds_cluster_config: Some(cluster::cluster::EdsClusterConfig {
+            eds_config: Some(ads),
+            service_name: "warm-forever".into(),
+        }),
+        ..Default::default()
+    };
+    dp.set_resource(type_url::CLUSTER, "warm-forever", &c.encode_to_vec())
+        .await;
+    let mut a = Sidecar::start(&dp, "a", "default", "a", &[]).await;
+    let body = wait_for("a 503 naming the warming cluster", DEADLINE, || async {
+        match http_get(a.status, "/healthz/ready").await {
+            Ok((503, b)) if b.contains("; waiting for 1 warming cluster (cluster manager") => {
+                Some(b)
+            }
+            other => {
+                let dump = http_get(a.admin, "/init_dump").await;
+                eprintln!("readiness {other:?}; Envoy /init_dump {dump:?}");
+                None
+            }
+        }
+    })
+    .await;
+    assert!(!body.starts_with("; "), "Istio's reason first: {body}");
+
+    let cla = ClusterLoadAssignment {
+        cluster_name: "warm-forever".into(),
+        ..Default::default()
+    };
+    dp.set_resource(type_url::ENDPOINT, "warm-forever", &cla.encode_to_vec())
+        .await;
+    a.wait_ready(DEADLINE).await;
+}

@@ -30,6 +30,8 @@ pub struct EnvoyProbe {
     rejections: std::sync::OnceLock<crate::xds::XdszSource>,
     /// When the pending init targets were last logged, and what they were.
     last_wait_log: Mutex<Option<(tokio::time::Instant, String)>>,
+    /// `cluster_manager.warming_clusters` at the last stats query.
+    warming_clusters: std::sync::atomic::AtomicU64,
 }
 
 /// The same pending init targets are logged again after this long; a change is logged at
@@ -37,6 +39,8 @@ pub struct EnvoyProbe {
 /// each failed probe is already a warning line: the targets need not be repeated with each.
 const WAIT_LOG_REPEAT: Duration = Duration::from_secs(60);
 const WAIT_LOG_MIN: Duration = Duration::from_secs(5);
+/// Deadline of the `/init_dump` query.
+const INIT_DUMP_TIMEOUT: Duration = Duration::from_millis(500);
 
 /// While Envoy is starting, how often its stats may be queried (see [`EnvoyProbe::check`]).
 const STATS_INTERVAL: Duration = Duration::from_millis(100);
@@ -61,6 +65,7 @@ impl EnvoyProbe {
             last_scan: Mutex::new(None),
             rejections: std::sync::OnceLock::new(),
             last_wait_log: Mutex::new(None),
+            warming_clusters: std::sync::atomic::AtomicU64::new(0),
         }))
     }
 
@@ -133,13 +138,13 @@ impl EnvoyProbe {
     /// resource says nothing more). `None` when the dump names nothing or cannot be read
     /// (the reason stays Istio's).
     async fn waiting_for(&self) -> Option<String> {
-        let (code, body) = admin::request("GET", self.admin, "/init_dump", Duration::from_secs(1))
-            .await
-            .ok()?;
-        if code != 200 {
-            return None;
-        }
-        describe_init_dump(&body)
+        // Shorter than the stats query's second: it only adds words, and a kubelet probe's
+        // own timeout is one second by default.
+        let body = match admin::request("GET", self.admin, "/init_dump", INIT_DUMP_TIMEOUT).await {
+            Ok((200, body)) => body,
+            _ => String::new(),
+        };
+        describe_init_dump(&body, self.warming_clusters.load(Ordering::Relaxed))
     }
 
     /// One line when the pending targets change (at most every [`WAIT_LOG_MIN`]), or after
@@ -170,11 +175,16 @@ impl EnvoyProbe {
     async fn scan(&self) -> Result<(), String> {
         // One admin request for both checks (Istio makes two): each is handled on Envoy's main
         // thread, which at start-up is busy applying the configuration being waited for.
-        let path = "/stats?usedonly&filter=^((cluster_manager\\.cds|listener_manager\\.lds)\\.(update_success|update_rejected)|server\\.state|listener_manager\\.workers_started)$";
+        // Istio's stats, and the warming clusters the not-ready reason names.
+        let path = "/stats?usedonly&filter=^((cluster_manager\\.cds|listener_manager\\.lds)\\.(update_success|update_rejected)|server\\.state|listener_manager\\.workers_started|cluster_manager\\.warming_clusters)$";
         let (_, body) = admin::request("GET", self.admin, path, Duration::from_secs(1))
             .await
             .map_err(|e| format!("failed to get readiness stats: {e}"))?;
         let body = body.as_str();
+        self.warming_clusters.store(
+            admin::stat_value(body, "cluster_manager.warming_clusters").unwrap_or(0),
+            Ordering::Relaxed,
+        );
         if !self.config_received.load(Ordering::Relaxed) {
             let cds = admin::stat_value(body, "cluster_manager.cds.update_success");
             let lds = admin::stat_value(body, "listener_manager.lds.update_success");
@@ -244,9 +254,18 @@ impl EnvoyProbe {
 /// managers only: `source/server/admin/init_dump_handler.cc`), Envoy's target names turned
 /// into the xDS type they wait on (`FilterConfigSubscription init X` → `ECDS X`,
 /// `RdsRouteConfigSubscription … X` → `RDS X`, `SdsApi X` → `SDS X`; others verbatim).
-pub fn describe_init_dump(body: &str) -> Option<String> {
-    let v: serde_json::Value = serde_json::from_str(body).ok()?;
+///
+/// `warming_clusters` (the `cluster_manager.warming_clusters` gauge) comes first: the
+/// cluster manager initializes before the listeners, and `/init_dump` does not list it.
+pub fn describe_init_dump(body: &str, warming_clusters: u64) -> Option<String> {
+    let v: serde_json::Value = serde_json::from_str(body).unwrap_or_default();
     let mut parts: Vec<String> = Vec::new();
+    if warming_clusters > 0 {
+        let s = if warming_clusters == 1 { "" } else { "s" };
+        parts.push(format!(
+            "{warming_clusters} warming cluster{s} (cluster manager: CDS/EDS)"
+        ));
+    }
     for dump in v["unready_targets_dumps"].as_array().into_iter().flatten() {
         // `init manager Listener-local-init-manager <listener> <hash>`.
         let manager = dump["name"].as_str().unwrap_or_default();
@@ -560,19 +579,28 @@ mod tests {
                               "target RdsRouteConfigSubscription init http.80",
                               "target SdsApi default", "target SomethingElse x"]}]}"#;
         assert_eq!(
-            describe_init_dump(body).unwrap(),
+            describe_init_dump(body, 0).unwrap(),
             "waiting for ECDS app-ns.my-plugin (listener 127.0.0.1_29398), RDS http.80 (listener \
              127.0.0.1_29398), SDS default (listener 127.0.0.1_29398), SomethingElse x \
              (listener 127.0.0.1_29398)"
         );
-        assert_eq!(describe_init_dump("{}"), None);
-        assert_eq!(describe_init_dump("not json"), None);
+        assert_eq!(describe_init_dump("{}", 0), None);
+        assert_eq!(describe_init_dump("not json", 0), None);
+        assert_eq!(
+            describe_init_dump("", 2).unwrap(),
+            "waiting for 2 warming clusters (cluster manager: CDS/EDS)"
+        );
+        assert!(
+            describe_init_dump(body, 1)
+                .unwrap()
+                .starts_with("waiting for 1 warming cluster (cluster manager: CDS/EDS), ECDS ")
+        );
         let many: Vec<String> = (0..15).map(|i| format!("\"target SdsApi s{i}\"")).collect();
         let body = format!(
             r#"{{"unready_targets_dumps": [{{"name": "m", "target_names": [{}]}}]}}"#,
             many.join(",")
         );
-        let d = describe_init_dump(&body).unwrap();
+        let d = describe_init_dump(&body, 0).unwrap();
         assert!(d.ends_with("SDS s9 (m) and 5 more"), "{d}");
     }
 
