@@ -93,6 +93,54 @@ pub enum Command {
     Request(RequestArgs),
     /// Print the reference of every environment variable, flag and annotation, as Markdown.
     ConfigReference,
+    /// Diagnostics for bug reports (meshagent addition).
+    Debug(DebugArgs),
+}
+
+/// `debug` (meshagent addition; pilot-agent has no such command).
+#[derive(Debug, Args)]
+pub struct DebugArgs {
+    /// The debug subcommand.
+    #[command(subcommand)]
+    pub command: DebugCommand,
+}
+
+/// `debug` subcommands.
+#[derive(Debug, Subcommand)]
+pub enum DebugCommand {
+    /// Collect the agent's views, Envoy's state, the network rules, versions and recent logs
+    /// into one tar.gz, with keys and tokens removed. Run inside the pod.
+    Bundle(BundleArgs),
+}
+
+/// `debug bundle` flags.
+#[derive(Debug, Clone, Args)]
+pub struct BundleArgs {
+    /// Archive to write; `-` writes it to stdout.
+    #[arg(
+        short = 'o',
+        long = "output",
+        default_value = "/tmp/meshagent-debug.tar.gz"
+    )]
+    pub output: String,
+    /// The agent's status port on localhost.
+    #[arg(long = "status-port", default_value_t = 15020)]
+    pub status_port: u16,
+    /// Envoy's admin port on localhost; by default the agent's effective proxyAdminPort.
+    #[arg(long = "admin-port")]
+    pub admin_port: Option<u16>,
+    /// Deadline of each fetch and command, e.g. 10s.
+    #[arg(long, default_value = "10s", value_parser = parse_duration)]
+    pub timeout: std::time::Duration,
+    /// How many of the agent's recent log lines to include.
+    #[arg(long = "log-lines", default_value_t = 1000)]
+    pub log_lines: usize,
+}
+
+/// A Go duration (`10s`, `1m30s`) for duration flags.
+fn parse_duration(s: &str) -> Result<std::time::Duration, String> {
+    crate::config::parse_go_duration(s)
+        .ok_or_else(|| format!("{s:?} is not a duration (expected e.g. 10s or 1m)"))
 }
 
 /// `wait` flags (Istio `pilot/cmd/pilot-agent/app/wait.go`).
@@ -297,6 +345,7 @@ impl KnownFlags {
 /// Returns the kept args and a description of each dropped flag.
 fn strip_unknown_flags(root: &clap::Command, argv: Vec<String>) -> (Vec<String>, Vec<String>) {
     let mut known = KnownFlags::of(root);
+    let mut current = root;
     let mut in_subcommand = false;
     let mut kept = Vec::with_capacity(argv.len());
     let mut dropped = Vec::new();
@@ -341,8 +390,13 @@ fn strip_unknown_flags(root: &clap::Command, argv: Vec<String>) -> (Vec<String>,
                 }
             }
             None => {
-                if !in_subcommand && let Some(sub) = root.find_subcommand(&arg) {
+                // A nested subcommand (`debug bundle`) brings its own flags; the first
+                // positional after a leaf command is its argument, never a subcommand.
+                if (!in_subcommand || current.has_subcommands())
+                    && let Some(sub) = current.find_subcommand(&arg)
+                {
                     known = KnownFlags::of(sub);
+                    current = sub;
                     in_subcommand = true;
                 }
                 kept.push(arg);
@@ -567,6 +621,38 @@ mod tests {
             (r.method.as_str(), r.path.as_str(), r.debug_port),
             ("POST", "drain", 15020)
         );
+    }
+
+    #[test]
+    fn debug_bundle_flags() {
+        for bin in ["pilot-agent", "/usr/local/bin/meshagent"] {
+            let p = parse(&[
+                bin,
+                "debug",
+                "bundle",
+                "-o",
+                "/tmp/b.tar.gz",
+                "--status-port=15999",
+                "--timeout",
+                "3s",
+                "--unknown-flag",
+            ])
+            .unwrap();
+            let Command::Debug(DebugArgs {
+                command: DebugCommand::Bundle(b),
+            }) = p.cli.command
+            else {
+                panic!("expected debug bundle")
+            };
+            assert_eq!(
+                (b.output.as_str(), b.status_port, b.admin_port, b.log_lines),
+                ("/tmp/b.tar.gz", 15999, None, 1000)
+            );
+            assert_eq!(b.timeout, std::time::Duration::from_secs(3));
+            assert_eq!(p.dropped_flags, ["--unknown-flag"]);
+        }
+        assert!(parse(&["a", "debug", "bundle", "--timeout=soon"]).is_err());
+        assert!(parse(&["a", "debug"]).is_err());
     }
 
     #[test]

@@ -120,6 +120,78 @@ impl ConfigError {
     }
 }
 
+/// Environment variables Istio removed or replaced, which the agent ignores: name, and what to
+/// use instead. Each set one is one warning per process ([`warn_once`]).
+pub const DEPRECATED_ENV: &[(&str, &str)] = &[
+    // Istio #57571 removed the istio-proxy stats plugin's metric rotation; Envoy's own stats
+    // eviction (`stats_eviction_interval` in the bootstrap) replaces it.
+    (
+        "METRIC_ROTATION_INTERVAL",
+        "Envoy's stats eviction: the sidecar.istio.io/statsEvictionInterval annotation",
+    ),
+    (
+        "METRIC_GRACEFUL_DELETION_INTERVAL",
+        "Envoy's stats eviction: the sidecar.istio.io/statsEvictionInterval annotation",
+    ),
+];
+
+/// Pod annotations Istio replaced, which the agent ignores: name, and what to use instead.
+pub const DEPRECATED_ANNOTATIONS: &[(&str, &str)] = &[
+    // Istio #58717 moved it into ProxyConfig.
+    (
+        "sidecar.istio.io/statsCompression",
+        "ProxyConfig statsCompression (e.g. the proxy.istio.io/config annotation \
+         `statsCompression: false`)",
+    ),
+];
+
+/// Logs `message` as a warning unless this process already did: a deprecated or ignored
+/// input is named once, however often the configuration is loaded (`proxy`, then a `debug
+/// bundle` deriving it again, or a test loading it many times).
+pub fn warn_once(message: &str) {
+    static WARNED: std::sync::Mutex<std::collections::BTreeSet<String>> =
+        std::sync::Mutex::new(std::collections::BTreeSet::new());
+    let first = WARNED
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .insert(message.to_owned());
+    if first {
+        tracing::warn!("{message}");
+    }
+}
+
+/// One warning per deprecated input that is set: variables from `r`, annotations, and the
+/// flags the agent accepts but does nothing with.
+fn deprecation_warnings(
+    r: &Reader<'_>,
+    annotations: &BTreeMap<String, String>,
+    flags: &ProxyFlags,
+) -> Vec<String> {
+    let mut out = Vec::new();
+    for (name, instead) in DEPRECATED_ENV {
+        if r.get(name).is_some() {
+            out.push(format!(
+                "{name} is set but ignored: Istio removed it; use {instead}"
+            ));
+        }
+    }
+    for (name, instead) in DEPRECATED_ANNOTATIONS {
+        if annotations.contains_key(*name) {
+            out.push(format!(
+                "annotation {name} is set but ignored: Istio replaced it; use {instead}"
+            ));
+        }
+    }
+    if !flags.token_manager_plugin.is_empty() {
+        out.push(format!(
+            "--tokenManagerPlugin={} is accepted but ignored: the agent has no STS token \
+             manager (tokens come from the projected token file)",
+            flags.token_manager_plugin
+        ));
+    }
+    out
+}
+
 /// The `proxy` subcommand's TYPE argument.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize)]
 #[serde(rename_all = "lowercase")]
@@ -380,6 +452,7 @@ pub(crate) fn load_cataloging(
         }
     }
     warnings.extend(envoy_log_level_warnings(flags));
+    warnings.extend(deprecation_warnings(&r, &annotations, flags));
     if !flags.template_file.as_os_str().is_empty() && pc.custom_config_file.as_os_str().is_empty() {
         pc.proxy_bootstrap_template_path
             .clone_from(&flags.template_file);
@@ -412,7 +485,7 @@ pub(crate) fn load_cataloging(
         return Err(ConfigError::from_many(errors));
     }
     for w in &warnings {
-        tracing::warn!("{w}");
+        warn_once(w);
     }
     let config = Config {
         proxy_type: flags.proxy_type,
@@ -542,6 +615,22 @@ fn is_host_port(addr: &str) -> bool {
         return false;
     };
     !host.is_empty() && port.parse::<u16>().is_ok_and(|p| p != 0)
+}
+
+/// Values in `env` that are credentials by name: `CA_HEADER_*` and `XDS_HEADER_*` (the
+/// config serializes them redacted; `meshagent debug bundle` also scrubs them from every file
+/// it collects). Values shorter than 4 bytes are left out: scrubbing `"1"` everywhere would
+/// mangle the bundle and protect nothing.
+pub fn secret_env_values(env: &dyn EnvSource) -> Vec<String> {
+    let r = Reader::new(env);
+    let mut out: Vec<String> = ["CA_HEADER_", "XDS_HEADER_"]
+        .iter()
+        .flat_map(|p| r.prefixed(p).into_values())
+        .filter(|v| v.len() >= 4)
+        .collect();
+    out.sort();
+    out.dedup();
+    out
 }
 
 /// Serializes a header map (`CA_HEADER_*`, `XDS_HEADER_*`) with its names and every value

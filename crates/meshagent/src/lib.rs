@@ -12,6 +12,7 @@ pub mod cli;
 pub mod code_pages;
 pub mod config;
 pub mod control_plane;
+pub mod debug_bundle;
 pub mod dns;
 pub mod envoy;
 pub mod fsio;

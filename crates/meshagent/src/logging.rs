@@ -26,7 +26,7 @@
 //! The scope of an event comes from its target (the Rust module path) through
 //! [`TARGET_SCOPES`]: each module gets the scope Istio registers for the same concern.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::fmt::{self, Write as _};
 use std::fs::{File, OpenOptions};
 use std::io::{self, Write};
@@ -836,6 +836,8 @@ impl LogWriter {
 
 impl Write for LogWriter {
     fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        // The formatter hands each line over in one write.
+        RECENT.push(buf);
         // Every target gets the line even if an earlier one fails (a closed stdout pipe must
         // not cost the log file its lines).
         let mut result = Ok(buf.len());
@@ -865,6 +867,80 @@ impl<'a> MakeWriter<'a> for LogWriter {
 
     fn make_writer(&'a self) -> Self::Writer {
         self.clone()
+    }
+}
+
+/// Bytes of formatted lines [`RECENT`] keeps: a few hundred lines, enough to see what led up
+/// to a problem in a debug bundle, small next to the agent's resident set (and only filled
+/// as lines are written).
+pub const RECENT_BYTES: usize = 64 * 1024;
+
+/// The last lines written, exactly as formatted (text or JSON), oldest first; served on the
+/// status port's loopback-only `/debug/logs` and collected by `meshagent debug bundle`.
+/// Istio's agent keeps nothing (its logs exist only where the container runtime put them).
+pub static RECENT: LogRing = LogRing::new(RECENT_BYTES);
+
+/// A byte-bounded ring of log lines: the oldest lines leave to make room, and a single line
+/// longer than the whole bound is cut to it.
+pub struct LogRing {
+    cap: usize,
+    inner: Mutex<RingInner>,
+}
+
+struct RingInner {
+    lines: VecDeque<Box<[u8]>>,
+    bytes: usize,
+}
+
+impl LogRing {
+    /// An empty ring holding at most `cap` bytes.
+    pub const fn new(cap: usize) -> Self {
+        Self {
+            cap,
+            inner: Mutex::new(RingInner {
+                lines: VecDeque::new(),
+                bytes: 0,
+            }),
+        }
+    }
+
+    /// Appends one formatted line.
+    pub fn push(&self, line: &[u8]) {
+        if self.cap == 0 || line.is_empty() {
+            return;
+        }
+        let line = &line[..line.len().min(self.cap)];
+        let mut r = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        while r.bytes + line.len() > self.cap {
+            match r.lines.pop_front() {
+                Some(old) => r.bytes -= old.len(),
+                None => break,
+            }
+        }
+        r.bytes += line.len();
+        r.lines.push_back(line.into());
+    }
+
+    /// The last `n` lines (all with `None`), oldest first, as one text.
+    pub fn last(&self, n: Option<usize>) -> String {
+        let r = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        let skip = n.map_or(0, |n| r.lines.len().saturating_sub(n));
+        let mut out = Vec::with_capacity(r.bytes);
+        for l in r.lines.iter().skip(skip) {
+            out.extend_from_slice(l);
+        }
+        String::from_utf8_lossy(&out).into_owned()
+    }
+
+    /// Lines and bytes held.
+    pub fn len(&self) -> (usize, usize) {
+        let r = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        (r.lines.len(), r.bytes)
+    }
+
+    /// Whether no line is held.
+    pub fn is_empty(&self) -> bool {
+        self.len().0 == 0
     }
 }
 

@@ -37,10 +37,12 @@ fn main() -> ExitCode {
     };
     let cli::Cli { log, command } = parsed.cli;
     let mut log_options = log.to_options();
-    // `--dump-config` keeps stdout for the JSON dump, `config-reference` for the Markdown;
-    // logs go to stderr.
+    // `--dump-config` keeps stdout for the JSON dump, `config-reference` for the Markdown,
+    // `debug bundle -o -` for the archive; logs go to stderr.
     let stdout_reserved = matches!(&command, Command::Proxy(a) if a.dump_config)
-        || matches!(&command, Command::ConfigReference);
+        || matches!(&command, Command::ConfigReference)
+        || matches!(&command, Command::Debug(d) if matches!(&d.command,
+            cli::DebugCommand::Bundle(b) if b.output == "-"));
     if stdout_reserved {
         log_options.targets = vec!["stderr".into()];
     }
@@ -53,6 +55,9 @@ fn main() -> ExitCode {
         tracing::warn!("ignoring unknown flag {flag}");
     }
     match command {
+        Command::Debug(cli::DebugArgs {
+            command: cli::DebugCommand::Bundle(args),
+        }) => debug_bundle(&args),
         Command::Version(args) => exit_with(cli::version_output(&args), |out| print!("{out}")),
         Command::ConfigReference => match meshagent::reference::markdown() {
             Ok(text) => {
@@ -125,6 +130,32 @@ fn runtime() -> std::io::Result<tokio::runtime::Runtime> {
     tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
+}
+
+/// `debug bundle`: collects, writes, and says where (on stderr: stdout may be the archive).
+fn debug_bundle(args: &cli::BundleArgs) -> ExitCode {
+    let localhost = |port: u16| std::net::SocketAddr::from(([127, 0, 0, 1], port));
+    let opts = meshagent::debug_bundle::BundleOptions {
+        output: (args.output != "-").then(|| args.output.clone().into()),
+        status: localhost(args.status_port),
+        admin: args.admin_port.map(localhost),
+        timeout: args.timeout,
+        log_lines: args.log_lines,
+        base_dir: ".".into(),
+    };
+    let r = on_runtime(meshagent::debug_bundle::run(&opts, &config::ProcessEnv));
+    exit_with(r, |s| {
+        eprintln!(
+            "wrote {} ({} files, {} not collected: see MANIFEST.txt; {} secrets scrubbed)",
+            opts.output.as_ref().map_or_else(
+                || "the bundle to stdout".to_owned(),
+                |p| p.display().to_string()
+            ),
+            s.files,
+            s.errors,
+            s.redactions
+        );
+    })
 }
 
 fn proxy(args: &ProxyArgs, log_as_json: bool) -> ExitCode {

@@ -13,6 +13,7 @@
 //! | `/debug/dnsz[?name=…&type=…[&forward=true]]` | loopback | how the DNS proxy answers a name; table size, upstreams and their counters ([`crate::dns::view`]) |
 //! | `/debug/wasmz` | loopback | every Wasm module: URL, cache file, sha256, last fetch and its error, ECDS users, fail strategy ([`crate::wasm::view`]) |
 //! | `GET /logging`, `POST /logging?level=…` / `?reset` | loopback | scope levels, changed at run time |
+//! | `/debug/logs[?lines=N]` | loopback | the agent's last log lines as written ([`crate::logging::RECENT`]) |
 //! | `GET /` | loopback | an HTML status page (identity, xDS, DNS, readiness) |
 //!
 //! Go's `/debug/pprof/*` has no Rust equivalent worth shipping (no runtime profiler in the
@@ -89,6 +90,7 @@ pub fn router(state: StatusState) -> axum::Router {
         .route("/debug/dnsz", any(dnsz))
         .route("/debug/wasmz", any(wasmz))
         .route("/logging", any(logging))
+        .route("/debug/logs", any(recent_logs))
         .route("/", any(page))
         .with_state(state)
         .layer(tower_http::compression::CompressionLayer::new().gzip(true))
@@ -610,6 +612,44 @@ async fn logging(ConnectInfo(peer): ConnectInfo<SocketAddr>, method: Method, uri
     }
 }
 
+/// `/debug/logs[?lines=N]`: the last `N` (default all) lines the agent logged, as written
+/// (text or JSON), from a byte-bounded ring ([`crate::logging::RECENT_BYTES`]). Loopback only:
+/// logs name hosts, pods and addresses.
+async fn recent_logs(ConnectInfo(peer): ConnectInfo<SocketAddr>, uri: Uri) -> Response {
+    if !loopback(&peer) {
+        return forbidden(&peer);
+    }
+    let mut lines = None;
+    for pair in uri
+        .query()
+        .unwrap_or("")
+        .split('&')
+        .filter(|p| !p.is_empty())
+    {
+        if let Some(("lines", v)) = pair.split_once('=') {
+            match v.parse::<usize>() {
+                Ok(n) => lines = Some(n),
+                Err(_) => {
+                    return (
+                        StatusCode::BAD_REQUEST,
+                        format!("lines={v:?}: expected a non-negative integer\n"),
+                    )
+                        .into_response();
+                }
+            }
+        }
+    }
+    (
+        StatusCode::OK,
+        [(
+            axum::http::header::CONTENT_TYPE,
+            "text/plain; charset=utf-8",
+        )],
+        crate::logging::RECENT.last(lines),
+    )
+        .into_response()
+}
+
 /// `%XX` decoding of a query value (`:` and `,` may arrive encoded).
 fn percent_decode(v: &str) -> String {
     let b = v.as_bytes();
@@ -824,6 +864,7 @@ mod tests {
             ("GET", "/debug/dnsz?name=b&type=A"),
             ("GET", "/debug/wasmz"),
             ("GET", "/logging"),
+            ("GET", "/debug/logs"),
             ("POST", "/logging?level=default:debug"),
             ("GET", "/"),
         ] {

@@ -1046,3 +1046,73 @@ fn unparsable_metadata_bool_fails_without_a_default_warning() {
         assert!(c.warnings.is_empty(), "{name}: {:?}", c.warnings);
     }
 }
+
+/// Captures what a `tracing` subscriber writes on this thread.
+#[derive(Clone, Default)]
+struct Captured(std::sync::Arc<std::sync::Mutex<Vec<u8>>>);
+
+impl std::io::Write for Captured {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl<'a> tracing_subscriber::fmt::MakeWriter<'a> for Captured {
+    type Writer = Captured;
+    fn make_writer(&'a self) -> Captured {
+        self.clone()
+    }
+}
+
+#[test]
+fn each_deprecated_input_is_one_warning_per_process() {
+    let mut f = Fixture::new()
+        .env("METRIC_ROTATION_INTERVAL", "10m")
+        .env("METRIC_GRACEFUL_DELETION_INTERVAL", "5m")
+        .annotations(&[("sidecar.istio.io/statsCompression", "false")]);
+    f.flags.token_manager_plugin = "GoogleTokenExchange".into();
+    let cap = Captured::default();
+    let sub = tracing_subscriber::fmt()
+        .with_writer(cap.clone())
+        .with_ansi(false)
+        .finish();
+    tracing::subscriber::with_default(sub, || {
+        // Loaded three times (as `proxy` and then `debug bundle` would each load it).
+        for _ in 0..3 {
+            let c = f.ok();
+            assert_eq!(c.warnings.len(), 4, "{:?}", c.warnings);
+        }
+    });
+    let out = String::from_utf8(cap.0.lock().unwrap().clone()).unwrap();
+    let warnings: Vec<&str> = out.lines().filter(|l| l.contains("WARN")).collect();
+    for (input, replacement) in [
+        (
+            "METRIC_ROTATION_INTERVAL is set but ignored",
+            "sidecar.istio.io/statsEvictionInterval",
+        ),
+        (
+            "METRIC_GRACEFUL_DELETION_INTERVAL is set but ignored",
+            "sidecar.istio.io/statsEvictionInterval",
+        ),
+        (
+            "annotation sidecar.istio.io/statsCompression is set but ignored",
+            "ProxyConfig statsCompression",
+        ),
+        (
+            "--tokenManagerPlugin=GoogleTokenExchange is accepted but ignored",
+            "projected token file",
+        ),
+    ] {
+        let lines: Vec<&&str> = warnings.iter().filter(|l| l.contains(input)).collect();
+        assert_eq!(lines.len(), 1, "{input}: {out}");
+        assert!(lines[0].contains(replacement), "{}", lines[0]);
+    }
+    assert_eq!(warnings.len(), 4, "{out}");
+    // The config does not change: the ignored annotation leaves statsCompression unset.
+    let c = f.ok();
+    assert!(!c.proxy_config.passthrough.contains_key("statsCompression"));
+}

@@ -369,3 +369,25 @@ fn runtime_level_changes_and_reset() {
     assert_eq!(s.level("grpc"), LevelFilter::OFF);
     assert_eq!(s.level("default"), LevelFilter::INFO);
 }
+
+#[test]
+fn recent_lines_ring_is_byte_bounded() {
+    let r = LogRing::new(32);
+    assert!(r.is_empty());
+    r.push(b"0123456789\n");
+    r.push(b"abcdefghij\n");
+    assert_eq!(r.last(None), "0123456789\nabcdefghij\n");
+    // A third line does not fit next to both: the oldest leaves.
+    r.push(b"ABCDEFGHIJ\n");
+    assert_eq!(r.len(), (2, 22));
+    assert_eq!(r.last(None), "abcdefghij\nABCDEFGHIJ\n");
+    assert_eq!(r.last(Some(1)), "ABCDEFGHIJ\n");
+    assert_eq!(r.last(Some(10)), r.last(None));
+    // A line longer than the whole ring is cut to it and is all that is kept.
+    r.push(&[b'x'; 100]);
+    assert_eq!(r.len(), (1, 32));
+    assert_eq!(r.last(None), "x".repeat(32));
+    // Empty writes add nothing.
+    r.push(b"");
+    assert_eq!(r.len(), (1, 32));
+}

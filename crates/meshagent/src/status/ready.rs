@@ -28,7 +28,19 @@ pub struct EnvoyProbe {
     last_scan: Mutex<Option<(tokio::time::Instant, String)>>,
     /// What Envoy rejects now, once the xDS proxy runs: named in the not-ready reason.
     rejections: std::sync::OnceLock<crate::xds::XdszSource>,
+    /// When the pending init targets were last logged, and what they were.
+    last_wait_log: Mutex<Option<(tokio::time::Instant, String)>>,
+    /// `cluster_manager.warming_clusters` at the last stats query.
+    warming_clusters: std::sync::atomic::AtomicU64,
 }
+
+/// The same pending init targets are logged again after this long; a change is logged at
+/// once (but not more often than [`WAIT_LOG_MIN`]). Kubelet probes every few seconds, and
+/// each failed probe is already a warning line: the targets need not be repeated with each.
+const WAIT_LOG_REPEAT: Duration = Duration::from_secs(60);
+const WAIT_LOG_MIN: Duration = Duration::from_secs(5);
+/// Deadline of the `/init_dump` query.
+const INIT_DUMP_TIMEOUT: Duration = Duration::from_millis(500);
 
 /// While Envoy is starting, how often its stats may be queried (see [`EnvoyProbe::check`]).
 const STATS_INTERVAL: Duration = Duration::from_millis(100);
@@ -52,6 +64,8 @@ impl EnvoyProbe {
             drain,
             last_scan: Mutex::new(None),
             rejections: std::sync::OnceLock::new(),
+            last_wait_log: Mutex::new(None),
+            warming_clusters: std::sync::atomic::AtomicU64::new(0),
         }))
     }
 
@@ -101,12 +115,53 @@ impl EnvoyProbe {
                 return Err(reason.clone());
             }
         }
-        let result = self.scan().await;
+        let mut result = self.scan().await;
+        if let Err(reason) = &mut result
+            && !reason.starts_with("server is terminated")
+            && !reason.starts_with("failed to get readiness stats")
+            && let Some(waiting) = self.waiting_for().await
+        {
+            self.log_waiting(&waiting);
+            reason.push_str("; ");
+            reason.push_str(&waiting);
+        }
         if let Err(reason) = &result {
             *self.last_scan.lock().unwrap_or_else(|e| e.into_inner()) =
                 Some((tokio::time::Instant::now(), reason.clone()));
         }
         result
+    }
+
+    /// What Envoy's initialization waits for, from its admin `/init_dump` (the unready init
+    /// targets of each listener): `waiting for ECDS app-ns.my-plugin (listener …), …`. Istio's
+    /// reason only says the server is not live (Istio #60530: a start that hangs on an ECDS
+    /// resource says nothing more). `None` when the dump names nothing or cannot be read
+    /// (the reason stays Istio's).
+    async fn waiting_for(&self) -> Option<String> {
+        // Shorter than the stats query's second: it only adds words, and a kubelet probe's
+        // own timeout is one second by default.
+        let body = match admin::request("GET", self.admin, "/init_dump", INIT_DUMP_TIMEOUT).await {
+            Ok((200, body)) => body,
+            _ => String::new(),
+        };
+        describe_init_dump(&body, self.warming_clusters.load(Ordering::Relaxed))
+    }
+
+    /// One line when the pending targets change (at most every [`WAIT_LOG_MIN`]), or after
+    /// [`WAIT_LOG_REPEAT`] of the same.
+    fn log_waiting(&self, waiting: &str) {
+        let mut last = self.last_wait_log.lock().unwrap_or_else(|e| e.into_inner());
+        let due = match &*last {
+            None => true,
+            Some((at, text)) => {
+                let since = at.elapsed();
+                since >= WAIT_LOG_REPEAT || (text != waiting && since >= WAIT_LOG_MIN)
+            }
+        };
+        if due {
+            tracing::warn!("Envoy is not ready, its initialization is {waiting}");
+            *last = Some((tokio::time::Instant::now(), waiting.to_owned()));
+        }
     }
 
     fn not_terminated(&self) -> Result<(), String> {
@@ -120,11 +175,16 @@ impl EnvoyProbe {
     async fn scan(&self) -> Result<(), String> {
         // One admin request for both checks (Istio makes two): each is handled on Envoy's main
         // thread, which at start-up is busy applying the configuration being waited for.
-        let path = "/stats?usedonly&filter=^((cluster_manager\\.cds|listener_manager\\.lds)\\.(update_success|update_rejected)|server\\.state|listener_manager\\.workers_started)$";
+        // Istio's stats, and the warming clusters the not-ready reason names.
+        let path = "/stats?usedonly&filter=^((cluster_manager\\.cds|listener_manager\\.lds)\\.(update_success|update_rejected)|server\\.state|listener_manager\\.workers_started|cluster_manager\\.warming_clusters)$";
         let (_, body) = admin::request("GET", self.admin, path, Duration::from_secs(1))
             .await
             .map_err(|e| format!("failed to get readiness stats: {e}"))?;
         let body = body.as_str();
+        self.warming_clusters.store(
+            admin::stat_value(body, "cluster_manager.warming_clusters").unwrap_or(0),
+            Ordering::Relaxed,
+        );
         if !self.config_received.load(Ordering::Relaxed) {
             let cds = admin::stat_value(body, "cluster_manager.cds.update_success");
             let lds = admin::stat_value(body, "listener_manager.lds.update_success");
@@ -187,6 +247,83 @@ impl EnvoyProbe {
         }
         Ok(())
     }
+}
+
+/// Envoy's `/init_dump` (`envoy.admin.v3.UnreadyTargetsDumps`) in words: each pending
+/// target with the listener whose initialization waits for it (Envoy lists listener init
+/// managers only: `source/server/admin/init_dump_handler.cc`), Envoy's target names turned
+/// into the xDS type they wait on (`FilterConfigSubscription init X` → `ECDS X`,
+/// `RdsRouteConfigSubscription … X` → `RDS X`, `SdsApi X` → `SDS X`; others verbatim).
+///
+/// `warming_clusters` (the `cluster_manager.warming_clusters` gauge) comes first: the
+/// cluster manager initializes before the listeners, and `/init_dump` does not list it.
+pub fn describe_init_dump(body: &str, warming_clusters: u64) -> Option<String> {
+    let v: serde_json::Value = serde_json::from_str(body).unwrap_or_default();
+    let mut parts: Vec<String> = Vec::new();
+    if warming_clusters > 0 {
+        let s = if warming_clusters == 1 { "" } else { "s" };
+        parts.push(format!(
+            "{warming_clusters} warming cluster{s} (cluster manager: CDS/EDS)"
+        ));
+    }
+    for dump in v["unready_targets_dumps"].as_array().into_iter().flatten() {
+        // `init manager Listener-local-init-manager <listener> <hash>`.
+        let manager = dump["name"].as_str().unwrap_or_default();
+        let manager = manager.strip_prefix("init manager ").unwrap_or(manager);
+        let owner = manager
+            .strip_prefix("Listener-local-init-manager ")
+            .map(|rest| {
+                // `<listener name> <hash>`: the hash means nothing to an operator.
+                let name = rest.rsplit_once(' ').map_or(rest, |(n, _)| n);
+                format!("listener {name}")
+            })
+            .unwrap_or_else(|| manager.to_owned());
+        for t in dump["target_names"].as_array().into_iter().flatten() {
+            let Some(t) = t.as_str() else { continue };
+            let what = target_words(t);
+            let part = if owner.is_empty() {
+                what
+            } else {
+                format!("{what} ({owner})")
+            };
+            if !parts.contains(&part) {
+                parts.push(part);
+            }
+        }
+    }
+    if parts.is_empty() {
+        return None;
+    }
+    // A bound on the body: a mesh with thousands of warming listeners names the first few.
+    const SHOWN: usize = 10;
+    let more = parts.len().saturating_sub(SHOWN);
+    parts.truncate(SHOWN);
+    let mut out = format!("waiting for {}", parts.join(", "));
+    if more > 0 {
+        out.push_str(&format!(" and {more} more"));
+    }
+    Some(out)
+}
+
+fn target_words(t: &str) -> String {
+    // Envoy names a target `target <name>`, or `shared target <name>` when several listeners
+    // wait on the same subscription.
+    let t = t
+        .strip_prefix("shared target ")
+        .or_else(|| t.strip_prefix("target "))
+        .unwrap_or(t);
+    let (kind, rest) = if let Some(r) = t.strip_prefix("FilterConfigSubscription init ") {
+        ("ECDS", r)
+    } else if let Some(r) = t.strip_prefix("RdsRouteConfigSubscription init ") {
+        ("RDS", r)
+    } else if let Some(r) = t.strip_prefix("RdsRouteConfigSubscription ") {
+        ("RDS", r)
+    } else if let Some(r) = t.strip_prefix("SdsApi ") {
+        ("SDS", r)
+    } else {
+        return t.to_owned();
+    };
+    format!("{kind} {rest}")
 }
 
 /// `reason`, then each standing NACK: its type, Envoy's message (which names the resources),
@@ -380,6 +517,8 @@ mod tests {
                         } else {
                             (503, "PRE_INITIALIZING\n".to_owned())
                         }
+                    } else if req.starts_with("GET /init_dump") {
+                        (200, "{}".to_owned())
                     } else {
                         scans.fetch_add(1, Ordering::Relaxed);
                         // `usedonly`: nothing is reported before the first update.
@@ -432,6 +571,41 @@ mod tests {
         // Once ready, the "once true" caches end the queries.
         probe.check().await.unwrap();
         assert_eq!(scans.load(Ordering::Relaxed), n);
+    }
+
+    #[test]
+    fn init_dump_in_words() {
+        // As Envoy 1.40 answers while a listener waits for an ECDS resource.
+        let body = r#"{"unready_targets_dumps": [
+            {"name": "init manager Listener-local-init-manager 0.0.0.0_20036 1280065122545500427"},
+            {"name": "init manager Listener-local-init-manager 127.0.0.1_29398 141181565622",
+             "target_names": ["shared target FilterConfigSubscription init app-ns.my-plugin",
+                              "target RdsRouteConfigSubscription init http.80",
+                              "target SdsApi default", "target SomethingElse x"]}]}"#;
+        assert_eq!(
+            describe_init_dump(body, 0).unwrap(),
+            "waiting for ECDS app-ns.my-plugin (listener 127.0.0.1_29398), RDS http.80 (listener \
+             127.0.0.1_29398), SDS default (listener 127.0.0.1_29398), SomethingElse x \
+             (listener 127.0.0.1_29398)"
+        );
+        assert_eq!(describe_init_dump("{}", 0), None);
+        assert_eq!(describe_init_dump("not json", 0), None);
+        assert_eq!(
+            describe_init_dump("", 2).unwrap(),
+            "waiting for 2 warming clusters (cluster manager: CDS/EDS)"
+        );
+        assert!(
+            describe_init_dump(body, 1)
+                .unwrap()
+                .starts_with("waiting for 1 warming cluster (cluster manager: CDS/EDS), ECDS ")
+        );
+        let many: Vec<String> = (0..15).map(|i| format!("\"target SdsApi s{i}\"")).collect();
+        let body = format!(
+            r#"{{"unready_targets_dumps": [{{"name": "m", "target_names": [{}]}}]}}"#,
+            many.join(",")
+        );
+        let d = describe_init_dump(&body, 0).unwrap();
+        assert!(d.ends_with("SDS s9 (m) and 5 more"), "{d}");
     }
 
     #[test]
