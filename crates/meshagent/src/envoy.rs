@@ -505,7 +505,10 @@ pub fn active_per_listener(
         else {
             continue;
         };
+        // The admin listener has per-thread stats too (`listener.admin.main_thread.…`),
+        // which count the stats query itself.
         if listener == "admin"
+            || listener.starts_with("admin.")
             || listener.starts_with("envoy_internal_")
             || listener.contains(".worker_")
             || ignored_ports
@@ -560,7 +563,8 @@ mod tests {
                     listener.[__]_15001.downstream_cx_active: 1\n\
                     listener.0.0.0.0_15090.downstream_cx_active: 7\n\
                     listener.envoy_internal_connect_originate.downstream_cx_active: 3\n\
-                    listener.admin.downstream_cx_active: 1\n";
+                    listener.admin.downstream_cx_active: 1\n\
+                    listener.admin.main_thread.downstream_cx_active: 1\n";
         let per = active_per_listener(body, &[15090]);
         assert_eq!(
             per.into_iter().collect::<Vec<_>>(),
