@@ -312,6 +312,60 @@ async fn listeners_stopped(admin: SocketAddr) -> u64 {
     }
 }
 
+/// During `MESHAGENT_DRAIN_START_DELAY` the pod is not ready but still serves: calls into it
+/// keep working past Envoy's drain time. A second SIGTERM ends the wait without draining.
+#[tokio::test(flavor = "multi_thread")]
+async fn inbound_is_served_during_the_start_delay_and_a_second_sigterm_ends_it() {
+    let (yaml, a_to_b, _, b_app) = meshagent_testkit::two_workload_mesh();
+    let dp = Devplane::start(&yaml).await;
+    let l = TcpListener::bind(("127.0.0.1", b_app)).await.unwrap();
+    tokio::spawn(keepalive_app(l));
+    let mut a = Sidecar::start(&dp, "a", "default", "a", &[]).await;
+    let mut b = Sidecar::start_with(
+        &dp,
+        "b",
+        "default",
+        "b",
+        &[("MESHAGENT_DRAIN_START_DELAY", "60s".into())],
+        json!({"terminationDrainDuration": "1s", "drainDuration": "1s"}),
+    )
+    .await;
+    a.wait_ready(DEADLINE).await;
+    b.wait_ready(DEADLINE).await;
+    wait_for("a → b", DEADLINE, || async move {
+        let mut s = TcpStream::connect(a_to_b).await.ok()?;
+        matches!(keepalive_get(&mut s).await, Ok((200, _))).then_some(())
+    })
+    .await;
+
+    sigterm(&b.proc);
+    let (_, reason) = first_not_ready(b.status).await;
+    assert!(reason.contains("server is terminated"), "{reason}");
+    // Well past Envoy's drain time (1s), b's inbound listener still takes new connections.
+    let until = Instant::now() + Duration::from_secs(3);
+    let mut n = 0;
+    while Instant::now() < until {
+        let mut s = TcpStream::connect(a_to_b).await.unwrap();
+        let (code, headers) = keepalive_get(&mut s).await.unwrap();
+        assert_eq!(
+            code, 200,
+            "call {n} into b during the start delay: {headers:?}"
+        );
+        n += 1;
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let status = drain_status(&b).await;
+    assert_eq!(status["phase"], "withdrawing", "{status}");
+    assert!(b.proc.try_wait().is_none(), "the agent waits out the delay");
+
+    sigterm(&b.proc);
+    let st = wait_exit(&mut b.proc, DEADLINE).await;
+    assert_eq!(st.code(), Some(0), "{st:?}");
+    let log = b.proc.log_text();
+    assert!(log.contains("second termination signal"), "{log}");
+    assert!(!log.contains("draining Envoy listeners"), "{log}");
+}
+
 // === outbound requests during an inbound drain ===
 
 /// An HTTP/1.1 keep-alive server: every request gets `200` with a short body.
@@ -396,7 +450,8 @@ async fn keepalive_get(s: &mut TcpStream) -> std::io::Result<(u16, Vec<(String, 
 /// A classic sidecar with `EXIT_ON_ZERO_ACTIVE_CONNECTIONS` drains while its application still
 /// runs: inbound connections are closed (`connection: close`), while the application's
 /// outbound requests on a kept-alive connection keep working without `connection: close`.
-/// Once the application closes its connection the agent exits.
+/// Once the application closes its connection (and the peer's idle pooled connections are
+/// gone) the agent exits.
 #[tokio::test(flavor = "multi_thread")]
 async fn outbound_requests_keep_flowing_while_inbound_drains() {
     let (a_app, b_app) = (free_port(), free_port());
@@ -504,8 +559,25 @@ services:
     );
     assert!(a.proc.try_wait().is_none(), "the agent waits for the app");
 
+    // b goes away: its Envoy keeps one pooled connection into a per worker, and one that
+    // carried no request since the drain began is idle and never closed by Envoy's drain
+    // (Istio #48409), so EXIT_ON_ZERO_ACTIVE_CONNECTIONS would wait for it.
+    b.proc.kill();
     // The application is done: its connection closes and the agent exits.
     drop(app_conn);
+    let mut last = Value::Null;
+    let deadline = Instant::now() + DEADLINE;
+    while a.proc.try_wait().is_none() {
+        if let Ok((200, body)) = http_get(a.status, "/drain/status").await {
+            last = serde_json::from_str(&body).unwrap_or_default();
+        }
+        assert!(
+            Instant::now() < deadline,
+            "connections still active: {last}\n{:?}",
+            http_get(a_admin, "/stats?filter=cx_active").await
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
     let st = wait_exit(&mut a.proc, DEADLINE).await;
-    assert_eq!(st.code(), Some(0), "{st:?}");
+    assert_eq!(st.code(), Some(0), "{st:?}; last /drain/status: {last}");
 }
