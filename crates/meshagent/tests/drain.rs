@@ -7,6 +7,10 @@
 //! admin port (moved with `ISTIO_BOOTSTRAP_OVERRIDE`): it records when the agent asks Envoy to
 //! drain and can reset that request's connection.
 
+#![allow(
+    clippy::disallowed_methods,
+    reason = "test and benchmark code, not on the agent's runtime"
+)]
 #![allow(clippy::unwrap_used)] // tests fail loudly by design
 
 use std::net::SocketAddr;
