@@ -406,6 +406,8 @@ impl Agent {
             }
         } else {
             self.shutdown.cancelled().await;
+            // No Envoy to drain (DISABLE_ENVOY): `/drain/status` goes straight to stopping.
+            self.drain.set_phase(envoy::Phase::Stopping);
             0
         };
         services.cancel();
