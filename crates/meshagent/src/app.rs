@@ -178,6 +178,7 @@ impl Agent {
             let reason = slot.get().and_then(|s| s.borrow().not_ready.clone());
             Box::pin(async move { reason.map_or(Ok(()), Err) })
         }));
+        self.drain.set_ignored_ports(ignored_ports(cfg));
         let envoy_probe = if envoy_enabled {
             let probe =
                 status::EnvoyProbe::new(admin, self.started, &self.registry, self.drain.clone())?;
@@ -406,15 +407,8 @@ impl Agent {
                 termination_drain_duration: cfg.proxy_config.termination_drain_duration.get(),
                 minimum_drain_duration: cfg.lifecycle.minimum_drain_duration,
                 exit_on_zero_active_connections: cfg.lifecycle.exit_on_zero_active_connections,
-                ignored_ports: [
-                    cfg.bootstrap.envoy_status_port,
-                    cfg.bootstrap.envoy_prometheus_port,
-                    cfg.bootstrap.envoy_secure_metrics_port,
-                    cfg.bootstrap.envoy_secure_merged_metrics_port,
-                ]
-                .into_iter()
-                .filter(|p| *p != 0)
-                .collect(),
+                ignored_ports: ignored_ports(cfg),
+                start_delay: cfg.lifecycle.drain_start_delay,
             };
             let supervised = self.tasks.spawn(
                 "envoy",
@@ -434,6 +428,8 @@ impl Agent {
             }
         } else {
             self.shutdown.cancelled().await;
+            // No Envoy to drain (DISABLE_ENVOY): `/drain/status` goes straight to stopping.
+            self.drain.set_phase(envoy::Phase::Stopping);
             0
         };
         services.cancel();
@@ -548,14 +544,29 @@ pub fn raise_fd_limit() {
     }
 }
 
-/// How long shutdown may take from the first signal: the drain Envoy is given
-/// (`terminationDrainDuration`, or `MINIMUM_DRAIN_DURATION` with
-/// `EXIT_ON_ZERO_ACTIVE_CONNECTIONS` if longer) plus [`SHUTDOWN_MARGIN`].
+/// Envoy listener ports whose connections the drain does not wait for: the agent's own
+/// (readiness, Prometheus, secure metrics), as Istio's `activeProxyConnections` skips them.
+fn ignored_ports(cfg: &Config) -> Vec<u16> {
+    [
+        cfg.bootstrap.envoy_status_port,
+        cfg.bootstrap.envoy_prometheus_port,
+        cfg.bootstrap.envoy_secure_metrics_port,
+        cfg.bootstrap.envoy_secure_merged_metrics_port,
+    ]
+    .into_iter()
+    .filter(|p| *p != 0)
+    .collect()
+}
+
+/// How long shutdown may take from the first signal: `MESHAGENT_DRAIN_START_DELAY`, then the
+/// drain Envoy is given (`terminationDrainDuration`, or `MINIMUM_DRAIN_DURATION` with
+/// `EXIT_ON_ZERO_ACTIVE_CONNECTIONS` if longer), plus [`SHUTDOWN_MARGIN`].
 pub fn shutdown_budget(cfg: &Config) -> std::time::Duration {
     let mut drain = cfg.proxy_config.termination_drain_duration.get();
     if cfg.lifecycle.exit_on_zero_active_connections {
         drain = drain.max(cfg.lifecycle.minimum_drain_duration);
     }
+    drain += cfg.lifecycle.drain_start_delay;
     if cfg.lifecycle.disable_envoy {
         drain = std::time::Duration::ZERO;
     }
@@ -597,7 +608,14 @@ fn spawn_signal_handler(
                 _ = int.recv() => tracing::info!("received SIGINT; starting graceful shutdown"),
                 _ = shutdown.cancelled() => {}
             }
-            if !shutdown.is_cancelled() && !readiness.ready_once() {
+            // Readiness fails at once, before anything else happens (the drain itself may
+            // wait MESHAGENT_DRAIN_START_DELAY). A proxy never seen ready is checked once
+            // more first, so that check is not failed by the shutdown itself.
+            let ready_once = readiness.ready_once();
+            if ready_once {
+                drain.begin_shutdown();
+            }
+            if !shutdown.is_cancelled() && !ready_once {
                 let check = tokio::time::timeout(NOT_READY_CHECK, readiness.check()).await;
                 if !matches!(check, Ok(Ok(()))) {
                     tracing::warn!(
@@ -608,6 +626,7 @@ fn spawn_signal_handler(
                         .store(true, std::sync::atomic::Ordering::SeqCst);
                 }
             }
+            drain.begin_shutdown();
             shutdown.cancel();
             tokio::select! {
                 _ = term.recv() => {}

@@ -354,6 +354,21 @@ const SECTIONS: &[(&str, &str, &[Var])] = &[
         "pkg/envoy/agent.go",
         &[
             (
+                "MESHAGENT_DRAIN_START_DELAY",
+                "On SIGTERM, how long readiness answers 503 before Envoy's listeners are drained (docs/drain.md).",
+                OWN,
+            ),
+            (
+                "METRIC_ROTATION_INTERVAL",
+                "Removed from Istio; read only to warn once that it has no effect.",
+                "Istio ignores it silently; meshagent warns once",
+            ),
+            (
+                "METRIC_GRACEFUL_DELETION_INTERVAL",
+                "Removed from Istio; read only to warn once that it has no effect.",
+                "Istio ignores it silently; meshagent warns once",
+            ),
+            (
                 "MINIMUM_DRAIN_DURATION",
                 "Wait before polling Envoy's active connections during a drain.",
                 SAME,

@@ -6,6 +6,7 @@
 //! | `/stats/prometheus`, `/metrics` | any, or loopback with `METRICS_LOCALHOST_ACCESS_ONLY` | [`merge`]: streamed agent + Envoy + app merge |
 //! | `/app-health/<c>/<kind>`, `/app-lifecycle/<c>/<kind>` | any | [`probes`]: rewritten kubelet probes and hooks |
 //! | `POST /quitquitquit`, `POST /drain` | loopback | shutdown without drain; drain listeners now |
+//! | `GET /drain/status` | loopback | shutdown phase, elapsed, deadline, active connections per listener, last drain admin error (JSON) |
 //! | `/debug/ndsz` | loopback | the DNS name table as JSON, 404 `{}` until one arrived |
 //! | `/debug/config_dump` | loopback, `--profiling` | the effective agent configuration as JSON |
 //! | `/debug/certz` | loopback | every served secret: state, identity, validity, source ([`views`]) |
@@ -79,6 +80,7 @@ pub fn router(state: StatusState) -> axum::Router {
         .route("/healthz/ready", any(ready))
         .route("/quitquitquit", any(quit))
         .route("/drain", any(drain))
+        .route("/drain/status", any(drain_status))
         .route("/stats/prometheus", any(metrics))
         .route("/metrics", any(metrics))
         .route("/app-health/{container}/{kind}", any(app_probe))
@@ -347,6 +349,34 @@ async fn quit(
     (StatusCode::OK, "OK").into_response()
 }
 
+/// `/drain/status` (meshagent only): where shutdown is, and the connections Envoy still
+/// holds per listener (the ones `EXIT_ON_ZERO_ACTIVE_CONNECTIONS` waits for), as JSON.
+async fn drain_status(
+    State(s): State<StatusState>,
+    ConnectInfo(peer): ConnectInfo<SocketAddr>,
+) -> Response {
+    if !loopback(&peer) {
+        return forbidden(&peer);
+    }
+    let snapshot = s.drain.snapshot();
+    let mut body = serde_json::to_value(&snapshot).unwrap_or_default();
+    if let Some(admin) = s.envoy_admin {
+        match crate::envoy::active_connections_by_listener(admin, s.drain.ignored_ports()).await {
+            Ok(per) => {
+                body["activeConnectionsTotal"] = per.values().sum::<u64>().into();
+                body["activeConnections"] = serde_json::to_value(per).unwrap_or_default();
+            }
+            Err(e) => body["statsError"] = e.to_string().into(),
+        }
+    }
+    (
+        StatusCode::OK,
+        [(axum::http::header::CONTENT_TYPE, "application/json")],
+        body.to_string(),
+    )
+        .into_response()
+}
+
 async fn drain(
     State(s): State<StatusState>,
     ConnectInfo(peer): ConnectInfo<SocketAddr>,
@@ -367,6 +397,7 @@ async fn drain(
         Ok((200, _)) => {
             tracing::info!("/drain: Envoy listeners draining");
             s.drain.drained.store(true, Ordering::SeqCst);
+            s.drain.set_phase(crate::envoy::Phase::Draining);
             (StatusCode::OK, "OK").into_response()
         }
         Ok((code, body)) => (
@@ -812,6 +843,27 @@ mod tests {
             (code, body.as_str()),
             (StatusCode::SERVICE_UNAVAILABLE, "first reason")
         );
+    }
+
+    #[tokio::test]
+    async fn drain_status_is_loopback_only_json() {
+        let s = state();
+        assert_eq!(
+            call(s.clone(), "192.0.2.1:1", "GET", "/drain/status")
+                .await
+                .0,
+            StatusCode::FORBIDDEN
+        );
+        let (code, body) = call(s.clone(), "127.0.0.1:1", "GET", "/drain/status").await;
+        assert_eq!(code, StatusCode::OK);
+        let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+        assert_eq!(v["phase"], "running", "{body}");
+        assert!(v["elapsedSeconds"].is_null(), "{body}");
+        s.drain.begin_shutdown();
+        let (_, body) = call(s, "[::1]:1", "GET", "/drain/status").await;
+        let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+        assert_eq!(v["phase"], "withdrawing", "{body}");
+        assert!(v["elapsedSeconds"].as_f64().is_some(), "{body}");
     }
 
     #[tokio::test]

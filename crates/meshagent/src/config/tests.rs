@@ -160,6 +160,7 @@ fn env_defaults() {
 
     assert_eq!(c.lifecycle.minimum_drain_duration, Duration::from_secs(5));
     assert!(!c.lifecycle.exit_on_zero_active_connections && !c.lifecycle.disable_envoy);
+    assert_eq!(c.lifecycle.drain_start_delay, Duration::ZERO);
 
     assert!(c.status.enable_http2_probing && c.status.merge_envoy_stats);
     assert!(!c.status.metrics_localhost_access_only);
@@ -871,6 +872,21 @@ fn proxy_config_validation() {
         .env("PROXY_CONFIG", "proxyAdminPort: 0")
         .err();
     assert_contains(&err, &["proxyAdminPort"]);
+}
+
+#[test]
+fn drain_start_delay_is_validated() {
+    let c = Fixture::new()
+        .env("MESHAGENT_DRAIN_START_DELAY", "1500ms")
+        .ok();
+    assert_eq!(c.lifecycle.drain_start_delay, Duration::from_millis(1500));
+    for bad in ["5", "-1s", "2h", "soon"] {
+        let err = Fixture::new().env("MESHAGENT_DRAIN_START_DELAY", bad).err();
+        assert_contains(
+            &err,
+            &["MESHAGENT_DRAIN_START_DELAY", bad, "between 0s and 1h"],
+        );
+    }
 }
 
 #[test]

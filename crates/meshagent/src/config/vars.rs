@@ -187,6 +187,11 @@ pub struct LifecycleConfig {
     pub exit_on_zero_active_connections: bool,
     /// `DISABLE_ENVOY` (default false): proxyless mode.
     pub disable_envoy: bool,
+    /// `MESHAGENT_DRAIN_START_DELAY` (default 0s, Istio's behaviour; at most 1h): on
+    /// SIGTERM readiness fails at once and Envoy's listeners are drained only after this
+    /// delay, so endpoints are withdrawn before connections are closed. Not in Istio.
+    #[serde(with = "serde_duration")]
+    pub drain_start_delay: Duration,
 }
 
 impl LifecycleConfig {
@@ -195,8 +200,23 @@ impl LifecycleConfig {
             minimum_drain_duration: r.duration("MINIMUM_DRAIN_DURATION", Duration::from_secs(5)),
             exit_on_zero_active_connections: r.bool("EXIT_ON_ZERO_ACTIVE_CONNECTIONS", false),
             disable_envoy: r.bool("DISABLE_ENVOY", false),
+            drain_start_delay: drain_start_delay(r),
         }
     }
+}
+
+/// Longest `MESHAGENT_DRAIN_START_DELAY`: a pod's termination grace period is rarely longer.
+const MAX_DRAIN_START_DELAY: Duration = Duration::from_secs(3600);
+
+/// `MESHAGENT_DRAIN_START_DELAY`: meshagent's own variable, so a bad value is an error (the
+/// agent refuses to start) rather than Istio's warn-and-default.
+fn drain_start_delay(r: &mut Reader<'_>) -> Duration {
+    r.validated(
+        "MESHAGENT_DRAIN_START_DELAY",
+        Duration::ZERO,
+        "a duration between 0s and 1h, e.g. 5s or 1500ms",
+        |s| super::parse::parse_go_duration(s).filter(|d| *d <= MAX_DRAIN_START_DELAY),
+    )
 }
 
 // === Status ===
