@@ -510,6 +510,45 @@ async fn case_ready(
         .unwrap();
     let parsed = prom::parse(&metrics.body);
 
+    // Response compression (gzhttp around Istio's mux): which coding each Accept-Encoding
+    // gets, and the headers that come with it, on the merged metrics, on a HEAD of them, and
+    // on a short answer.
+    for (method, path, ae) in [
+        ("GET", "/stats/prometheus", "gzip"),
+        ("GET", "/stats/prometheus", "zstd"),
+        ("GET", "/stats/prometheus", "gzip, deflate, br, zstd"),
+        ("GET", "/stats/prometheus", "gzip;q=1.0, zstd;q=0.5"),
+        ("GET", "/stats/prometheus", "gzip;q=0, zstd;q=0"),
+        ("GET", "/stats/prometheus", "identity"),
+        ("GET", "/stats/prometheus", "*"),
+        ("GET", "/stats/prometheus", "identity;q=1, gzip;q=0.1"),
+        ("HEAD", "/stats/prometheus", "gzip"),
+        ("GET", "/healthz/ready", "gzip, zstd"),
+    ] {
+        let mut headers = SCRAPE.to_vec();
+        headers.push(("accept-encoding", ae));
+        let a = request(sc.status, method, path, &headers).await;
+        let v = match &a {
+            Ok(a) => {
+                let h = |n: header::HeaderName| {
+                    a.headers
+                        .get_all(n)
+                        .iter()
+                        .map(|v| v.to_str().unwrap_or("?").to_owned())
+                        .collect::<Vec<_>>()
+                };
+                json!({
+                    "code": a.code,
+                    "content_encoding": h(header::CONTENT_ENCODING),
+                    "vary": h(header::VARY),
+                    "content_length": !h(header::CONTENT_LENGTH).is_empty(),
+                })
+            }
+            Err(e) => json!({"no_answer": e}),
+        };
+        out.insert(format!("encoding/{method} {path} [{ae}]"), v);
+    }
+
     let drain = request(sc.status, "POST", "/drain", &[]).await;
     out.insert("drain/post".into(), observed(&drain));
     out.insert(
