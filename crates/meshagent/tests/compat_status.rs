@@ -690,6 +690,8 @@ const MESHAGENT_ONLY: &[&str] = &[
     "istio_agent_file_secret_loads_total",
     "istio_agent_file_secret_resources",
     "istio_agent_merge_dropped_families_total",
+    "istio_agent_merge_target_scrape_duration_seconds",
+    "istio_agent_merge_target_up",
     "istio_agent_output_certs_write_failures_total",
     "istio_agent_output_certs_writes_total",
     "istio_agent_task_panics_total",
