@@ -61,6 +61,9 @@ async fn start_app() -> u16 {
             (0..n).map(move |_| Ok::<_, std::io::Error>(chunk.clone())),
         ))
     }
+    async fn nine(axum::extract::Path(name): axum::extract::Path<String>) -> String {
+        nine_mib(&name)
+    }
     async fn error() -> (axum::http::StatusCode, &'static str) {
         (axum::http::StatusCode::INTERNAL_SERVER_ERROR, "boom")
     }
@@ -70,11 +73,26 @@ async fn start_app() -> u16 {
         .route("/om", axum::routing::get(om))
         .route("/slow", axum::routing::get(slow))
         .route("/big", axum::routing::get(big))
-        .route("/error", axum::routing::get(error));
+        .route("/error", axum::routing::get(error))
+        .route("/nine/{name}", axum::routing::get(nine));
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let port = listener.local_addr().unwrap().port();
     tokio::spawn(async move { axum::serve(listener, app).await });
     port
+}
+
+/// Just under 9 MiB of distinct series of family `app_nine_<name>`.
+fn nine_mib(name: &str) -> String {
+    let mut s = format!("# TYPE app_nine_{name} gauge\n");
+    let mut i = 0;
+    while s.len() < 9 * 1024 * 1024 - 200 {
+        s.push_str(&format!(
+            "app_nine_{name}{{i=\"{i:08}\",pad=\"{}\"}} 1\n",
+            "p".repeat(80)
+        ));
+        i += 1;
+    }
+    s
 }
 
 async fn start_envoy(dir: &std::path::Path) -> Envoy {
@@ -548,4 +566,39 @@ async fn f18_hundred_thousand_line_envoy_output_is_merged_whole() {
     assert!(has_family(&p, "istio_agent_xds_proxy_requests"));
     assert_eq!(agent.metrics.failures("envoy"), 0);
     assert_eq!(agent.metrics.failures("application"), 0);
+}
+
+/// Istio's 10 MiB cap is per target (`maxAppBodyBytes` in `scrapeMultipleApps`): two targets of
+/// 9 MiB each are merged whole, 18 MiB in one scrape, nothing counted as failed.
+#[tokio::test]
+async fn the_size_cap_is_per_target() {
+    let app = start_app().await;
+    let target = |path: &str| ScrapeTarget {
+        port: app,
+        path: path.into(),
+    };
+    let agent = start_status(None, vec![target("/nine/a"), target("/nine/b")]).await;
+    let (code, _, body) = scrape(agent.addr, &[]).await;
+    assert_eq!(code, 200);
+    for name in ["a", "b"] {
+        let want = nine_mib(name);
+        let got = body
+            .lines()
+            .filter(|l| l.starts_with(&format!("app_nine_{name}{{")))
+            .count();
+        assert_eq!(
+            got,
+            want.lines().count() - 1,
+            "app_nine_{name}: every series"
+        );
+    }
+    assert!(body.len() > 18 * 1024 * 1024 - 400, "{}", body.len());
+    assert_eq!(agent.metrics.failures("application"), 0);
+    assert!(
+        body.contains(&format!(
+            "istio_agent_merge_target_up{{type=\"application\",target=\"localhost:{app}/nine/b\"}} 1\n"
+        )),
+        "{}",
+        &body[body.len().saturating_sub(2000)..]
+    );
 }
