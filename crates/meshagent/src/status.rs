@@ -26,6 +26,7 @@ pub mod conns;
 pub mod lines;
 pub mod merge;
 pub mod probes;
+pub mod proto;
 pub mod ready;
 pub mod views;
 

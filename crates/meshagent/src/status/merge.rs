@@ -13,6 +13,9 @@
 //! boundary; the response is still 200. Family blocks dropped as duplicates are counted in
 //! `merge_dropped_families_total{type}`.
 //!
+//! A scraper preferring protobuf gets protobuf when every source answered it ([`super::proto`]),
+//! so native histograms survive; otherwise text as above.
+//!
 //! After the sources, meshagent adds how each fared in this scrape (names of its own, not
 //! Istio's): `istio_agent_merge_target_up{type,target}` (1 read whole, 0 failed) and
 //! `istio_agent_merge_target_scrape_duration_seconds{type,target}`, so a broken application
@@ -32,6 +35,7 @@ use tokio::sync::mpsc;
 use tokio::time::Instant;
 
 use super::lines::{Seen, SourceFilter};
+use super::proto;
 use crate::config::probers::ScrapeTarget;
 use crate::metrics::{Counter, CounterVec, MetricsError, Registry};
 
@@ -218,6 +222,16 @@ impl Merger {
             }
         }
 
+        // Protobuf when the scraper prefers it (native histograms): every source is asked for
+        // it first, text second; the answer is protobuf only if all of them used it.
+        let protobuf = proto::wants_protobuf(accept);
+        let source_accept = |app: bool| {
+            if protobuf {
+                proto::SOURCE_ACCEPT.to_owned()
+            } else {
+                negotiate_accept(accept, app)
+            }
+        };
         let mut sources = Vec::new();
         if let Some(envoy) = self.envoy {
             let path = match query {
@@ -229,7 +243,7 @@ impl Merger {
                 Kind::Envoy,
                 uri,
                 &forwarded,
-                &negotiate_accept(accept, false),
+                &source_accept(false),
                 deadline,
             ));
         }
@@ -239,7 +253,7 @@ impl Merger {
                 Kind::Application,
                 uri,
                 &forwarded,
-                &negotiate_accept(accept, true),
+                &source_accept(true),
                 deadline,
             ));
         }
@@ -249,12 +263,19 @@ impl Merger {
         // the time Envoy's body needs. Heads arriving later are still streamed; they just do
         // not take part in choosing the format.
         let head_deadline = Instant::now() + timeout / 2;
+        // With protobuf asked, Envoy's head is waited for too: it takes part in the choice.
         let heads = futures::future::join_all(
             sources
                 .iter_mut()
-                .filter(|s| s.kind == Kind::Application)
+                .filter(|s| s.kind == Kind::Application || protobuf)
                 .map(|s| async move {
                     match tokio::time::timeout_at(head_deadline, s.rx.recv()).await {
+                        Ok(Some(Msg::Head(ct)))
+                            if protobuf && proto::is_protobuf(ct.as_deref()) =>
+                        {
+                            s.head = Some(ct);
+                            None
+                        }
                         Ok(Some(Msg::Head(ct))) if !mergeable_content_type(ct.as_deref()) => {
                             s.early_failure =
                                 Some(ScrapeError::ContentType(ct.unwrap_or_default()));
@@ -275,20 +296,50 @@ impl Merger {
         )
         .await;
         let answered: Vec<Option<String>> = heads.into_iter().flatten().collect();
-        let content_type = response_content_type(&answered);
-        let openmetrics = content_type.starts_with("application/openmetrics-text");
-
+        let all_protobuf = protobuf
+            && sources.iter().all(|s| {
+                s.early_failure.is_some()
+                    || s.head
+                        .as_ref()
+                        .is_some_and(|ct| proto::is_protobuf(ct.as_deref()))
+            });
         let (tx, rx) = mpsc::channel::<Bytes>(SOURCE_CHANNEL);
         let agent_text = self.registry.encode();
         let metrics = self.metrics.clone();
-        tokio::spawn(write_all(
-            agent_text,
-            sources,
-            deadline,
-            openmetrics,
-            metrics,
-            tx,
-        ));
+        let content_type = if all_protobuf {
+            tokio::spawn(write_all_proto(agent_text, sources, deadline, metrics, tx));
+            proto::CONTENT_TYPE.to_owned()
+        } else {
+            if protobuf {
+                // Text after all: the sources that answered protobuf are asked again for text
+                // (what Istio asks every source for).
+                for s in &mut sources {
+                    if s.head
+                        .as_ref()
+                        .is_some_and(|ct| proto::is_protobuf(ct.as_deref()))
+                    {
+                        *s = self.spawn_fetch(
+                            s.kind,
+                            s.what.clone(),
+                            &forwarded,
+                            &negotiate_accept(accept, s.kind == Kind::Application),
+                            deadline,
+                        );
+                    }
+                }
+            }
+            let content_type = response_content_type(&answered);
+            let openmetrics = content_type.starts_with("application/openmetrics-text");
+            tokio::spawn(write_all(
+                agent_text,
+                sources,
+                deadline,
+                openmetrics,
+                metrics,
+                tx,
+            ));
+            content_type
+        };
         // Fused: the gzip layer polls the body once more after its end.
         let stream = futures::StreamExt::fuse(futures::stream::unfold(rx, |mut rx| async move {
             rx.recv()
@@ -492,6 +543,76 @@ async fn write_all(
     }
     if openmetrics {
         let _ = tx.send(Bytes::from_static(b"# EOF\n")).await;
+    }
+}
+
+/// [`write_all`] in delimited protobuf: every source's head was protobuf (or it failed).
+async fn write_all_proto(
+    agent_text: String,
+    sources: Vec<Source>,
+    deadline: Instant,
+    metrics: MergeMetrics,
+    tx: mpsc::Sender<Bytes>,
+) {
+    let mut seen = Seen::default();
+    let agent = proto::encode(&proto::from_text(&agent_text), &mut seen);
+    drop(agent_text);
+    if tx.send(Bytes::from(agent)).await.is_err() {
+        return;
+    }
+    let mut ready = Vec::new();
+    let mut health = Vec::with_capacity(sources.len());
+    for mut s in sources {
+        let mut filter = proto::ProtoFilter::default();
+        let mut failed = s.early_failure.take();
+        while failed.is_none() {
+            match tokio::time::timeout_at(deadline, s.rx.recv()).await {
+                Ok(Some(Msg::Data(d))) => {
+                    filter.push(&mut seen, &d, &mut ready);
+                    if let Some(why) = filter.failure() {
+                        failed = Some(ScrapeError::Invalid(why));
+                    }
+                    if !send(&tx, &mut ready).await {
+                        return;
+                    }
+                }
+                Ok(Some(Msg::Failed(e))) => failed = Some(e),
+                Ok(Some(Msg::Head(_))) => {}
+                Ok(None) => break,
+                Err(_) => failed = Some(ScrapeError::Timeout),
+            }
+        }
+        // Whole messages held back are sent whatever happened: each is a complete family.
+        filter.finish(&mut ready);
+        if failed.is_none() {
+            failed = filter.failure().map(ScrapeError::Invalid);
+        }
+        if filter.dropped_families > 0 {
+            metrics
+                .dropped_families
+                .with(&[s.kind.label()])
+                .add(filter.dropped_families);
+        }
+        health.push(TargetHealth {
+            kind: s.kind,
+            target: std::mem::take(&mut s.target),
+            up: failed.is_none(),
+            seconds: s.started.elapsed().as_secs_f64(),
+        });
+        if let Some(e) = failed {
+            metrics.failures.with(&[s.kind.label()]).inc();
+            tracing::warn!(source = %s.what, error = %e, "failed scraping {} metrics", s.kind.label());
+        }
+        drop(s.rx);
+        if !send(&tx, &mut ready).await {
+            return;
+        }
+    }
+    if !health.is_empty() {
+        let families = proto::from_text(&health_text(&health));
+        let _ = tx
+            .send(Bytes::from(proto::encode(&families, &mut seen)))
+            .await;
     }
 }
 
