@@ -165,11 +165,18 @@ $(ISTIOD_BOX): compat/go.mod compat/go.sum $(wildcard compat/istiod-box/*.go)
 # crates/meshagent/tests/status_support/expfmt_check with the Go toolchain (caches in
 # .tools/go). Built only when missing; the tests find it at $(EXPFMT_CHECK).
 EXPFMT_CHECK := $(TOOLS)/bin/expfmt-check
+# The Prometheus Go client as an application answering protobuf (native histograms) and as
+# the protobuf parser (tests/status_merge.rs).
+PROMPROTO := $(TOOLS)/bin/promproto
 metricspeers:
 	@if [ -x "$(EXPFMT_CHECK)" ]; then :; \
 	else echo "building expfmt-check into $(TOOLS)/bin"; mkdir -p "$(TOOLS)/bin" && \
 	  cd crates/meshagent/tests/status_support/expfmt_check && \
 	  $(GOENV) $(GO) build -o "$(EXPFMT_CHECK)" . ; fi
+	@if [ -x "$(PROMPROTO)" ]; then :; \
+	else echo "building promproto into $(TOOLS)/bin"; mkdir -p "$(TOOLS)/bin" && \
+	  cd crates/meshagent/tests/status_support/promproto && \
+	  $(GOENV) $(GO) build -o "$(PROMPROTO)" . ; fi
 
 lint:
 	cargo fmt --all -- --check

@@ -1,7 +1,9 @@
 //! Merged-metrics benchmark (large application metrics, as in the field): one scrape merging a 100,000-line
 //! Envoy stats body and a 1 MiB application body, both served by local HTTP servers. Reports
 //! scrape latency and the process's peak RSS increase during the scrape (VmHWM, reset through
-//! `/proc/self/clear_refs` before each scrape). Goal: ≤ 2 MiB extra.
+//! `/proc/self/clear_refs` before each scrape). Goal: ≤ 2 MiB extra. Then the same bodies in
+//! delimited protobuf, scraped with Prometheus' protobuf Accept (the merge that keeps native
+//! histograms): its latency and peak against the text path's.
 //!
 //! `cargo bench -p meshagent --bench merge` (or `make bench`).
 #![allow(
@@ -54,12 +56,12 @@ fn app_body() -> Bytes {
     Bytes::from(s)
 }
 
-async fn serve(body: Bytes, path: &'static str) -> SocketAddr {
+async fn serve(body: Bytes, path: &'static str, content_type: &'static str) -> SocketAddr {
     let app = axum::Router::new().route(
         path,
         axum::routing::get(move || {
             let b = body.clone();
-            async move { b }
+            async move { ([(axum::http::header::CONTENT_TYPE, content_type)], b) }
         }),
     );
     let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -73,9 +75,26 @@ fn reset_hwm() {
     let _ = std::fs::write("/proc/self/clear_refs", "5");
 }
 
-async fn one_scrape(merger: &Merger) -> (Duration, usize) {
+/// `text` in delimited protobuf.
+fn protobuf(text: &[u8]) -> Bytes {
+    use meshagent::status::proto;
+    let families = proto::from_text(std::str::from_utf8(text).unwrap());
+    Bytes::from(proto::encode(
+        &families,
+        &mut meshagent::status::lines::Seen::default(),
+    ))
+}
+
+const TEXT: &str = "text/plain; version=0.0.4";
+const PROTO_ACCEPT: &str = "application/vnd.google.protobuf;proto=io.prometheus.client.MetricFamily;encoding=delimited,text/plain;version=0.0.4;q=0.5";
+
+async fn one_scrape(merger: &Merger, accept: Option<&str>) -> (Duration, usize) {
     let start = tokio::time::Instant::now();
-    let resp = merger.scrape(&HeaderMap::new(), None).await;
+    let mut headers = HeaderMap::new();
+    if let Some(a) = accept {
+        headers.insert(axum::http::header::ACCEPT, a.parse().unwrap());
+    }
+    let resp = merger.scrape(&headers, None).await;
     let mut body = resp.into_body();
     let mut total = 0;
     while let Some(f) = body.frame().await {
@@ -96,9 +115,28 @@ async fn serve_bodies() {
         envoy_body.len() as f64 / 1048576.0,
         app_body.len() as f64 / 1048576.0
     );
-    let envoy = serve(envoy_body, "/stats/prometheus").await;
-    let app = serve(app_body, "/metrics").await;
-    println!("{} {}", envoy.port(), app.port());
+    let (envoy_pb, app_pb) = (protobuf(&envoy_body), protobuf(&app_body));
+    eprintln!(
+        "as protobuf: envoy {:.1} MiB, app {:.2} MiB",
+        envoy_pb.len() as f64 / 1048576.0,
+        app_pb.len() as f64 / 1048576.0
+    );
+    let envoy = serve(envoy_body, "/stats/prometheus", TEXT).await;
+    let app = serve(app_body, "/metrics", TEXT).await;
+    let envoy_pb = serve(
+        envoy_pb,
+        "/stats/prometheus",
+        meshagent::status::proto::CONTENT_TYPE,
+    )
+    .await;
+    let app_pb = serve(app_pb, "/metrics", meshagent::status::proto::CONTENT_TYPE).await;
+    println!(
+        "{} {} {} {}",
+        envoy.port(),
+        app.port(),
+        envoy_pb.port(),
+        app_pb.port()
+    );
     // Until the parent closes our stdin.
     let _ = tokio::task::spawn_blocking(|| {
         let mut buf = [0u8; 1];
@@ -147,13 +185,22 @@ fn main() {
                 path: "/metrics".into(),
             }],
         );
+        let merger_pb = Merger::new(
+            registry.clone(),
+            MergeMetrics::register(&Registry::new()).unwrap(),
+            Some(SocketAddr::from(([127, 0, 0, 1], ports[2]))),
+            vec![ScrapeTarget {
+                port: ports[3],
+                path: "/metrics".into(),
+            }],
+        );
         let mut lat = Vec::new();
         let mut peaks = Vec::new();
         for i in 0..8 {
             tokio::time::sleep(Duration::from_millis(50)).await;
             reset_hwm();
             let before = status_kib("VmRSS:").unwrap_or(0.0);
-            let (took, bytes) = one_scrape(&merger).await;
+            let (took, bytes) = one_scrape(&merger, None).await;
             let hwm = status_kib("VmHWM:").unwrap_or(0.0);
             let extra_kib = (hwm - before).max(0.0);
             println!(
@@ -164,6 +211,23 @@ fn main() {
             );
             lat.push(took);
             peaks.push(extra_kib);
+        }
+        let mut pb_lat = Vec::new();
+        let mut pb_peaks = Vec::new();
+        for i in 0..8 {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            reset_hwm();
+            let before = status_kib("VmRSS:").unwrap_or(0.0);
+            let (took, bytes) = one_scrape(&merger_pb, Some(PROTO_ACCEPT)).await;
+            let extra_kib = (status_kib("VmHWM:").unwrap_or(0.0) - before).max(0.0);
+            println!(
+                "protobuf scrape {i}: {:>7.1} ms, {:.1} MiB out, peak RSS +{:.0} KiB",
+                took.as_secs_f64() * 1000.0,
+                bytes as f64 / 1048576.0,
+                extra_kib
+            );
+            pb_lat.push(took);
+            pb_peaks.push(extra_kib);
         }
         // Baseline in the same run: read both bodies whole, as Istio's merge does (Istio #32386).
         let client = hyper_util::client::legacy::Client::builder(
@@ -204,6 +268,16 @@ fn main() {
             first,
             peaks[peaks.len() / 2],
             peaks[peaks.len() - 1],
+        );
+        pb_lat.sort();
+        pb_peaks.sort_by(f64::total_cmp);
+        println!(
+            "protobuf: latency median {:.1} ms ({:.2}x text); peak RSS increase median +{:.0} KiB, max +{:.0} KiB (text median +{:.0} KiB)",
+            pb_lat[pb_lat.len() / 2].as_secs_f64() * 1000.0,
+            pb_lat[pb_lat.len() / 2].as_secs_f64() / lat[lat.len() / 2].as_secs_f64(),
+            pb_peaks[pb_peaks.len() / 2],
+            pb_peaks[pb_peaks.len() - 1],
+            peaks[peaks.len() / 2],
         );
     });
     drop(child.stdin.take());

@@ -20,12 +20,15 @@
 //! Go's `/debug/pprof/*` has no Rust equivalent worth shipping (no runtime profiler in the
 //! binary); with `--profiling` (default on) the loopback-only `/debug/config_dump` takes its
 //! place as the "what is this process doing" endpoint, and the pprof paths answer 404.
-//! Every response is gzip-compressed when the client accepts it, as Istio wraps its mux.
+//! Every response is gzip- or zstd-compressed when the client accepts it, as Istio wraps its
+//! mux in klauspost/compress `gzhttp` ([`compress`]).
 
+pub mod compress;
 pub mod conns;
 pub mod lines;
 pub mod merge;
 pub mod probes;
+pub mod proto;
 pub mod ready;
 pub mod views;
 
@@ -95,7 +98,7 @@ pub fn router(state: StatusState) -> axum::Router {
         .route("/debug/logs", any(recent_logs))
         .route("/", any(page))
         .with_state(state)
-        .layer(tower_http::compression::CompressionLayer::new().gzip(true))
+        .layer(axum::middleware::from_fn(compress::layer))
 }
 
 /// A client must send its request headers within this time, and an idle keep-alive

@@ -15,6 +15,9 @@
 //!   the app's samples and of the gauges the configuration fixes ([`values_compared`] lists
 //!   what is ignored and why); and, with istiod's xDS or the CA unreachable, the agent's
 //!   families and what each agent counted;
+//! * the multi-target merge (`targets` in `ISTIO_PROMETHEUS_ANNOTATIONS`, two app paths) with
+//!   `PILOT_AGENT_MERGE_ENVOY_STATS=false`: Content-Type and every non-agent family;
+//! * response compression: the `Content-Encoding` and `Vary` each `Accept-Encoding` gets;
 //! * `/app-health/<c>/<kind>` for HTTP, TCP and gRPC probes (`ISTIO_KUBE_APP_PROBERS`), healthy
 //!   and failing, and an unknown path: status code and body.
 //!
@@ -91,7 +94,8 @@ async fn start_app() -> u16 {
         .route("/ok", get(ok))
         .route("/fail", get(fail))
         .route("/redirect", get(redirect))
-        .route("/metrics", get(metrics));
+        .route("/metrics", get(metrics))
+        .route("/metrics2", get(|| async { APP_METRICS_2 }));
     let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let port = l.local_addr().unwrap().port();
     tokio::spawn(async move { axum::serve(l, app).await.unwrap() });
@@ -116,6 +120,11 @@ app_build_info{version=\"1.2.3\"} 1\n\
 # HELP envoy_server_live The app's own family of Envoy's name.\n\
 # TYPE envoy_server_live gauge\n\
 envoy_server_live 0\n";
+
+/// A second metrics endpoint of the app, for the multi-target merge.
+const APP_METRICS_2: &str = "# HELP app_jobs_total Jobs run.\n\
+# TYPE app_jobs_total counter\n\
+app_jobs_total{queue=\"a\"} 3\n";
 
 struct Peers {
     web: u16,
@@ -432,6 +441,43 @@ async fn case_ca_down(istiod: &IstiodBox, kind: AgentKind, out: &mut Observed) -
     .await
 }
 
+/// Istio 1.31's multi-target merge (`targets`, as the injector writes it from
+/// `prometheus.istio.io/scrape-targets`) with `PILOT_AGENT_MERGE_ENVOY_STATS=false`: the
+/// Content-Type and every family that is not the agent's own, each with its series and values.
+async fn case_multi_target(istiod: &IstiodBox, kind: AgentKind, peers: &Peers, out: &mut Observed) {
+    let web = peers.web.to_string();
+    let annotations = json!({"scrape": "true", "port": web, "path": "/metrics", "targets": [
+        {"port": web, "path": "/metrics"},
+        {"port": web, "path": "/metrics2"},
+    ]})
+    .to_string();
+    let env = [
+        ("ISTIO_PROMETHEUS_ANNOTATIONS", annotations.as_str()),
+        ("PILOT_AGENT_MERGE_ENVOY_STATS", "false"),
+    ];
+    let sc = start_agent(istiod, kind, &pod(json!({}), &env)).await;
+    wait_ready(&sc).await;
+    let a = request(sc.status, "GET", "/stats/prometheus", SCRAPE)
+        .await
+        .unwrap();
+    let parsed = prom::parse(&a.body);
+    let families: BTreeMap<&String, Value> = parsed
+        .families
+        .iter()
+        .filter(|(n, _)| !n.starts_with("istio_agent_"))
+        .map(|(n, b)| (n, json!(b.iter().map(|b| shape(n, b)).collect::<Vec<_>>())))
+        .collect();
+    out.insert(
+        "metrics/multi_target_without_envoy".into(),
+        json!({
+            "code": a.code,
+            "content_type": a.headers.get(header::CONTENT_TYPE).map(|v| v.to_str().unwrap_or("?")),
+            "families": families,
+            "bad_lines": parsed.bad_lines.len(),
+        }),
+    );
+}
+
 /// Readiness after SIGTERM, while the agent drains, and an app probe then. The drain
 /// (terminationDrainDuration) is 20 s and the agent is killed once observed; within the first
 /// 8 s the status port either stops accepting connections (observed as refused) or keeps
@@ -510,6 +556,45 @@ async fn case_ready(
         .unwrap();
     let parsed = prom::parse(&metrics.body);
 
+    // Response compression (gzhttp around Istio's mux): which coding each Accept-Encoding
+    // gets, and the headers that come with it, on the merged metrics, on a HEAD of them, and
+    // on a short answer.
+    for (method, path, ae) in [
+        ("GET", "/stats/prometheus", "gzip"),
+        ("GET", "/stats/prometheus", "zstd"),
+        ("GET", "/stats/prometheus", "gzip, deflate, br, zstd"),
+        ("GET", "/stats/prometheus", "gzip;q=1.0, zstd;q=0.5"),
+        ("GET", "/stats/prometheus", "gzip;q=0, zstd;q=0"),
+        ("GET", "/stats/prometheus", "identity"),
+        ("GET", "/stats/prometheus", "*"),
+        ("GET", "/stats/prometheus", "identity;q=1, gzip;q=0.1"),
+        ("HEAD", "/stats/prometheus", "gzip"),
+        ("GET", "/healthz/ready", "gzip, zstd"),
+    ] {
+        let mut headers = SCRAPE.to_vec();
+        headers.push(("accept-encoding", ae));
+        let a = request(sc.status, method, path, &headers).await;
+        let v = match &a {
+            Ok(a) => {
+                let h = |n: header::HeaderName| {
+                    a.headers
+                        .get_all(n)
+                        .iter()
+                        .map(|v| v.to_str().unwrap_or("?").to_owned())
+                        .collect::<Vec<_>>()
+                };
+                json!({
+                    "code": a.code,
+                    "content_encoding": h(header::CONTENT_ENCODING),
+                    "vary": h(header::VARY),
+                    "content_length": !h(header::CONTENT_LENGTH).is_empty(),
+                })
+            }
+            Err(e) => json!({"no_answer": e}),
+        };
+        out.insert(format!("encoding/{method} {path} [{ae}]"), v);
+    }
+
     let drain = request(sc.status, "POST", "/drain", &[]).await;
     out.insert("drain/post".into(), observed(&drain));
     out.insert(
@@ -545,16 +630,17 @@ struct Run {
 }
 
 async fn run(istiod: &IstiodBox, kind: AgentKind, peers: &Peers) -> Run {
-    let (mut a, mut b, mut c, mut d, mut e) = Default::default();
-    let ((metrics, parsed), (), xds, ca, ()) = tokio::join!(
+    let (mut a, mut b, mut c, mut d, mut e, mut f) = Default::default();
+    let ((metrics, parsed), (), xds, ca, (), ()) = tokio::join!(
         case_ready(istiod, kind, peers, &mut a),
         case_envoy_not_started(istiod, kind, &mut b),
         case_xds_unreachable(istiod, kind, &mut c),
         case_ca_down(istiod, kind, &mut d),
         case_sigterm(istiod, kind, peers, &mut e),
+        case_multi_target(istiod, kind, peers, &mut f),
     );
     let mut observed = Observed::new();
-    for m in [a, b, c, d, e] {
+    for m in [a, b, c, d, e, f] {
         observed.extend(m);
     }
     Run {
@@ -651,6 +737,8 @@ const MESHAGENT_ONLY: &[&str] = &[
     "istio_agent_file_secret_loads_total",
     "istio_agent_file_secret_resources",
     "istio_agent_merge_dropped_families_total",
+    "istio_agent_merge_target_scrape_duration_seconds",
+    "istio_agent_merge_target_up",
     "istio_agent_output_certs_write_failures_total",
     "istio_agent_output_certs_writes_total",
     "istio_agent_task_panics_total",

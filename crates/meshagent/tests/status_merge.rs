@@ -61,6 +61,9 @@ async fn start_app() -> u16 {
             (0..n).map(move |_| Ok::<_, std::io::Error>(chunk.clone())),
         ))
     }
+    async fn nine(axum::extract::Path(name): axum::extract::Path<String>) -> String {
+        nine_mib(&name)
+    }
     async fn error() -> (axum::http::StatusCode, &'static str) {
         (axum::http::StatusCode::INTERNAL_SERVER_ERROR, "boom")
     }
@@ -70,11 +73,26 @@ async fn start_app() -> u16 {
         .route("/om", axum::routing::get(om))
         .route("/slow", axum::routing::get(slow))
         .route("/big", axum::routing::get(big))
-        .route("/error", axum::routing::get(error));
+        .route("/error", axum::routing::get(error))
+        .route("/nine/{name}", axum::routing::get(nine));
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let port = listener.local_addr().unwrap().port();
     tokio::spawn(async move { axum::serve(listener, app).await });
     port
+}
+
+/// Just under 9 MiB of distinct series of family `app_nine_<name>`.
+fn nine_mib(name: &str) -> String {
+    let mut s = format!("# TYPE app_nine_{name} gauge\n");
+    let mut i = 0;
+    while s.len() < 9 * 1024 * 1024 - 200 {
+        s.push_str(&format!(
+            "app_nine_{name}{{i=\"{i:08}\",pad=\"{}\"}} 1\n",
+            "p".repeat(80)
+        ));
+        i += 1;
+    }
+    s
 }
 
 async fn start_envoy(dir: &std::path::Path) -> Envoy {
@@ -548,4 +566,209 @@ async fn f18_hundred_thousand_line_envoy_output_is_merged_whole() {
     assert!(has_family(&p, "istio_agent_xds_proxy_requests"));
     assert_eq!(agent.metrics.failures("envoy"), 0);
     assert_eq!(agent.metrics.failures("application"), 0);
+}
+
+/// Istio's 10 MiB cap is per target (`maxAppBodyBytes` in `scrapeMultipleApps`): two targets of
+/// 9 MiB each are merged whole, 18 MiB in one scrape, nothing counted as failed.
+#[tokio::test]
+async fn the_size_cap_is_per_target() {
+    let app = start_app().await;
+    let target = |path: &str| ScrapeTarget {
+        port: app,
+        path: path.into(),
+    };
+    let agent = start_status(None, vec![target("/nine/a"), target("/nine/b")]).await;
+    let (code, _, body) = scrape(agent.addr, &[]).await;
+    assert_eq!(code, 200);
+    for name in ["a", "b"] {
+        let want = nine_mib(name);
+        let got = body
+            .lines()
+            .filter(|l| l.starts_with(&format!("app_nine_{name}{{")))
+            .count();
+        assert_eq!(
+            got,
+            want.lines().count() - 1,
+            "app_nine_{name}: every series"
+        );
+    }
+    assert!(body.len() > 18 * 1024 * 1024 - 400, "{}", body.len());
+    assert_eq!(agent.metrics.failures("application"), 0);
+    assert!(
+        body.contains(&format!(
+            "istio_agent_merge_target_up{{type=\"application\",target=\"localhost:{app}/nine/b\"}} 1\n"
+        )),
+        "{}",
+        &body[body.len().saturating_sub(2000)..]
+    );
+}
+
+// === protobuf: native histograms through the merge ===
+
+/// What Prometheus sends with native histograms on (`scrape_protocols` led by
+/// `PrometheusProto`).
+const PROMETHEUS_PROTO_ACCEPT: &str = "application/vnd.google.protobuf;proto=io.prometheus.client.MetricFamily;encoding=delimited,application/openmetrics-text;version=1.0.0;q=0.8,text/plain;version=0.0.4;q=0.5,*/*;q=0.1";
+
+/// `promproto`: `$PROMPROTO`, else the project's `.tools/bin` (`make metricspeers`).
+fn promproto() -> std::path::PathBuf {
+    let path = std::env::var_os("PROMPROTO")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|| meshagent_testkit::workspace_root().join(".tools/bin/promproto"));
+    assert!(
+        path.is_file(),
+        "{} is missing: run `make metricspeers`",
+        path.display()
+    );
+    path
+}
+
+/// A Go application on the Prometheus Go client (promhttp), with a native histogram.
+async fn start_go_app(dir: &std::path::Path) -> (meshagent_testkit::Proc, u16) {
+    let port = free_port();
+    let mut cmd = std::process::Command::new(promproto());
+    cmd.args(["serve", &port.to_string()]);
+    let proc = meshagent_testkit::Proc::spawn("promproto", cmd, dir);
+    wait_for("the Go application", DEADLINE, || async move {
+        tokio::net::TcpStream::connect(("127.0.0.1", port))
+            .await
+            .ok()
+            .map(|_| ())
+    })
+    .await;
+    (proc, port)
+}
+
+/// The Go client's protobuf parser on `body`: family → (type, series, series with native
+/// buckets); its error when it rejects the body.
+fn parse_protobuf(body: &[u8]) -> Result<HashMap<String, (String, usize, usize)>, String> {
+    use std::io::Write;
+    let mut child = std::process::Command::new(promproto())
+        .arg("parse")
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    child.stdin.take().unwrap().write_all(body).unwrap();
+    let out = child.wait_with_output().unwrap();
+    if !out.status.success() {
+        return Err(String::from_utf8_lossy(&out.stderr).into_owned());
+    }
+    Ok(String::from_utf8(out.stdout)
+        .unwrap()
+        .lines()
+        .map(|l| {
+            let f: Vec<&str> = l.split(' ').collect();
+            (
+                f[0].to_owned(),
+                (
+                    f[1].to_owned(),
+                    f[2].parse().unwrap(),
+                    f[3].parse().unwrap(),
+                ),
+            )
+        })
+        .collect())
+}
+
+async fn scrape_raw(addr: SocketAddr, accept: &str) -> (HeaderMap, Bytes) {
+    let client = Client::builder(TokioExecutor::new()).build_http::<Empty<Bytes>>();
+    let req = axum::http::Request::get(format!("http://{addr}/stats/prometheus"))
+        .header(header::ACCEPT, accept)
+        .body(Empty::new())
+        .unwrap();
+    let resp = tokio::time::timeout(Duration::from_secs(30), client.request(req))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    let headers = resp.headers().clone();
+    (
+        headers,
+        resp.into_body().collect().await.unwrap().to_bytes(),
+    )
+}
+
+/// Prometheus asking for protobuf, with the real Envoy and a Go application (Prometheus' Go
+/// client) both answering it: the merge answers protobuf, the application's native histogram
+/// arrives with its native buckets, Envoy's and the agent's families each once, and the Go
+/// client's own decoder accepts the whole body. With a text-only application beside them the
+/// answer is text (what Istio always answers), parsed strictly; asked for text, text.
+#[tokio::test]
+async fn protobuf_merge_keeps_native_histograms() {
+    let dir = tempfile::tempdir().unwrap();
+    let envoy = start_envoy(dir.path()).await;
+    let (_go, go_port) = start_go_app(dir.path()).await;
+    let target = |port, path: &str| ScrapeTarget {
+        port,
+        path: path.into(),
+    };
+    let agent = start_status(Some(envoy.admin), vec![target(go_port, "/metrics")]).await;
+
+    let (h, body) = scrape_raw(agent.addr, PROMETHEUS_PROTO_ACCEPT).await;
+    assert_eq!(
+        h.get(header::CONTENT_TYPE).unwrap(),
+        "application/vnd.google.protobuf; proto=io.prometheus.client.MetricFamily; encoding=delimited"
+    );
+    let families = parse_protobuf(&body).unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(
+        families.get("app_native_seconds"),
+        Some(&("HISTOGRAM".to_owned(), 1, 1)),
+        "{families:?}"
+    );
+    assert_eq!(
+        families.get("app_classic_seconds"),
+        Some(&("HISTOGRAM".to_owned(), 1, 0))
+    );
+    assert_eq!(
+        families.get("app_requests_total").map(|f| &f.0[..]),
+        Some("COUNTER")
+    );
+    assert_eq!(
+        families.get("istio_agent_scrapes_total").map(|f| &f.0[..]),
+        Some("COUNTER")
+    );
+    assert_eq!(
+        families
+            .get("istio_agent_xds_proxy_requests")
+            .map(|f| &f.0[..]),
+        Some("COUNTER")
+    );
+    assert!(
+        families.keys().any(|f| f.starts_with("envoy_")),
+        "{families:?}"
+    );
+    assert_eq!(
+        families.get("istio_agent_merge_target_up"),
+        Some(&("GAUGE".to_owned(), 2, 0))
+    );
+    assert_eq!(agent.metrics.failures("envoy"), 0);
+    assert_eq!(agent.metrics.failures("application"), 0);
+
+    // A text-only application too: text for everyone, strictly parsed.
+    let text_app = start_app().await;
+    let agent = start_status(
+        Some(envoy.admin),
+        vec![target(go_port, "/metrics"), target(text_app, "/metrics")],
+    )
+    .await;
+    let (h, body) = scrape_raw(agent.addr, PROMETHEUS_PROTO_ACCEPT).await;
+    assert_eq!(
+        h.get(header::CONTENT_TYPE).unwrap(),
+        "text/plain; version=0.0.4; charset=utf-8"
+    );
+    let text = String::from_utf8(body.to_vec()).unwrap();
+    let p = parse_exposition(&text, false).unwrap_or_else(|e| panic!("{e}\n{text}"));
+    assert!(has_family(&p, "app_native_seconds_count"), "{text}");
+    assert!(has_family(&p, "app_requests"), "{text}");
+    assert!(has_family(&p, "envoy_server_live"), "{text}");
+    assert_eq!(agent.metrics.failures("envoy"), 0);
+    assert_eq!(agent.metrics.failures("application"), 0);
+
+    // Asked for text: text, as before.
+    let (h, _) = scrape_raw(agent.addr, "text/plain;version=0.0.4;q=1,*/*;q=0.1").await;
+    assert_eq!(
+        h.get(header::CONTENT_TYPE).unwrap(),
+        "text/plain; version=0.0.4; charset=utf-8"
+    );
 }

@@ -222,7 +222,7 @@ fn bad_probers_and_annotations_fail_startup() {
         (
             "ISTIO_PROMETHEUS_ANNOTATIONS",
             r#"{"scrape":"true","targets":[{"port":"15090"}]}"#,
-            "reserved by Istio",
+            "reserved for Istio (Envoy Prometheus (already merged)) and cannot be scraped",
         ),
     ];
     for (name, value, want) in cases {

@@ -283,3 +283,83 @@ async fn q4_non_text_and_invalid_utf8_sources_are_cut_and_counted() {
         agent.log_text()
     );
 }
+
+/// Per-target health in the merge: an application metrics port nobody listens on, one that
+/// answers 500 and a good one, behind the agent binary. The broken ones show as
+/// `istio_agent_merge_target_up … 0` (not as missing families), the good one as 1, each with
+/// its scrape duration, and a strict parser accepts the scrape with these series in it.
+#[tokio::test]
+async fn merge_target_health_shows_a_dead_app_port_as_down() {
+    let port = start_app(vec![("/good", TEXT, GOOD.as_bytes().to_vec())]).await;
+    let dead = free_port();
+    let cwd = tempfile::tempdir().unwrap();
+    let status = free_port();
+    let annotations = json!({"scrape": "true", "targets": [
+        {"port": port.to_string(), "path": "/good"},
+        {"port": dead.to_string(), "path": "/metrics"},
+        {"port": port.to_string(), "path": "/missing"},
+    ]});
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_meshagent"));
+    status_only_agent(&mut cmd, cwd.path(), status)
+        .env("ISTIO_PROMETHEUS_ANNOTATIONS", annotations.to_string());
+    let agent = Proc::spawn("agent", cmd, cwd.path());
+    let status = SocketAddr::from(([127, 0, 0, 1], status));
+
+    let body = scrape(status).await;
+    let text = String::from_utf8_lossy(&body).into_owned();
+    let families = parse(&body).unwrap_or_else(|e| {
+        panic!(
+            "strict parser rejected the merged scrape: {e}\n{text}\n{}",
+            agent.log_text()
+        )
+    });
+    assert_eq!(
+        families.get("istio_agent_merge_target_up"),
+        Some(&("GAUGE".into(), 3)),
+        "{text}"
+    );
+    assert_eq!(
+        families.get("istio_agent_merge_target_scrape_duration_seconds"),
+        Some(&("GAUGE".into(), 3)),
+        "{text}"
+    );
+    let up = |target: String| {
+        sample(
+            &text,
+            &format!("istio_agent_merge_target_up{{type=\"application\",target=\"{target}\"}}"),
+        )
+    };
+    assert_eq!(up(format!("localhost:{port}/good")), Some(1.0), "{text}");
+    assert_eq!(up(format!("localhost:{dead}/metrics")), Some(0.0), "{text}");
+    assert_eq!(up(format!("localhost:{port}/missing")), Some(0.0), "{text}");
+    for target in [
+        format!("localhost:{port}/good"),
+        format!("localhost:{dead}/metrics"),
+    ] {
+        let secs = sample(
+            &text,
+            &format!(
+                "istio_agent_merge_target_scrape_duration_seconds{{type=\"application\",target=\"{target}\"}}"
+            ),
+        );
+        assert!(
+            secs.is_some_and(|s| (0.0..60.0).contains(&s)),
+            "{target}: {text}"
+        );
+    }
+    // The good target's metrics are still there; the failures still counted as Istio does.
+    assert_eq!(
+        sample(&text, "app_good_total{path=\"/\"}"),
+        Some(42.0),
+        "{text}"
+    );
+    let text = String::from_utf8(scrape(status).await).unwrap();
+    assert_eq!(
+        sample(
+            &text,
+            "istio_agent_scrape_failures_total{type=\"application\"}"
+        ),
+        Some(2.0),
+        "{text}"
+    );
+}

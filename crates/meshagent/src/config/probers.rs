@@ -10,10 +10,19 @@ use std::time::Duration;
 use serde::Serialize;
 use serde_json::{Map, Value};
 
-/// Ports Istio reserves in a pod (sidecar listeners, agent, DNS, Envoy admin/metrics); an app
-/// metrics target on one of these would make the agent scrape itself or Envoy.
-pub const RESERVED_PORTS: &[u16] = &[
-    15000, 15001, 15004, 15006, 15008, 15009, 15020, 15021, 15053, 15090,
+/// Ports Istio reserves in a pod, with Istio's reasons (`istioReservedPorts` in
+/// `pilot/cmd/pilot-agent/status/server.go`): an app metrics target on one of these would
+/// make the agent scrape itself, Envoy or a non-metrics listener.
+pub const RESERVED_PORTS: &[(u16, &str)] = &[
+    (15000, "Envoy admin"),
+    (15001, "outbound traffic capture"),
+    (15004, "pilot debug"),
+    (15006, "inbound traffic capture"),
+    (15008, "HBONE tunnel"),
+    (15020, "pilot-agent status / merged Prometheus"),
+    (15021, "Envoy health"),
+    (15053, "DNS proxy"),
+    (15090, "Envoy Prometheus (already merged)"),
 ];
 
 /// One rewritten probe or lifecycle hook: what the agent calls when kubelet hits the path.
@@ -292,9 +301,9 @@ pub fn parse_prometheus_annotations(
                 t.port
             ));
         }
-        if RESERVED_PORTS.contains(&t.port) {
+        if let Some((_, reason)) = RESERVED_PORTS.iter().find(|(p, _)| *p == t.port) {
             return Err(format!(
-                "target {i} port {} is reserved by Istio ({RESERVED_PORTS:?})",
+                "target {i} port {} is reserved for Istio ({reason}) and cannot be scraped",
                 t.port
             ));
         }
@@ -373,9 +382,20 @@ mod tests {
                 .unwrap()
                 .scrape
         );
+        // Not in Istio's reserved list (15009 is no sidecar port): scraped as pilot-agent does.
+        assert!(parse_prometheus_annotations(r#"{"port":"15009"}"#, 15020).is_ok());
+        // Istio compares ports as numbers: 015020 is the status port.
+        assert!(parse_prometheus_annotations(r#"{"port":"015020"}"#, 15020).is_err());
         for (raw, want) in [
             (r#"{"port":"15020"}"#, "status port"),
-            (r#"{"port":"15090"}"#, "reserved"),
+            (
+                r#"{"port":"15090"}"#,
+                "reserved for Istio (Envoy Prometheus",
+            ),
+            (
+                r#"{"targets":[{"port":"8080"},{"port":15008}]}"#,
+                "target 1 port 15008 is reserved for Istio (HBONE tunnel)",
+            ),
             (r#"{"port":"abc"}"#, "not a port number"),
             (r#"{"port":"70000"}"#, "not a port number"),
             (

@@ -71,6 +71,14 @@ pub struct Seen {
     pub dropped: u64,
 }
 
+impl Seen {
+    /// Records family `name`; false when an earlier source already had it (past
+    /// [`MAX_FAMILIES`] every name passes, unchecked).
+    pub fn first(&mut self, name: &[u8]) -> bool {
+        self.families.len() >= MAX_FAMILIES || self.families.insert(hash(name))
+    }
+}
+
 /// Per-source state: partial line, current family block and held-back output.
 pub struct SourceFilter {
     partial: BytesMut,

@@ -12,6 +12,14 @@
 //! scrape errors (`pilot/cmd/pilot-agent/status/server.go` `handleStats`) and cut at a family
 //! boundary; the response is still 200. Family blocks dropped as duplicates are counted in
 //! `merge_dropped_families_total{type}`.
+//!
+//! A scraper preferring protobuf gets protobuf when every source answered it ([`super::proto`]),
+//! so native histograms survive; otherwise text as above.
+//!
+//! After the sources, meshagent adds how each fared in this scrape (names of its own, not
+//! Istio's): `istio_agent_merge_target_up{type,target}` (1 read whole, 0 failed) and
+//! `istio_agent_merge_target_scrape_duration_seconds{type,target}`, so a broken application
+//! metrics port shows as 0 instead of its families silently missing.
 
 use std::net::SocketAddr;
 use std::time::Duration;
@@ -27,6 +35,7 @@ use tokio::sync::mpsc;
 use tokio::time::Instant;
 
 use super::lines::{Seen, SourceFilter};
+use super::proto;
 use crate::config::probers::ScrapeTarget;
 use crate::metrics::{Counter, CounterVec, MetricsError, Registry};
 
@@ -155,6 +164,10 @@ enum Msg {
 struct Source {
     kind: Kind,
     what: String,
+    /// The `target` label of the health series: host, port and path, no query.
+    target: String,
+    /// When its request was sent.
+    started: Instant,
     rx: mpsc::Receiver<Msg>,
     head: Option<Option<String>>,
     /// A failure seen while waiting for the head, reported by the writer in order.
@@ -209,6 +222,16 @@ impl Merger {
             }
         }
 
+        // Protobuf when the scraper prefers it (native histograms): every source is asked for
+        // it first, text second; the answer is protobuf only if all of them used it.
+        let protobuf = proto::wants_protobuf(accept);
+        let source_accept = |app: bool| {
+            if protobuf {
+                proto::SOURCE_ACCEPT.to_owned()
+            } else {
+                negotiate_accept(accept, app)
+            }
+        };
         let mut sources = Vec::new();
         if let Some(envoy) = self.envoy {
             let path = match query {
@@ -220,7 +243,7 @@ impl Merger {
                 Kind::Envoy,
                 uri,
                 &forwarded,
-                &negotiate_accept(accept, false),
+                &source_accept(false),
                 deadline,
             ));
         }
@@ -230,7 +253,7 @@ impl Merger {
                 Kind::Application,
                 uri,
                 &forwarded,
-                &negotiate_accept(accept, true),
+                &source_accept(true),
                 deadline,
             ));
         }
@@ -240,12 +263,19 @@ impl Merger {
         // the time Envoy's body needs. Heads arriving later are still streamed; they just do
         // not take part in choosing the format.
         let head_deadline = Instant::now() + timeout / 2;
+        // With protobuf asked, Envoy's head is waited for too: it takes part in the choice.
         let heads = futures::future::join_all(
             sources
                 .iter_mut()
-                .filter(|s| s.kind == Kind::Application)
+                .filter(|s| s.kind == Kind::Application || protobuf)
                 .map(|s| async move {
                     match tokio::time::timeout_at(head_deadline, s.rx.recv()).await {
+                        Ok(Some(Msg::Head(ct)))
+                            if protobuf && proto::is_protobuf(ct.as_deref()) =>
+                        {
+                            s.head = Some(ct);
+                            None
+                        }
                         Ok(Some(Msg::Head(ct))) if !mergeable_content_type(ct.as_deref()) => {
                             s.early_failure =
                                 Some(ScrapeError::ContentType(ct.unwrap_or_default()));
@@ -266,20 +296,50 @@ impl Merger {
         )
         .await;
         let answered: Vec<Option<String>> = heads.into_iter().flatten().collect();
-        let content_type = response_content_type(&answered);
-        let openmetrics = content_type.starts_with("application/openmetrics-text");
-
+        let all_protobuf = protobuf
+            && sources.iter().all(|s| {
+                s.early_failure.is_some()
+                    || s.head
+                        .as_ref()
+                        .is_some_and(|ct| proto::is_protobuf(ct.as_deref()))
+            });
         let (tx, rx) = mpsc::channel::<Bytes>(SOURCE_CHANNEL);
         let agent_text = self.registry.encode();
         let metrics = self.metrics.clone();
-        tokio::spawn(write_all(
-            agent_text,
-            sources,
-            deadline,
-            openmetrics,
-            metrics,
-            tx,
-        ));
+        let content_type = if all_protobuf {
+            tokio::spawn(write_all_proto(agent_text, sources, deadline, metrics, tx));
+            proto::CONTENT_TYPE.to_owned()
+        } else {
+            if protobuf {
+                // Text after all: the sources that answered protobuf are asked again for text
+                // (what Istio asks every source for).
+                for s in &mut sources {
+                    if s.head
+                        .as_ref()
+                        .is_some_and(|ct| proto::is_protobuf(ct.as_deref()))
+                    {
+                        *s = self.spawn_fetch(
+                            s.kind,
+                            s.what.clone(),
+                            &forwarded,
+                            &negotiate_accept(accept, s.kind == Kind::Application),
+                            deadline,
+                        );
+                    }
+                }
+            }
+            let content_type = response_content_type(&answered);
+            let openmetrics = content_type.starts_with("application/openmetrics-text");
+            tokio::spawn(write_all(
+                agent_text,
+                sources,
+                deadline,
+                openmetrics,
+                metrics,
+                tx,
+            ));
+            content_type
+        };
         // Fused: the gzip layer polls the body once more after its end.
         let stream = futures::StreamExt::fuse(futures::stream::unfold(rx, |mut rx| async move {
             rx.recv()
@@ -310,6 +370,13 @@ impl Merger {
         req = req.header(header::ACCEPT, accept);
         let client = self.client.clone();
         let what = uri.clone();
+        let target = uri
+            .strip_prefix("http://")
+            .unwrap_or(&uri)
+            .split('?')
+            .next()
+            .unwrap_or("")
+            .to_owned();
         // Istio caps application targets only; Envoy's body is large by nature (100k+ lines)
         // and is streamed, so it needs no cap to stay out of memory.
         let cap = (kind == Kind::Application).then_some(MAX_TARGET_BYTES);
@@ -325,6 +392,8 @@ impl Merger {
         Source {
             kind,
             what,
+            target,
+            started: Instant::now(),
             rx,
             head: None,
             early_failure: None,
@@ -394,6 +463,7 @@ async fn write_all(
     if !send(&tx, &mut ready).await {
         return;
     }
+    let mut health = Vec::with_capacity(sources.len());
     for mut s in sources {
         let mut filter = SourceFilter::default();
         let mut failed = s.early_failure.take();
@@ -438,6 +508,12 @@ async fn write_all(
                 .with(&[s.kind.label()])
                 .add(filter.dropped_families);
         }
+        health.push(TargetHealth {
+            kind: s.kind,
+            target: std::mem::take(&mut s.target),
+            up: failed.is_none(),
+            seconds: s.started.elapsed().as_secs_f64(),
+        });
         match failed {
             None => {}
             Some(e) => {
@@ -452,12 +528,156 @@ async fn write_all(
             return;
         }
     }
+    if !health.is_empty() {
+        // Through a filter of its own like any source: an application that exports these
+        // names keeps them (first source wins) and the output stays valid.
+        let mut filter = SourceFilter::default();
+        filter.push(&mut seen, health_text(&health).as_bytes(), &mut ready);
+        filter.finish(&mut seen, &mut ready);
+        if !send(&tx, &mut ready).await {
+            return;
+        }
+    }
     if seen.dropped > 0 {
         tracing::debug!(dropped = seen.dropped, "dropped duplicate metric lines");
     }
     if openmetrics {
         let _ = tx.send(Bytes::from_static(b"# EOF\n")).await;
     }
+}
+
+/// [`write_all`] in delimited protobuf: every source's head was protobuf (or it failed).
+async fn write_all_proto(
+    agent_text: String,
+    sources: Vec<Source>,
+    deadline: Instant,
+    metrics: MergeMetrics,
+    tx: mpsc::Sender<Bytes>,
+) {
+    let mut seen = Seen::default();
+    let agent = proto::encode(&proto::from_text(&agent_text), &mut seen);
+    drop(agent_text);
+    if tx.send(Bytes::from(agent)).await.is_err() {
+        return;
+    }
+    let mut ready = Vec::new();
+    let mut health = Vec::with_capacity(sources.len());
+    for mut s in sources {
+        let mut filter = proto::ProtoFilter::default();
+        let mut failed = s.early_failure.take();
+        while failed.is_none() {
+            match tokio::time::timeout_at(deadline, s.rx.recv()).await {
+                Ok(Some(Msg::Data(d))) => {
+                    filter.push(&mut seen, &d, &mut ready);
+                    if let Some(why) = filter.failure() {
+                        failed = Some(ScrapeError::Invalid(why));
+                    }
+                    if !send(&tx, &mut ready).await {
+                        return;
+                    }
+                }
+                Ok(Some(Msg::Failed(e))) => failed = Some(e),
+                Ok(Some(Msg::Head(_))) => {}
+                Ok(None) => break,
+                Err(_) => failed = Some(ScrapeError::Timeout),
+            }
+        }
+        // Whole messages held back are sent whatever happened: each is a complete family.
+        filter.finish(&mut ready);
+        if failed.is_none() {
+            failed = filter.failure().map(ScrapeError::Invalid);
+        }
+        if filter.dropped_families > 0 {
+            metrics
+                .dropped_families
+                .with(&[s.kind.label()])
+                .add(filter.dropped_families);
+        }
+        health.push(TargetHealth {
+            kind: s.kind,
+            target: std::mem::take(&mut s.target),
+            up: failed.is_none(),
+            seconds: s.started.elapsed().as_secs_f64(),
+        });
+        if let Some(e) = failed {
+            metrics.failures.with(&[s.kind.label()]).inc();
+            tracing::warn!(source = %s.what, error = %e, "failed scraping {} metrics", s.kind.label());
+        }
+        drop(s.rx);
+        if !send(&tx, &mut ready).await {
+            return;
+        }
+    }
+    if !health.is_empty() {
+        let families = proto::from_text(&health_text(&health));
+        let _ = tx
+            .send(Bytes::from(proto::encode(&families, &mut seen)))
+            .await;
+    }
+}
+
+/// How one merged source fared in this scrape.
+struct TargetHealth {
+    kind: Kind,
+    target: String,
+    up: bool,
+    seconds: f64,
+}
+
+/// Per-source health, written after the sources so it describes this scrape (the agent's
+/// registry is written first, before any source was read). meshagent's own names: Istio has
+/// only the `scrape_failures_total{type}` counter.
+pub const TARGET_UP: &str = "istio_agent_merge_target_up";
+pub const TARGET_DURATION: &str = "istio_agent_merge_target_scrape_duration_seconds";
+
+fn health_text(health: &[TargetHealth]) -> String {
+    use std::fmt::Write as _;
+    let mut out = String::new();
+    let _ = writeln!(
+        out,
+        "# HELP {TARGET_UP} Whether this scrape read the merged source whole (1) or failed it (0: refused, an error status, over the size cap, past the scrape timeout, not a text format or an invalid line)."
+    );
+    let _ = writeln!(out, "# TYPE {TARGET_UP} gauge");
+    for h in health {
+        let _ = writeln!(
+            out,
+            "{TARGET_UP}{{type=\"{}\",target=\"{}\"}} {}",
+            h.kind.label(),
+            escape_label(&h.target),
+            u8::from(h.up)
+        );
+    }
+    let _ = writeln!(
+        out,
+        "# HELP {TARGET_DURATION} Seconds from this scrape's request to the merged source until its body was read to the end or it failed; sources are written in order, so this includes waiting for the sources before it."
+    );
+    let _ = writeln!(out, "# TYPE {TARGET_DURATION} gauge");
+    for h in health {
+        let _ = writeln!(
+            out,
+            "{TARGET_DURATION}{{type=\"{}\",target=\"{}\"}} {:.6}",
+            h.kind.label(),
+            escape_label(&h.target),
+            h.seconds
+        );
+    }
+    out
+}
+
+/// A label value in the text format: backslash, double quote and newline escaped; other
+/// control characters (which no format allows) replaced.
+fn escape_label(v: &str) -> String {
+    let mut out = String::with_capacity(v.len());
+    for c in v.chars() {
+        match c {
+            '\\' => out.push_str("\\\\"),
+            '"' => out.push_str("\\\""),
+            '\n' => out.push_str("\\n"),
+            c if c.is_control() => out.push('?'),
+            c => out.push(c),
+        }
+    }
+    out
 }
 
 async fn send(tx: &mpsc::Sender<Bytes>, ready: &mut Vec<Bytes>) -> bool {
@@ -579,6 +799,41 @@ mod tests {
             negotiate_accept("application/*", true),
             "application/openmetrics-text;version=0.0.1"
         );
+    }
+
+    #[test]
+    fn health_series_escape_the_target() {
+        let text = health_text(&[
+            TargetHealth {
+                kind: Kind::Envoy,
+                target: "127.0.0.1:15090/stats/prometheus".into(),
+                up: true,
+                seconds: 0.0125,
+            },
+            TargetHealth {
+                kind: Kind::Application,
+                target: "localhost:9/m\"x\\\n\x01".into(),
+                up: false,
+                seconds: 2.0,
+            },
+        ]);
+        assert!(text.contains(
+            "istio_agent_merge_target_up{type=\"envoy\",target=\"127.0.0.1:15090/stats/prometheus\"} 1\n"
+        ), "{text}");
+        assert!(text.contains(
+            "istio_agent_merge_target_up{type=\"application\",target=\"localhost:9/m\\\"x\\\\\\n?\"} 0\n"
+        ), "{text}");
+        assert!(text.contains(
+            "istio_agent_merge_target_scrape_duration_seconds{type=\"envoy\",target=\"127.0.0.1:15090/stats/prometheus\"} 0.012500\n"
+        ), "{text}");
+        // Valid lines for the merge's own filter.
+        let mut seen = Seen::default();
+        let mut out = Vec::new();
+        let mut f = SourceFilter::default();
+        f.push(&mut seen, text.as_bytes(), &mut out);
+        f.finish(&mut seen, &mut out);
+        assert_eq!(f.failure(), None);
+        assert_eq!(out.concat(), text.as_bytes());
     }
 
     #[test]
