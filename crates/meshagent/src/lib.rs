@@ -13,6 +13,7 @@ pub mod code_pages;
 pub mod config;
 pub mod control_plane;
 pub mod dns;
+pub mod doctor;
 pub mod envoy;
 pub mod fsio;
 #[doc(hidden)]
