@@ -117,6 +117,10 @@ pub struct DoctorArgs {
     /// Deadline of each network step, in milliseconds.
     #[arg(long = "step-timeout-ms", default_value_t = 3000)]
     pub step_timeout_ms: u64,
+    /// Name the DNS check resolves through the agent's DNS proxy (default
+    /// kubernetes.default.svc.<cluster domain>).
+    #[arg(long = "dns-name")]
+    pub dns_name: Option<String>,
 }
 
 /// `wait` flags (Istio `pilot/cmd/pilot-agent/app/wait.go`).

@@ -130,6 +130,9 @@ pub struct Options {
     pub cwd: PathBuf,
     /// Deadline of each network step (connect, handshake, request, query, command).
     pub step_timeout: Duration,
+    /// The name the DNS check asks the agent's DNS proxy for; `None` means
+    /// `kubernetes.default.svc.<cluster domain>`, which istiod's name table always holds.
+    pub dns_name: Option<String>,
 }
 
 impl Default for Options {
@@ -137,6 +140,7 @@ impl Default for Options {
         Options {
             cwd: PathBuf::from("."),
             step_timeout: Duration::from_secs(3),
+            dns_name: None,
         }
     }
 }

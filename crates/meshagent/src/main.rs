@@ -135,6 +135,7 @@ fn doctor(args: &cli::DoctorArgs, log_as_json: bool) -> ExitCode {
         Ok(cfg) => {
             let opts = doctor::Options {
                 step_timeout: std::time::Duration::from_millis(args.step_timeout_ms.max(1)),
+                dns_name: args.dns_name.clone(),
                 ..Default::default()
             };
             match runtime() {

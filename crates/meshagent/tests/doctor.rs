@@ -285,11 +285,15 @@ async fn healthy_then_broken() {
         &[
             ("ISTIO_KUBE_APP_PROBERS", probers.to_string()),
             ("ISTIO_PROMETHEUS_ANNOTATIONS", scrape.to_string()),
+            // The DNS proxy on 127.0.0.1:15053 of this namespace.
+            ("ISTIO_META_DNS_CAPTURE", "true".into()),
         ],
     )
     .await;
     sc.wait_ready(DEADLINE).await;
-    let (env, args) = agent_invocation(sc.proc.pid());
+    let (env, mut args) = agent_invocation(sc.proc.pid());
+    // A service of the mesh: in the name table istiod (devplane) sends, answered locally.
+    args.push("--dns-name=b.default.svc.cluster.local".into());
     let cwd = sc.cwd.path().to_path_buf();
 
     // Installed under Istio's name: the subcommand answers all the same.

@@ -461,7 +461,10 @@ async fn dns(cfg: &Config, opts: &Options) -> Check {
         );
     };
     let addr = SocketAddr::new(ip, port);
-    let qname = format!("kubernetes.default.svc.{}", cluster_domain(&cfg.domain));
+    let qname = opts
+        .dns_name
+        .clone()
+        .unwrap_or_else(|| format!("kubernetes.default.svc.{}", cluster_domain(&cfg.domain)));
     let fix = "the agent's DNS proxy does not answer: check the agent log for its DNS server, \
                and that ISTIO_META_DNS_CAPTURE is set in the proxy and istio-init (-r/DNS \
                capture rules to port 15053)";
