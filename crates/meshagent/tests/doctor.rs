@@ -138,7 +138,25 @@ impl Report {
 
 /// `bin doctor ARGS --json` in `cwd` with exactly `env` (bounded: the doctor must never hang).
 async fn doctor(bin: &Path, cwd: &Path, env: &[(String, String)], args: &[String]) -> Report {
-    let mut cmd = tokio::process::Command::new(bin);
+    doctor_via(&[], bin, cwd, env, args).await
+}
+
+/// [`doctor`] started through `wrapper` (e.g. `setpriv` to drop root).
+async fn doctor_via(
+    wrapper: &[&str],
+    bin: &Path,
+    cwd: &Path,
+    env: &[(String, String)],
+    args: &[String],
+) -> Report {
+    let mut cmd = match wrapper.split_first() {
+        Some((first, rest)) => {
+            let mut c = tokio::process::Command::new(first);
+            c.args(rest).arg(bin);
+            c
+        }
+        None => tokio::process::Command::new(bin),
+    };
     cmd.arg("doctor")
         .args(args)
         .arg("--json")
@@ -457,16 +475,17 @@ async fn healthy_then_broken() {
 #[test]
 fn capture_backends_and_dns() {
     let cwd = tempfile::tempdir().unwrap();
-    let run_in = |ns: &Netns, env: Vec<(String, String)>| {
+    let run_as = |ns: &Netns, env: Vec<(String, String)>, wrapper: &'static [&'static str]| {
         let cwd = cwd.path().to_path_buf();
         ns.enter(move || {
             tokio::runtime::Builder::new_current_thread()
                 .enable_all()
                 .build()
                 .unwrap()
-                .block_on(async { doctor(Path::new(BIN), &cwd, &env, &[]).await })
+                .block_on(async { doctor_via(wrapper, Path::new(BIN), &cwd, &env, &[]).await })
         })
     };
+    let run_in = |ns: &Netns, env: Vec<(String, String)>| run_as(ns, env, &[]);
 
     let ns = Netns::new();
     let r = run_in(&ns, bare_env(&host_path()));
@@ -481,6 +500,24 @@ fn capture_backends_and_dns() {
             .unwrap()
             .contains("iptables")
     );
+
+    // As the proxy's uid (1337) without CAP_NET_ADMIN, as `kubectl exec` runs it: the rules
+    // cannot be read, which is said, with how to read them.
+    let r = run_as(
+        &ns,
+        bare_env(&host_path()),
+        &["setpriv", "--reuid=1337", "--regid=1337", "--clear-groups"],
+    );
+    let c = r.get("capture");
+    assert_eq!(c["status"], "WARN", "{c:#}");
+    assert!(
+        c["detail"]
+            .as_str()
+            .unwrap()
+            .contains("cannot read capture rules"),
+        "{c:#}"
+    );
+    assert!(c["fix"].as_str().unwrap().contains("nsenter"), "{c:#}");
 
     // A stale native-nftables table next to the iptables rules.
     ns.exec(&["nft", "add", "table", "inet", "istio-proxy-nat"]);
