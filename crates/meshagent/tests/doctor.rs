@@ -440,6 +440,24 @@ async fn healthy_then_broken() {
         "listens on that port",
     );
 
+    // Envoy's admin not answering where the agent's config says it is.
+    let mut pc: Value =
+        serde_json::from_str(&env.iter().find(|(k, _)| k == "PROXY_CONFIG").unwrap().1).unwrap();
+    let admin_port = free_port();
+    pc["proxyAdminPort"] = json!(admin_port);
+    let r = doctor(
+        &bin,
+        &cwd,
+        &with(&env, &[("PROXY_CONFIG", pc.to_string())]),
+        &args,
+    )
+    .await;
+    r.assert_fail(
+        "envoy",
+        &format!("127.0.0.1:{admin_port} does not answer"),
+        "Envoy runs",
+    );
+
     // A socket Envoy (another uid) could not connect to.
     let xds = cwd.join("etc/istio/proxy/XDS");
     use std::os::unix::fs::PermissionsExt as _;
