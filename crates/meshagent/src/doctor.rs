@@ -115,8 +115,6 @@ pub enum DoctorError {
     },
     #[error("TLS handshake with {addr} failed: {reason}")]
     Tls { addr: String, reason: String },
-    #[error("{path}: {reason}")]
-    File { path: String, reason: String },
     #[error(transparent)]
     Http(#[from] crate::http_client::HttpError),
     #[error("{0}")]

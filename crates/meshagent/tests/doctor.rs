@@ -50,20 +50,23 @@ impl Netns {
             COUNTER.fetch_add(1, Ordering::SeqCst)
         );
         run("ip", &["netns", "add", &name]);
-        run("ip", &["-n", &name, "link", "set", "lo", "up"]);
+        // Deleted on drop from here on, also when a step below fails.
+        let ns = Netns(name);
+        let name = &ns.0;
+        run("ip", &["-n", name, "link", "set", "lo", "up"]);
         // The pod's interface: istio-iptables picks IPv4 or IPv6 rules by the addresses here.
         run(
             "ip",
             &[
-                "-n", &name, "link", "add", "eth0", "type", "veth", "peer", "name", "eth1",
+                "-n", name, "link", "add", "eth0", "type", "veth", "peer", "name", "eth1",
             ],
         );
         run(
             "ip",
-            &["-n", &name, "addr", "add", "192.0.2.1/24", "dev", "eth0"],
+            &["-n", name, "addr", "add", "192.0.2.1/24", "dev", "eth0"],
         );
-        run("ip", &["-n", &name, "link", "set", "eth0", "up"]);
-        Netns(name)
+        run("ip", &["-n", name, "link", "set", "eth0", "up"]);
+        ns
     }
 
     /// `meshagent istio-iptables ARGS` (Istio's injected defaults plus `extra`) in here.
@@ -322,8 +325,10 @@ async fn healthy_then_broken() {
     // Healthy: all OK, exit 0 (polled: Envoy's listeners may still be warming).
     let deadline = tokio::time::Instant::now() + DEADLINE;
     let healthy = loop {
+        let started = tokio::time::Instant::now();
         let r = doctor(&pilot_agent, &cwd, &env, &args).await;
         if r.all_ok() {
+            println!("a healthy run took {:?}", started.elapsed());
             break r;
         }
         if tokio::time::Instant::now() >= deadline {
@@ -409,6 +414,19 @@ async fn healthy_then_broken() {
     .await;
     r.assert_fail("ca", &closed, "reachable");
     assert_eq!(r.status("istiod"), "OK");
+
+    // A CA that accepts connections and never answers the handshake: the step's deadline.
+    let silent = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let silent_addr = silent.local_addr().unwrap().to_string();
+    let r = doctor(
+        &bin,
+        &cwd,
+        &with(&env, &[("CA_ADDR", silent_addr.clone())]),
+        &args,
+    )
+    .await;
+    r.assert_fail("ca", "timed out after 2s", "reachable");
+    drop(silent);
 
     // A server name istiod's certificate does not carry.
     let r = doctor(

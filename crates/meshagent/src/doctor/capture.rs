@@ -185,11 +185,16 @@ fn judge(probes: &[Probe]) -> Check {
         [one] => Check::ok(
             NAME,
             format!(
-                "Istio's rules are installed by one backend only: {one}{}",
+                "Istio's rules are installed by one backend only: {one}{}{}",
                 if native {
                     " (tables inet istio-proxy-*)"
                 } else {
                     " (ISTIO_* chains)"
+                },
+                if errors.is_empty() {
+                    String::new()
+                } else {
+                    format!("; not read: {}", errors.join("; "))
                 }
             ),
         ),
