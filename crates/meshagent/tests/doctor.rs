@@ -19,6 +19,7 @@ use std::time::{Duration, SystemTime};
 
 use base64::Engine as _;
 use meshagent::iptables::ISTIO_INIT_DEFAULT_ARGS;
+use meshagent_proto::type_url;
 use meshagent_testkit::{DEADLINE, Devplane, Sidecar, TwoWorkloads, free_port, kubelet};
 use serde_json::{Value, json};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -253,6 +254,64 @@ async fn app() -> u16 {
     port
 }
 
+/// A listener whose routes come from RDS `doctor-never`, which no one serves.
+fn warming_listener() -> Vec<u8> {
+    use meshagent_proto::envoy::pb::envoy::config::core::v3 as core;
+    use meshagent_proto::envoy::pb::envoy::config::listener::v3 as listener;
+    use meshagent_proto::envoy::pb::envoy::extensions::filters::http::router::v3::Router;
+    use meshagent_proto::envoy::pb::envoy::extensions::filters::network::http_connection_manager::v3 as hcm;
+    use meshagent_proto::envoy::util::pack_any;
+    use prost::Message;
+    let manager = hcm::HttpConnectionManager {
+        stat_prefix: "doctor_warming".into(),
+        route_specifier: Some(hcm::http_connection_manager::RouteSpecifier::Rds(
+            hcm::Rds {
+                config_source: Some(core::ConfigSource {
+                    config_source_specifier: Some(core::config_source::ConfigSourceSpecifier::Ads(
+                        core::AggregatedConfigSource {},
+                    )),
+                    initial_fetch_timeout: Some(meshagent_proto::google::protobuf::Duration {
+                        seconds: 0,
+                        nanos: 0,
+                    }),
+                    resource_api_version: core::ApiVersion::V3 as i32,
+                    ..Default::default()
+                }),
+                route_config_name: "doctor-never".into(),
+            },
+        )),
+        http_filters: vec![hcm::HttpFilter {
+            name: "envoy.filters.http.router".into(),
+            config_type: Some(hcm::http_filter::ConfigType::TypedConfig(pack_any(
+                Router::default(),
+            ))),
+            ..Default::default()
+        }],
+        ..Default::default()
+    };
+    listener::Listener {
+        name: "doctor-warming".into(),
+        address: Some(core::Address {
+            address: Some(core::address::Address::SocketAddress(core::SocketAddress {
+                address: "127.0.0.1".into(),
+                port_specifier: Some(core::socket_address::PortSpecifier::PortValue(
+                    free_port().into(),
+                )),
+                ..Default::default()
+            })),
+        }),
+        filter_chains: vec![listener::FilterChain {
+            filters: vec![listener::Filter {
+                name: "envoy.filters.network.http_connection_manager".into(),
+                config_type: Some(listener::filter::ConfigType::TypedConfig(pack_any(manager))),
+            }],
+            ..Default::default()
+        }],
+        ..Default::default()
+    }
+    .encode_to_vec()
+}
+
 /// The agent's environment and `proxy` arguments, as the kernel has them.
 fn agent_invocation(pid: u32) -> (Vec<(String, String)>, Vec<String>) {
     let environ = std::fs::read(format!("/proc/{pid}/environ")).unwrap();
@@ -475,6 +534,29 @@ async fn healthy_then_broken() {
         &format!("127.0.0.1:{admin_port} does not answer"),
         "Envoy runs",
     );
+
+    // A listener that warms forever: its routes (RDS, no initial fetch timeout, as Istio
+    // configures them) never arrive. Named with what it waits for; a WARN while Envoy is young.
+    dp.set_resource(type_url::LISTENER, "doctor-warming", &warming_listener())
+        .await;
+    let deadline = tokio::time::Instant::now() + DEADLINE;
+    let r = loop {
+        let r = doctor(&bin, &cwd, &env, &args).await;
+        if r.status("envoy") != "OK" || tokio::time::Instant::now() >= deadline {
+            break r;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    let c = r.get("envoy");
+    assert_eq!(c["status"], "WARN", "{c:#}");
+    let d = c["detail"].as_str().unwrap();
+    println!("warming: {d}");
+    assert!(d.contains("1 listeners warming"), "{d}");
+    assert!(
+        d.contains("doctor-never"),
+        "names what Envoy waits for: {d}"
+    );
+    assert!(c["fix"].as_str().unwrap().contains("NACKs"), "{c:#}");
 
     // A socket Envoy (another uid) could not connect to.
     let xds = cwd.join("etc/istio/proxy/XDS");
