@@ -586,6 +586,28 @@ async fn healthy_then_broken() {
     r.assert_fail("token", "is missing", "istio-token");
 
     sc.proc.kill();
+
+    // A second pod whose CA is down: its certificate is Failing in /debug/certz, with the
+    // agent's own error.
+    let down = format!("localhost:{}", free_port());
+    let mut sc2 = Sidecar::start(&dp, "b", "default", "b", &[("CA_ADDR", down.clone())]).await;
+    let (env2, args2) = agent_invocation(sc2.proc.pid());
+    let cwd2 = sc2.cwd.path().to_path_buf();
+    let deadline = tokio::time::Instant::now() + DEADLINE;
+    let r = loop {
+        let r = doctor(&bin, &cwd2, &env2, &args2).await;
+        if r.status("certs") == "FAIL" || tokio::time::Instant::now() >= deadline {
+            break r;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    if r.status("certs") != "FAIL" {
+        sc2.proc.print_log();
+    }
+    r.assert_fail("certs", "default: Failing", "ca and token checks");
+    r.assert_fail("ca", &down, "reachable");
+    r.assert_fail("status-port", "503", "not ready");
+    sc2.proc.kill();
 }
 
 /// The capture backends in namespaces of their own: rules missing, one backend, both at once,
