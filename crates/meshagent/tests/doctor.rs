@@ -164,7 +164,8 @@ async fn doctor_via(
     cmd.arg("doctor")
         .args(args)
         .arg("--json")
-        .arg("--step-timeout-ms=2000")
+        // Generous for loopback on a loaded machine; the silent-CA case waits this long once.
+        .arg("--step-timeout-ms=5000")
         .current_dir(cwd)
         .env_clear()
         .envs(env.iter().map(|(k, v)| (k, v)))
@@ -312,25 +313,35 @@ fn warming_listener() -> Vec<u8> {
     .encode_to_vec()
 }
 
-/// The agent's environment and `proxy` arguments, as the kernel has them.
-fn agent_invocation(pid: u32) -> (Vec<(String, String)>, Vec<String>) {
-    let environ = std::fs::read(format!("/proc/{pid}/environ")).unwrap();
-    let env = environ
-        .split(|b| *b == 0)
-        .filter_map(|kv| {
-            let kv = String::from_utf8_lossy(kv);
-            kv.split_once('=')
-                .map(|(k, v)| (k.to_owned(), v.to_owned()))
-        })
-        .collect();
-    let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap();
-    let argv: Vec<String> = cmdline
-        .split(|b| *b == 0)
-        .filter(|a| !a.is_empty())
-        .map(|a| String::from_utf8_lossy(a).into_owned())
-        .collect();
-    let at = argv.iter().position(|a| a == "proxy").unwrap();
-    (env, argv[at + 1..].to_vec())
+/// The agent's environment and `proxy` arguments, as the kernel has them (polled: right after
+/// the spawn the child may not have exec'd yet, and shows the test's own command line).
+async fn agent_invocation(pid: u32) -> (Vec<(String, String)>, Vec<String>) {
+    let deadline = tokio::time::Instant::now() + DEADLINE;
+    loop {
+        let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap();
+        let argv: Vec<String> = cmdline
+            .split(|b| *b == 0)
+            .filter(|a| !a.is_empty())
+            .map(|a| String::from_utf8_lossy(a).into_owned())
+            .collect();
+        if let Some(at) = argv.iter().position(|a| a == "proxy") {
+            let environ = std::fs::read(format!("/proc/{pid}/environ")).unwrap();
+            let env = environ
+                .split(|b| *b == 0)
+                .filter_map(|kv| {
+                    let kv = String::from_utf8_lossy(kv);
+                    kv.split_once('=')
+                        .map(|(k, v)| (k.to_owned(), v.to_owned()))
+                })
+                .collect();
+            return (env, argv[at + 1..].to_vec());
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "agent {pid} never exec'd `meshagent proxy`: {argv:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
 }
 
 /// The healthy pod: every check OK and exit 0 (run as `pilot-agent doctor`); then each broken
@@ -371,7 +382,7 @@ async fn healthy_then_broken() {
     )
     .await;
     sc.wait_ready(DEADLINE).await;
-    let (env, mut args) = agent_invocation(sc.proc.pid());
+    let (env, mut args) = agent_invocation(sc.proc.pid()).await;
     // A service of the mesh: in the name table istiod (devplane) sends, answered locally.
     args.push("--dns-name=b.default.svc.cluster.local".into());
     let cwd = sc.cwd.path().to_path_buf();
@@ -484,7 +495,7 @@ async fn healthy_then_broken() {
         &args,
     )
     .await;
-    r.assert_fail("ca", "timed out after 2s", "reachable");
+    r.assert_fail("ca", "timed out after 5s", "reachable");
     drop(silent);
 
     // A server name istiod's certificate does not carry.
@@ -591,7 +602,7 @@ async fn healthy_then_broken() {
     // agent's own error.
     let down = format!("localhost:{}", free_port());
     let mut sc2 = Sidecar::start(&dp, "b", "default", "b", &[("CA_ADDR", down.clone())]).await;
-    let (env2, args2) = agent_invocation(sc2.proc.pid());
+    let (env2, args2) = agent_invocation(sc2.proc.pid()).await;
     let cwd2 = sc2.cwd.path().to_path_buf();
     let deadline = tokio::time::Instant::now() + DEADLINE;
     let r = loop {
