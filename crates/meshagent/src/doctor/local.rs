@@ -179,13 +179,11 @@ async fn envoy(cfg: &Config, opts: &Options) -> Check {
     .unwrap_or_default();
     let warming = stat(&stats, "listener_manager.total_listeners_warming").unwrap_or(0);
     let uptime = stat(&stats, "server.uptime").unwrap_or(0);
+    let state = ready.1.lines().next().unwrap_or_default().trim().to_owned();
     if ready.0 == StatusCode::OK && warming == 0 {
         return Check::ok(
             NAME,
-            format!(
-                "Envoy's admin {admin}: {}, no listener warming",
-                ready.1.trim()
-            ),
+            format!("Envoy's admin {admin}: {state}, no listener warming"),
         );
     }
     let waiting = match get(admin, "/init_dump", opts).await {
@@ -193,8 +191,7 @@ async fn envoy(cfg: &Config, opts: &Options) -> Check {
         _ => vec![],
     };
     let detail = format!(
-        "Envoy's admin {admin}: {} ({warming} listeners warming, up {uptime}s){}",
-        ready.1.trim(),
+        "Envoy's admin {admin}: {state} ({warming} listeners warming, up {uptime}s){}",
         if waiting.is_empty() {
             String::new()
         } else {
@@ -416,6 +413,15 @@ async fn certs(cfg: &Config, opts: &Options) -> Check {
             NAME,
             parts.join("; "),
             "a resource still initializing: run the doctor again in a few seconds",
+        );
+    }
+    if parts.is_empty() {
+        return Check::ok(
+            NAME,
+            format!(
+                "no certificate served by the agent yet (mode {})",
+                v["mode"].as_str().unwrap_or("unknown")
+            ),
         );
     }
     Check::ok(NAME, parts.join("; "))
