@@ -95,6 +95,10 @@ pub enum Command {
     ConfigReference,
     /// Diagnostics for bug reports (meshagent addition).
     Debug(DebugArgs),
+    /// Check the pod's capture rules, control plane, sockets, Envoy, probes, certificates and
+    /// DNS with the agent's own configuration; explain each failure with a fix (meshagent
+    /// addition: pilot-agent has no such command).
+    Doctor(DoctorArgs),
 }
 
 /// `debug` (meshagent addition; pilot-agent has no such command).
@@ -141,6 +145,32 @@ pub struct BundleArgs {
 fn parse_duration(s: &str) -> Result<std::time::Duration, String> {
     crate::config::parse_go_duration(s)
         .ok_or_else(|| format!("{s:?} is not a duration (expected e.g. 10s or 1m)"))
+}
+
+/// `doctor [TYPE] [proxy flags] [--json]`: the `proxy` flags, so the doctor loads exactly the
+/// configuration the agent runs with.
+#[derive(Debug, Clone, Args)]
+pub struct DoctorArgs {
+    /// The agent's `proxy` flags and TYPE.
+    #[command(flatten)]
+    pub proxy: ProxyArgs,
+    /// Print a JSON array of checks (name, status, detail, fix) instead of text.
+    #[arg(
+        long,
+        num_args = 0..=1,
+        require_equals = true,
+        default_value = "false",
+        default_missing_value = "true",
+        value_parser = parse_bool
+    )]
+    pub json: bool,
+    /// Deadline of each network step, in milliseconds.
+    #[arg(long = "step-timeout-ms", default_value_t = 3000)]
+    pub step_timeout_ms: u64,
+    /// Name the DNS check resolves through the agent's DNS proxy (default
+    /// kubernetes.default.svc.<cluster domain>).
+    #[arg(long = "dns-name")]
+    pub dns_name: Option<String>,
 }
 
 /// `wait` flags (Istio `pilot/cmd/pilot-agent/app/wait.go`).
@@ -653,6 +683,27 @@ mod tests {
         }
         assert!(parse(&["a", "debug", "bundle", "--timeout=soon"]).is_err());
         assert!(parse(&["a", "debug"]).is_err());
+    }
+
+    #[test]
+    fn doctor_takes_the_proxy_flags() {
+        for bin in ["meshagent", "/usr/local/bin/pilot-agent"] {
+            let p = parse(&[bin, "doctor", "--json", "--domain", "d", "--unknown=1"]).unwrap();
+            let Command::Doctor(d) = p.cli.command else {
+                panic!("expected doctor")
+            };
+            assert!(d.json);
+            assert_eq!(d.proxy.domain, "d");
+            assert_eq!(d.proxy.proxy_type, "sidecar");
+            assert_eq!(d.step_timeout_ms, 3000);
+            assert_eq!(p.dropped_flags, ["--unknown=1"]);
+        }
+        let p = parse(&["a", "doctor", "router"]).unwrap();
+        let Command::Doctor(d) = p.cli.command else {
+            panic!("expected doctor")
+        };
+        assert!(!d.json);
+        assert_eq!(d.proxy.proxy_type, "router");
     }
 
     #[test]

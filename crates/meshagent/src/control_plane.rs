@@ -407,7 +407,7 @@ pub fn client_config(tls: &Tls, cwd: &Path) -> std::io::Result<rustls::ClientCon
     clippy::disallowed_methods,
     reason = "called by client_config, on the blocking pool"
 )]
-fn load_roots(roots: &Roots, cwd: &Path) -> std::io::Result<rustls::RootCertStore> {
+pub(crate) fn load_roots(roots: &Roots, cwd: &Path) -> std::io::Result<rustls::RootCertStore> {
     let path = match roots {
         Roots::File(p) => crate::fsio::under(cwd, p),
         Roots::System => SYSTEM_ROOT_PATHS

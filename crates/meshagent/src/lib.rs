@@ -14,6 +14,7 @@ pub mod config;
 pub mod control_plane;
 pub mod debug_bundle;
 pub mod dns;
+pub mod doctor;
 pub mod envoy;
 pub mod fsio;
 #[doc(hidden)]

@@ -38,11 +38,12 @@ fn main() -> ExitCode {
     let cli::Cli { log, command } = parsed.cli;
     let mut log_options = log.to_options();
     // `--dump-config` keeps stdout for the JSON dump, `config-reference` for the Markdown,
-    // `debug bundle -o -` for the archive; logs go to stderr.
+    // `debug bundle -o -` for the archive, `doctor` for its report; logs go to stderr.
     let stdout_reserved = matches!(&command, Command::Proxy(a) if a.dump_config)
         || matches!(&command, Command::ConfigReference)
         || matches!(&command, Command::Debug(d) if matches!(&d.command,
-            cli::DebugCommand::Bundle(b) if b.output == "-"));
+            cli::DebugCommand::Bundle(b) if b.output == "-"))
+        || matches!(&command, Command::Doctor(_));
     if stdout_reserved {
         log_options.targets = vec!["stderr".into()];
     }
@@ -67,6 +68,7 @@ fn main() -> ExitCode {
             Err(e) => fail(&e),
         },
         Command::Proxy(args) => proxy(&args, log.as_json),
+        Command::Doctor(args) => doctor(&args, log.as_json),
         Command::Wait(args) => exit_with(on_runtime(meshagent::wait::run(&args)), |()| {}),
         // The body streams to stdout as it arrives (a config dump can be hundreds of MiB).
         Command::Request(args) => {
@@ -156,6 +158,62 @@ fn debug_bundle(args: &cli::BundleArgs) -> ExitCode {
             s.redactions
         );
     })
+}
+
+/// `doctor`: the report on stdout; exit 1 when any check failed (a configuration that does
+/// not load is itself a failed check).
+fn doctor(args: &cli::DoctorArgs, log_as_json: bool) -> ExitCode {
+    use meshagent::doctor::{self, Check, Report};
+    let loaded = args
+        .proxy
+        .to_flags(log_as_json)
+        .map_err(anyhow::Error::from)
+        .and_then(|flags| {
+            config::load(&flags, &config::ProcessEnv, Path::new(".")).map_err(anyhow::Error::from)
+        });
+    let report = match loaded {
+        Ok(cfg) => {
+            let opts = doctor::Options {
+                step_timeout: std::time::Duration::from_millis(args.step_timeout_ms.max(1)),
+                dns_name: args.dns_name.clone(),
+                ..Default::default()
+            };
+            let mut report = match runtime() {
+                Ok(rt) => rt.block_on(doctor::run(&cfg, &opts)),
+                Err(e) => return fail(&format!("cannot start the runtime: {e}")),
+            };
+            // What a start would refuse beyond the config itself (template, override file,
+            // CA and xDS endpoints): the agent's own preflight.
+            if let Err(e) = meshagent::preflight::plan(&cfg, Path::new(".")) {
+                report.checks.insert(
+                    0,
+                    Check::fail(
+                        "config",
+                        format!("the agent would refuse to start: {e}"),
+                        "fix the variable, flag or file named above",
+                    ),
+                );
+            }
+            report
+        }
+        Err(e) => Report {
+            checks: vec![Check::fail(
+                "config",
+                format!("the agent's configuration does not load: {e}"),
+                "fix the variable, flag or file named above: the agent would refuse to start",
+            )],
+        },
+    };
+    if args.json {
+        println!("{}", report.json());
+    } else {
+        print!("{}", report.text());
+    }
+    if report.failed() {
+        ExitCode::from(1)
+    } else {
+        ExitCode::SUCCESS
+    }
 }
 
 fn proxy(args: &ProxyArgs, log_as_json: bool) -> ExitCode {
