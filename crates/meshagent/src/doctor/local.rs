@@ -2,6 +2,7 @@
 //! agent's status port, the application's probe and scrape targets, the certificates the agent
 //! serves (its `/debug/certz` view) and the DNS proxy.
 
+use hickory_proto::op::ResponseCode;
 use std::net::{IpAddr, SocketAddr};
 use std::os::unix::fs::{FileTypeExt as _, MetadataExt as _, PermissionsExt as _};
 use std::path::PathBuf;
@@ -487,7 +488,7 @@ async fn dns(cfg: &Config, opts: &Options) -> Check {
                 rcode(u),
                 rcode(t)
             );
-            if u == 2 || t == 2 {
+            if u == ResponseCode::ServFail || t == ResponseCode::ServFail {
                 Check::warn(
                     NAME,
                     detail,
@@ -513,43 +514,49 @@ fn cluster_domain(domain: &str) -> &str {
         .map_or("cluster.local", |(_, d)| d)
 }
 
-fn rcode(c: u8) -> &'static str {
+/// The mnemonic `dig` prints (RFC 1035/6895 names), which operators search for.
+fn rcode(c: ResponseCode) -> &'static str {
     match c {
-        0 => "NOERROR",
-        1 => "FORMERR",
-        2 => "SERVFAIL",
-        3 => "NXDOMAIN",
-        4 => "NOTIMP",
-        5 => "REFUSED",
+        ResponseCode::NoError => "NOERROR",
+        ResponseCode::FormErr => "FORMERR",
+        ResponseCode::ServFail => "SERVFAIL",
+        ResponseCode::NXDomain => "NXDOMAIN",
+        ResponseCode::NotImp => "NOTIMP",
+        ResponseCode::Refused => "REFUSED",
         _ => "other rcode",
     }
 }
 
-/// An A query with an EDNS0 OPT record (payload 1232), recursion desired.
-fn query(id: u16, name: &str) -> Vec<u8> {
-    let mut q = Vec::with_capacity(64);
-    q.extend_from_slice(&id.to_be_bytes());
-    q.extend_from_slice(&[0x01, 0x00, 0, 1, 0, 0, 0, 0, 0, 1]);
-    for label in name.trim_end_matches('.').split('.') {
-        q.push(label.len().min(63) as u8);
-        q.extend_from_slice(&label.as_bytes()[..label.len().min(63)]);
-    }
-    q.extend_from_slice(&[0, 0, 1, 0, 1]);
-    q.extend_from_slice(&[0, 0, 41, 0x04, 0xd0, 0, 0, 0, 0, 0, 0]);
-    q
+/// An A query for `name` with an EDNS0 OPT record (payload 1232), recursion desired.
+fn query(id: u16, name: &str) -> Result<Vec<u8>, DoctorError> {
+    use hickory_proto::op::{Edns, Message, MessageType, OpCode, Query};
+    use hickory_proto::rr::{Name, RecordType};
+    let name = Name::from_ascii(name)
+        .map_err(|e| DoctorError::Invalid(format!("DNS name {name:?}: {e}")))?;
+    let mut m = Message::new(id, MessageType::Query, OpCode::Query);
+    m.metadata.recursion_desired = true;
+    m.add_query(Query::query(name, RecordType::A));
+    let mut edns = Edns::new();
+    edns.set_max_payload(1232);
+    m.set_edns(edns);
+    m.to_vec()
+        .map_err(|e| DoctorError::Invalid(format!("DNS query: {e}")))
 }
 
-/// The rcode of a response to query `id`.
-fn response_rcode(id: u16, b: &[u8]) -> Result<u8, DoctorError> {
-    if b.len() < 12 || b[..2] != id.to_be_bytes() || b[2] & 0x80 == 0 {
+/// The response code of a response to query `id`.
+fn response_rcode(id: u16, b: &[u8]) -> Result<ResponseCode, DoctorError> {
+    use hickory_proto::op::{Message, MessageType};
+    let m = Message::from_vec(b)
+        .map_err(|e| DoctorError::Invalid(format!("not a DNS message: {e}")))?;
+    if m.metadata.id != id || m.metadata.message_type != MessageType::Response {
         return Err(DoctorError::Invalid(
             "not a DNS response to the query".to_owned(),
         ));
     }
-    Ok(b[3] & 0x0f)
+    Ok(m.metadata.response_code)
 }
 
-async fn udp_query(addr: SocketAddr, name: &str) -> Result<u8, DoctorError> {
+async fn udp_query(addr: SocketAddr, name: &str) -> Result<ResponseCode, DoctorError> {
     let bind: SocketAddr = if addr.is_ipv4() {
         ([0, 0, 0, 0], 0).into()
     } else {
@@ -562,13 +569,13 @@ async fn udp_query(addr: SocketAddr, name: &str) -> Result<u8, DoctorError> {
     let s = tokio::net::UdpSocket::bind(bind).await.map_err(io)?;
     s.connect(addr).await.map_err(io)?;
     let id = rand::random::<u16>();
-    s.send(&query(id, name)).await.map_err(io)?;
+    s.send(&query(id, name)?).await.map_err(io)?;
     let mut buf = vec![0u8; 4096];
     let n = s.recv(&mut buf).await.map_err(io)?;
     response_rcode(id, &buf[..n])
 }
 
-async fn tcp_query(addr: SocketAddr, name: &str) -> Result<u8, DoctorError> {
+async fn tcp_query(addr: SocketAddr, name: &str) -> Result<ResponseCode, DoctorError> {
     use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
     let io = |error| DoctorError::Connect {
         addr: addr.to_string(),
@@ -576,7 +583,7 @@ async fn tcp_query(addr: SocketAddr, name: &str) -> Result<u8, DoctorError> {
     };
     let mut s = tokio::net::TcpStream::connect(addr).await.map_err(io)?;
     let id = rand::random::<u16>();
-    let q = query(id, name);
+    let q = query(id, name)?;
     let mut msg = (q.len() as u16).to_be_bytes().to_vec();
     msg.extend_from_slice(&q);
     s.write_all(&msg).await.map_err(io)?;
@@ -598,11 +605,13 @@ mod tests {
         let d = r#"{"unready_targets_dumps":[{"name":"x","target_names":["Listener-init-target a","RTDS"]}]}"#;
         assert_eq!(unready(d), ["Listener-init-target a", "RTDS"]);
         assert_eq!(cluster_domain("ns.svc.cluster.local"), "cluster.local");
-        let q = query(7, "a.b");
+        let q = query(7, "a.b").unwrap();
         assert_eq!(&q[12..17], &[1, b'a', 1, b'b', 0]);
         assert_eq!(
             response_rcode(7, &[0, 7, 0x81, 0x83, 0, 0, 0, 0, 0, 0, 0, 0]).unwrap(),
-            3
+            ResponseCode::NXDomain
         );
+        assert!(response_rcode(8, &[0, 7, 0x81, 0x83, 0, 0, 0, 0, 0, 0, 0, 0]).is_err());
+        assert!(query(1, &format!("{}.b", "a".repeat(64))).is_err());
     }
 }
