@@ -280,12 +280,13 @@ image: imagetools envoy netpeers agent
 	@skopeo inspect containers-storage:$(IMAGE) | python3 -c 'import json,sys; d=json.load(sys.stdin); print("$(IMAGE):", d["Digest"])'
 
 # The demo mesh with each sidecar in a container of the image (podman, read-only root, uid 1337,
-# no capabilities, the emptyDirs of deploy/reference/injected-sidecar-pod.yaml).
+# no capabilities, the emptyDirs of deploy/reference/injected-sidecar-pod.yaml); it prints each
+# pod's cgroup memory.current/memory.peak and the agent's VmRSS, RssAnon, Pss and VmHWM.
 image-test: image build
 ifeq ($(NEXTEST),yes)
-	MESHAGENT_IMAGE=$(IMAGE) cargo nextest run -p meshagent --test container_mesh --run-ignored only
+	MESHAGENT_IMAGE=$(IMAGE) cargo nextest run -p meshagent --test container_mesh --run-ignored only --no-capture
 else
-	MESHAGENT_IMAGE=$(IMAGE) cargo test -p meshagent --test container_mesh -- --ignored
+	MESHAGENT_IMAGE=$(IMAGE) cargo test -p meshagent --test container_mesh -- --ignored --nocapture
 endif
 
 # `make demo ISTIOD=box [AGENTS=meshagent|pilot-agent|mixed]`: the same mesh with istiod-box

@@ -207,6 +207,61 @@ impl Pod {
     }
 }
 
+/// The pod's memory as a memory limit sees it: the container cgroup's `memory.current` and
+/// `memory.peak` (Envoy and the agent together, page cache charged to the pod included), and
+/// the agent's own VmRSS / RssAnon / Pss / VmHWM. VmRSS alone drops when clean code pages are
+/// unmapped that stay in the page cache and charged to the pod, so all are printed together.
+/// Read from the host (`/proc/<pid>` of the container's init, which is the agent, and its
+/// cgroup under `/sys/fs/cgroup`): the image needs no shell.
+fn report_memory(c: &Container) {
+    let out = Command::new("podman")
+        .env("CONTAINERS_CONF", &c.conf)
+        .args(["inspect", "--format", "{{.State.Pid}}", &c.name])
+        .output()
+        .unwrap();
+    let pid = String::from_utf8_lossy(&out.stdout).trim().to_owned();
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .unwrap_or_else(|e| panic!("the agent's /proc/{pid}/status: {e}"));
+    let kib = |text: &str, key: &str| -> f64 {
+        text.lines()
+            .find_map(|l| l.strip_prefix(key))
+            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+            .unwrap_or(f64::NAN)
+            / 1024.0
+    };
+    let rollup = std::fs::read_to_string(format!("/proc/{pid}/smaps_rollup")).unwrap_or_default();
+    let comm = std::fs::read_to_string(format!("/proc/{pid}/comm")).unwrap_or_default();
+    let cgroup = std::fs::read_to_string(format!("/proc/{pid}/cgroup"))
+        .ok()
+        .and_then(|c| {
+            c.lines()
+                .find_map(|l| l.strip_prefix("0::").map(str::to_owned))
+        });
+    let cg = |file: &str| -> String {
+        cgroup
+            .as_ref()
+            .and_then(|p| std::fs::read_to_string(format!("/sys/fs/cgroup{p}/{file}")).ok())
+            .and_then(|v| v.trim().parse::<f64>().ok())
+            .map_or_else(
+                || "unavailable".to_owned(),
+                |b| format!("{:.1} MiB", b / 1048576.0),
+            )
+    };
+    println!(
+        "{}: cgroup memory.current {}, memory.peak {}; agent ({}, pid {pid}) VmRSS {:.2} MiB, \
+         RssAnon {:.2}, Pss {:.2}, VmHWM {:.2}",
+        c.name,
+        cg("memory.current"),
+        cg("memory.peak"),
+        comm.trim(),
+        kib(&status, "VmRSS:"),
+        kib(&status, "RssAnon:"),
+        kib(&rollup, "Pss:"),
+        kib(&status, "VmHWM:"),
+    );
+    assert!(kib(&status, "RssAnon:") > 0.0, "{status}");
+}
+
 fn image() -> String {
     std::env::var("MESHAGENT_IMAGE").expect("MESHAGENT_IMAGE names the image (make image-test)")
 }
@@ -235,6 +290,8 @@ async fn demo_mesh_in_containers_with_read_only_root() {
         body.contains("hello from b; caller identity: spiffe://cluster.local/ns/default/sa/a"),
         "{body}"
     );
+    report_memory(&a.container);
+    report_memory(&b.container);
     // The agent's own status port answers as in a pod.
     let (code, _) = http_get(a.status, "/healthz/ready").await.unwrap();
     assert_eq!(code, 200);
