@@ -34,7 +34,14 @@ const NO_FILES: &str = "/nonexistent/meshagent-fuzz";
 pub fn config_env(data: &[u8]) {
     let text = String::from_utf8_lossy(data);
     let env = MapEnv::from_pairs(text.lines().filter_map(|l| l.split_once('=')));
-    let _ = config::load(&ProxyFlags::default(), &env, Path::new(NO_FILES));
+    load_and_preflight(&env);
+}
+
+/// What a start does with the environment before anything runs: load, then preflight.
+fn load_and_preflight(env: &MapEnv) {
+    if let Ok(cfg) = config::load(&ProxyFlags::default(), env, Path::new(NO_FILES)) {
+        let _ = crate::preflight::plan(&cfg, Path::new(NO_FILES));
+    }
 }
 
 /// Fuzz target `proxy_config`: the input is the value of `PROXY_CONFIG` (a YAML or JSON
@@ -44,7 +51,7 @@ pub fn proxy_config(data: &[u8]) {
         return;
     };
     let env = MapEnv::from_pairs([("PROXY_CONFIG", text)]);
-    let _ = config::load(&ProxyFlags::default(), &env, Path::new(NO_FILES));
+    load_and_preflight(&env);
 }
 
 /// Fuzz target `probers`: the input is `ISTIO_KUBE_APP_PROBERS` and, with the status port
