@@ -128,8 +128,8 @@ fn unparsable_scalar_warns_and_uses_the_default() {
     assert_eq!(v["identity"]["secretTtl"], "24h0m0s");
 }
 
-/// Item 7: what a start rejects, `--dump-config` rejects too, with the very same message
-/// (exit 1 both ways; the start gets no further than loading its config).
+/// What a start rejects, `--dump-config` rejects too, with the very same message (both run
+/// preflight after loading; exit 1 both ways, before anything starts).
 #[test]
 fn dump_config_fails_as_a_start_fails() {
     let cases: &[(&str, &str, &str)] = &[
