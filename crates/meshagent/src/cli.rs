@@ -16,7 +16,7 @@ use crate::ISTIO_COMPAT_VERSION;
 use crate::config::{InvalidProxyType, ProxyFlags, ProxyType};
 use crate::logging::LogOptions;
 
-/// Istio agent (pilot-agent compatible).
+/// Istio Pilot agent runs in the sidecar or gateway container and bootstraps Envoy.
 #[derive(Debug, Parser)]
 #[command(name = "meshagent", disable_version_flag = true)]
 pub struct Cli {
@@ -83,13 +83,13 @@ impl LogArgs {
 /// Subcommands.
 #[derive(Debug, Subcommand)]
 pub enum Command {
-    /// Run the agent and Envoy.
+    /// XDS proxy agent
     Proxy(ProxyArgs),
-    /// Print build information.
+    /// Prints out build version information
     Version(VersionArgs),
-    /// Wait until a URL (by default Envoy's readiness) answers 200.
+    /// Waits until the Envoy proxy is ready
     Wait(WaitArgs),
-    /// Send an HTTP request to Envoy's admin or the agent's status port and print the body.
+    /// Makes an HTTP request to the Envoy admin API
     Request(RequestArgs),
     /// Print the reference of every environment variable, flag and annotation, as Markdown.
     ConfigReference,
@@ -225,7 +225,9 @@ pub struct ProxyArgs {
     /// Deprecated: fills an empty ProxyConfig.serviceCluster.
     #[arg(long = "serviceCluster", default_value = "istio-proxy")]
     pub service_cluster: String,
-    /// Envoy log level, optionally with scope:level pairs.
+    /// The log level used to start the Envoy proxy (choose from {trace, debug, info, warning,
+    /// error, critical, off}). Level may also include one or more scopes, such as
+    /// 'info,misc:error,upstream:debug'
     #[arg(long = "proxyLogLevel", default_value = "warning")]
     pub proxy_log_level: String,
     /// Envoy --component-log-level.
@@ -240,7 +242,9 @@ pub struct ProxyArgs {
     /// Envoy outlier event log path.
     #[arg(long = "outlierLogPath", default_value = "")]
     pub outlier_log_path: String,
-    /// Enable /debug/pprof on the status port.
+    /// Enable the status port's debug view host:port/debug/config_dump (the effective
+    /// configuration as JSON, from localhost only); pilot-agent's Go profiles under
+    /// /debug/pprof/ have no equivalent here and answer 404.
     #[arg(
         long,
         num_args = 0..=1,
@@ -324,9 +328,25 @@ pub fn parse_args(argv: impl IntoIterator<Item = OsString>) -> Result<Parsed, cl
             || "meshagent".to_owned(),
             |n| n.to_string_lossy().into_owned(),
         );
-    let mut cmd = Cli::command().bin_name(bin);
+    // `istio-iptables` is dispatched before this parser (`iptables::subcommand_args`), with
+    // its own pflag-style flags; it is here so the help lists it as pilot-agent's does.
+    let mut cmd = Cli::command().bin_name(bin).subcommand(
+        clap::Command::new(IPTABLES_SUBCOMMAND)
+            .about("Set up iptables rules for Istio Sidecar")
+            .disable_help_flag(true),
+    );
     cmd.build();
-    let (kept, dropped_flags) = strip_unknown_flags(&cmd, argv);
+    let (kept, dropped_flags, leaf) = strip_unknown_flags(&cmd, argv);
+    // Only `proxy` tolerates unknown flags in pilot-agent (its `FParseErrWhitelist`); cobra
+    // fails every other Istio subcommand on one (meshagent's own subcommands tolerate them).
+    if let (Some(leaf), Some(first)) = (leaf.as_deref(), dropped_flags.first())
+        && STRICT_SUBCOMMANDS.contains(&leaf)
+    {
+        return Err(clap::Error::raw(
+            ErrorKind::UnknownArgument,
+            format!("{}\n", unknown_flag_message(first)),
+        ));
+    }
     let matches = match cmd.try_get_matches_from_mut(kept) {
         Ok(m) => m,
         // No subcommand (also after root flags pilot-agent does not know, which it tolerates):
@@ -345,6 +365,25 @@ pub fn parse_args(argv: impl IntoIterator<Item = OsString>) -> Result<Parsed, cl
     };
     let cli = Cli::from_arg_matches(&matches)?;
     Ok(Parsed { cli, dropped_flags })
+}
+
+/// The subcommand `main` hands to `iptables::main` before parsing.
+const IPTABLES_SUBCOMMAND: &str = "istio-iptables";
+
+/// Istio subcommands that fail on an unknown flag (all but `proxy`).
+const STRICT_SUBCOMMANDS: &[&str] = &["version", "wait", "request"];
+
+/// pflag's message for an unknown flag, from the dropped argument (`--x`, `--x=v`, `--x v`,
+/// `-xv`).
+fn unknown_flag_message(dropped: &str) -> String {
+    let arg = dropped.split_whitespace().next().unwrap_or(dropped);
+    if let Some(body) = arg.strip_prefix("--") {
+        let name = body.split_once('=').map_or(body, |(n, _)| n);
+        format!("unknown flag: --{name}")
+    } else {
+        let c = arg.chars().nth(1).unwrap_or('-');
+        format!("unknown shorthand flag: '{c}' in {arg}")
+    }
 }
 
 /// Flags a command knows: name → whether a value may follow as the next arg.
@@ -372,8 +411,12 @@ impl KnownFlags {
 
 /// pflag's unknown-flag handling: `--x=v` is dropped; `--x` also drops the
 /// next arg unless it starts with `-` (pflag `stripUnknownFlagValue`).
-/// Returns the kept args and a description of each dropped flag.
-fn strip_unknown_flags(root: &clap::Command, argv: Vec<String>) -> (Vec<String>, Vec<String>) {
+/// Returns the kept args, a description of each dropped flag, and the subcommand run (the
+/// innermost one named).
+fn strip_unknown_flags(
+    root: &clap::Command,
+    argv: Vec<String>,
+) -> (Vec<String>, Vec<String>, Option<String>) {
     let mut known = KnownFlags::of(root);
     let mut current = root;
     let mut in_subcommand = false;
@@ -433,7 +476,8 @@ fn strip_unknown_flags(root: &clap::Command, argv: Vec<String>) -> (Vec<String>,
             }
         }
     }
-    (kept, dropped)
+    let leaf = in_subcommand.then(|| current.get_name().to_owned());
+    (kept, dropped, leaf)
 }
 
 /// A failure to render `version` output.

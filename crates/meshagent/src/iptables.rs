@@ -101,11 +101,19 @@ pub fn subcommand_args(argv: &[String]) -> Option<Vec<String>> {
 /// Runs `istio-iptables` with the arguments after the subcommand; returns the exit code.
 pub fn main(args: &[String]) -> u8 {
     if args.iter().any(|a| a == "-h" || a == "--help") {
-        print!("{}", config::usage());
+        print!("{}", config::usage(&bin_name()));
         return 0;
     }
     let raw = match config::collect(args, &ProcessEnv) {
         Ok(raw) => raw,
+        // A flag pflag itself rejects: cobra's error, as pilot-agent prints it (the log line
+        // with Istio's logging defaults, on stdout; `Error: …` on stderr).
+        Err(e @ ConfigError::UnknownFlag(_)) => {
+            let _ = crate::logging::init(&crate::logging::LogOptions::default());
+            tracing::error!("{e}");
+            eprintln!("Error: {e}");
+            return 1;
+        }
         Err(e) => {
             // The flags that say how to log are among those that failed: Istio's defaults.
             let _ = crate::logging::init(&log_options(None));
@@ -123,6 +131,18 @@ pub fn main(args: &[String]) -> u8 {
         Ok(code) => code,
         Err(e) => fail(&e),
     }
+}
+
+/// The name this binary was started as (`pilot-agent` or `meshagent`), for the usage line.
+fn bin_name() -> String {
+    std::env::args_os()
+        .next()
+        .and_then(|a| {
+            std::path::Path::new(&a)
+                .file_name()
+                .map(|n| n.to_string_lossy().into_owned())
+        })
+        .unwrap_or_else(|| "meshagent".to_owned())
 }
 
 /// Istio's `handleErrorWithCode` (`tools/istio-iptables/pkg/cmd/root.go`) logs the error

@@ -31,7 +31,8 @@ fn main() -> ExitCode {
             let text = e.to_string();
             let first = text.lines().next().unwrap_or_default();
             tracing::error!("{}", first.strip_prefix("error: ").unwrap_or(first));
-            let _ = e.print();
+            // cobra's `Error: ` prefix; the exit status stays 1 (COMPAT.md, "a failed command").
+            eprint!("Error: {}", text.strip_prefix("error: ").unwrap_or(&text));
             return ExitCode::from(1);
         }
     };

@@ -720,6 +720,10 @@ const IPTABLES_FLAGS: &[(&str, &str)] = &[
         "log_as_json",
         "Root logging flag, as on every pilot-agent command.",
     ),
+    (
+        "vklog",
+        "klog verbosity (`Level`); accepted as pilot-agent does and unused.",
+    ),
 ];
 
 /// What each variable `istio-iptables` reads without a flag does.
