@@ -1,0 +1,494 @@
+//! Differential: live pushes. The real pilot-agent and meshagent run side by side against one
+//! istiod-box (two pods of the same workload, one address each, DNS capture on), and the
+//! same configuration changes are applied while both are connected: a Service and a
+//! ServiceEntry added, changed (a port and an address), deleted. After each step, once both
+//! have settled, compared field by field:
+//!
+//! - **what each agent asked istiod for and ACKed**, as istiod itself records it: the
+//!   resource names each connection watches per type (`/debug/adsz`, the names of the last
+//!   request of each type), and per type whether the last nonce sent is the one ACKed and the
+//!   error of the last NACK (`/debug/syncz`, `resources[type].lastError`: the request's
+//!   `error_detail`);
+//! - **Envoy's dynamic configuration** (`/config_dump`: clusters, listeners, routes, secret
+//!   names, as in `compat_xds`);
+//! - **the NDS name table** each agent built (`/debug/ndsz` on its status port; pilot-agent
+//!   serves it too, `pilot/cmd/pilot-agent/status/server.go`).
+//!
+//! Normalised, each with its reason: the pod's name and address (each agent is its own pod,
+//! so istiod names them in connection ids and inbound config); each agent's own ports
+//! (status, admin, Envoy's readiness and Prometheus); `version_info`/`last_updated` of dumped
+//! resources (istiod's push time, each Envoy's clock); nonces and versions in `syncz` (each
+//! connection's own; only "acked = sent" is compared); adsz's connection time and peer port.
+//! Any other difference fails.
+//!
+//! PCDS is not exercised: istiod only answers the ProxyConfig type with
+//! `ISTIO_MULTIROOT_MESH` on and a trust bundle wired to the generator
+//! (`pilot/pkg/xds/pcds.go`), which the fake discovery server istiod-box runs does not set up.
+#![allow(
+    clippy::disallowed_methods,
+    reason = "test and benchmark code, not on the agent's runtime"
+)]
+#![allow(clippy::unwrap_used)] // tests fail loudly by design
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use meshagent_testkit::istiod_box::{
+    AgentKind, IstiodBox, PodSpec, RunningPod, envoy_config_dump, mesh_with_free_ports, start_agent,
+};
+use meshagent_testkit::{Sidecar, Value, free_port, http_get, json, json_diff};
+
+/// Until an agent is ready, or a step has reached both and settled.
+const DEADLINE: Duration = Duration::from_secs(90);
+
+/// The two pods: (agent, workload, address).
+const PODS: [(AgentKind, &str, &str); 2] = [
+    (AgentKind::PilotAgent, "pushp", "127.0.61.2"),
+    (AgentKind::Meshagent, "pushm", "127.0.61.3"),
+];
+
+fn pods_yaml() -> String {
+    let mut y = String::new();
+    for (_, w, ip) in PODS {
+        let name = format!("{w}-5f7d9");
+        let pod = RunningPod {
+            name: &name,
+            namespace: "default",
+            labels: &[("app", "client")],
+            service_account: Some("client"),
+            hostname: None,
+            ips: &[ip],
+        };
+        y.push_str(&pod.yaml());
+        y.push_str("\n---\n");
+    }
+    y
+}
+
+fn service(port: u16) -> String {
+    format!(
+        r#"apiVersion: v1
+kind: Service
+metadata:
+  name: live
+  namespace: default
+spec:
+  clusterIP: 10.96.7.7
+  ports:
+  - name: http
+    port: {port}
+"#
+    )
+}
+
+fn service_entry(address: &str) -> String {
+    format!(
+        r#"apiVersion: networking.istio.io/v1
+kind: ServiceEntry
+metadata:
+  name: pushed
+  namespace: default
+spec:
+  hosts: [pushed.example.com]
+  addresses: [{address}]
+  location: MESH_EXTERNAL
+  resolution: STATIC
+  ports:
+  - number: 443
+    name: tls
+    protocol: TLS
+  endpoints:
+  - address: 10.8.0.1
+"#
+    )
+}
+
+/// One step: what is applied (or deleted), and what both Envoys must hold (or lack) after it.
+struct Step {
+    name: &'static str,
+    apply: Option<String>,
+    delete: Option<String>,
+    /// Cluster names that must be present.
+    present: &'static [&'static str],
+    /// Cluster names that must be gone.
+    absent: &'static [&'static str],
+    /// (NDS host, address) that must be in the table.
+    nds: &'static [(&'static str, &'static str)],
+}
+
+fn steps() -> Vec<Step> {
+    vec![
+        Step {
+            name: "initial",
+            apply: None,
+            delete: None,
+            present: &[],
+            absent: &[],
+            nds: &[],
+        },
+        Step {
+            name: "add Service and ServiceEntry",
+            apply: Some(format!("{}---\n{}", service(80), service_entry("10.9.0.1"))),
+            delete: None,
+            present: &[
+                "outbound|80||live.default.svc.cluster.local",
+                "outbound|443||pushed.example.com",
+            ],
+            absent: &[],
+            nds: &[
+                ("live.default.svc.cluster.local", "10.96.7.7"),
+                ("pushed.example.com", "10.9.0.1"),
+            ],
+        },
+        Step {
+            name: "change port and address",
+            apply: Some(format!(
+                "{}---\n{}",
+                service(8080),
+                service_entry("10.9.0.2")
+            )),
+            delete: None,
+            present: &[
+                "outbound|8080||live.default.svc.cluster.local",
+                "outbound|443||pushed.example.com",
+            ],
+            absent: &["outbound|80||live.default.svc.cluster.local"],
+            nds: &[("pushed.example.com", "10.9.0.2")],
+        },
+        Step {
+            name: "delete both",
+            apply: None,
+            delete: Some(format!(
+                "{}---\n{}",
+                service(8080),
+                service_entry("10.9.0.2")
+            )),
+            present: &[],
+            absent: &[
+                "outbound|8080||live.default.svc.cluster.local",
+                "outbound|443||pushed.example.com",
+            ],
+            nds: &[],
+        },
+    ]
+}
+
+struct Agent {
+    kind: AgentKind,
+    workload: &'static str,
+    ip: &'static str,
+    sc: Sidecar,
+    prom: u16,
+    /// The DNS proxy's address (`DNS_PROXY_ADDR`, sent in the node metadata).
+    dns: String,
+}
+
+impl Agent {
+    fn proxy_id(&self) -> String {
+        format!("{}-5f7d9.default", self.workload)
+    }
+
+    /// Pod-specific values → their names, in place.
+    fn normalise(&self, v: &mut Value) {
+        // The pod name before the workload name it starts with.
+        let subst: Vec<(String, String)> = vec![
+            (format!("{}-5f7d9", self.workload), "<pod>".into()),
+            (self.workload.to_owned(), "<workload>".into()),
+            (self.ip.to_owned(), "<pod_ip>".into()),
+            (self.dns.clone(), "<dns_proxy_addr>".into()),
+        ];
+        let ports = [
+            (self.sc.status.port(), "status_port"),
+            (self.sc.admin.port(), "admin_port"),
+            (self.sc.envoy_status.port(), "envoy_status_port"),
+            (self.prom, "prometheus_port"),
+        ];
+        normalise(v, &subst, &ports);
+    }
+
+    fn logs(&self) -> String {
+        format!("--- {:?} log ---\n{}", self.kind, self.sc.proc.log_text())
+    }
+}
+
+fn normalise(v: &mut Value, subst: &[(String, String)], ports: &[(u16, &str)]) {
+    match v {
+        Value::String(s) => {
+            for (from, to) in subst {
+                if s.contains(from.as_str()) {
+                    *s = s.replace(from.as_str(), to);
+                }
+            }
+            for (p, name) in ports {
+                let p = p.to_string();
+                if s.contains(&p) {
+                    *s = s.replace(&p, &format!("<{name}>"));
+                }
+            }
+        }
+        Value::Number(n) => {
+            if let Some((_, name)) = ports
+                .iter()
+                .find(|(p, _)| n.as_u64() == Some(u64::from(*p)))
+            {
+                *v = Value::String(format!("<{name}>"));
+            }
+        }
+        Value::Array(a) => a.iter_mut().for_each(|x| normalise(x, subst, ports)),
+        Value::Object(o) => {
+            let old = std::mem::take(o);
+            for (k, mut x) in old {
+                normalise(&mut x, subst, ports);
+                let mut k = Value::String(k);
+                normalise(&mut k, subst, &[]);
+                o.insert(k.as_str().unwrap().to_owned(), x);
+            }
+        }
+        _ => {}
+    }
+}
+
+fn strip_volatile(v: &mut Value) {
+    match v {
+        Value::Object(o) => {
+            o.remove("version_info");
+            o.remove("last_updated");
+            o.values_mut().for_each(strip_volatile);
+        }
+        Value::Array(a) => a.iter_mut().for_each(strip_volatile),
+        _ => {}
+    }
+}
+
+/// Envoy's dynamic resources by kind and name (as `compat_xds`; secrets by name only).
+fn dynamic_config(dump: &Value) -> BTreeMap<String, Value> {
+    let mut out = BTreeMap::new();
+    for cfg in dump["configs"].as_array().into_iter().flatten() {
+        let t = cfg["@type"].as_str().unwrap_or("");
+        let (lists, inner): (&[&str], &str) = if t.ends_with("ClustersConfigDump") {
+            (
+                &["dynamic_active_clusters", "dynamic_warming_clusters"],
+                "cluster",
+            )
+        } else if t.ends_with("ListenersConfigDump") {
+            (&["dynamic_listeners"], "active_state")
+        } else if t.ends_with("RoutesConfigDump") {
+            (&["dynamic_route_configs"], "route_config")
+        } else if t.ends_with("SecretsConfigDump") {
+            (&["dynamic_active_secrets", "dynamic_warming_secrets"], "")
+        } else {
+            continue;
+        };
+        let kind = t.rsplit('.').next().unwrap_or(t);
+        for list in lists {
+            for r in cfg[*list].as_array().into_iter().flatten() {
+                let mut body = match inner {
+                    "" => Value::Null,
+                    "active_state" => r["active_state"]["listener"].clone(),
+                    _ => r[inner].clone(),
+                };
+                let name = r["name"]
+                    .as_str()
+                    .or_else(|| body["name"].as_str())
+                    .unwrap_or("")
+                    .to_owned();
+                strip_volatile(&mut body);
+                out.insert(format!("{kind}/{list}/{name}"), body);
+            }
+        }
+    }
+    out
+}
+
+/// istiod's view of one agent's requests: per type, the watched names, whether the last
+/// nonce sent is ACKed, and the last NACK's error. `None` while the proxy is not listed.
+fn upstream_view(a: &Agent, adsz: &Value, syncz: &Value) -> Option<Value> {
+    let id = a.proxy_id();
+    let client = adsz["clients"].as_array()?.iter().find(|c| {
+        c["connectionId"]
+            .as_str()
+            .is_some_and(|c| c.starts_with(&format!("{id}-")))
+    })?;
+    let sync = syncz
+        .as_array()?
+        .iter()
+        .find(|s| s["proxy"].as_str() == Some(id.as_str()))?;
+    let mut types = BTreeMap::new();
+    let watches = client["watches"].as_object()?;
+    for (ty, names) in watches {
+        let mut names: Vec<String> = names
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(|n| n.as_str().map(str::to_owned))
+            .collect();
+        names.sort();
+        let r = &sync["resources"][ty];
+        types.insert(
+            ty.clone(),
+            json!({
+                "names": names,
+                "acked": r["sent"].is_string() && r["sent"] == r["acked"],
+                "last_error": r["lastError"],
+            }),
+        );
+    }
+    let mut v =
+        json!({ "types": types, "metadata": client["metadata"], "labels": client["labels"] });
+    a.normalise(&mut v);
+    Some(v)
+}
+
+/// Everything compared for one agent at one moment.
+async fn observe(a: &Agent, adsz: &Value, syncz: &Value) -> Option<Value> {
+    let dump = envoy_config_dump(&a.sc).await?;
+    let (code, body) = http_get(a.sc.status, "/debug/ndsz").await.ok()?;
+    let ndsz = json!({ "code": code, "body": serde_json::from_str::<Value>(&body).ok()? });
+    let mut v = json!({
+        "upstream": upstream_view(a, adsz, syncz)?,
+        "envoy_config": dynamic_config(&dump),
+        "ndsz": ndsz,
+    });
+    a.normalise(&mut v);
+    Some(v)
+}
+
+/// Whether `v` shows what `step` expects.
+fn reached(v: &Value, step: &Step) -> bool {
+    let cluster = |n: &str| {
+        v["envoy_config"]
+            .as_object()
+            .unwrap()
+            .keys()
+            .any(|k| k == &format!("ClustersConfigDump/dynamic_active_clusters/{n}"))
+    };
+    let types = v["upstream"]["types"].as_object().unwrap();
+    step.present.iter().all(|n| cluster(n))
+        && step.absent.iter().all(|n| !cluster(n))
+        && step.nds.iter().all(|(h, ip)| {
+            v["ndsz"]["body"]["table"][*h]["ips"]
+                .as_array()
+                .is_some_and(|a| a.iter().any(|x| x == ip))
+        })
+        && v["ndsz"]["code"] == 200
+        && !types.is_empty()
+        && types.values().all(|t| t["acked"] == true)
+}
+
+/// Polls until both agents show `step` and their observations are unchanged a second apart.
+async fn settle(istiod: &IstiodBox, agents: &[Agent], step: &Step) -> Vec<Value> {
+    let deadline = tokio::time::Instant::now() + DEADLINE;
+    let mut prev: Option<Vec<Value>> = None;
+    loop {
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        let adsz = istiod.debug_json("/debug/adsz").await;
+        let syncz = istiod.debug_json("/debug/syncz").await;
+        let mut now = Vec::new();
+        for a in agents {
+            match observe(a, &adsz, &syncz).await {
+                Some(v) if reached(&v, step) => now.push(v),
+                _ => break,
+            }
+        }
+        if now.len() == agents.len() {
+            if prev.as_ref() == Some(&now) {
+                return now;
+            }
+            prev = Some(now);
+        } else {
+            prev = None;
+        }
+        if tokio::time::Instant::now() > deadline {
+            let logs: Vec<String> = agents.iter().map(Agent::logs).collect();
+            panic!(
+                "step {:?} not reached and settled by both agents within {DEADLINE:?}\nlast: {prev:#?}\nadsz: {adsz:#}\nsyncz: {syncz:#}\n{}\n--- istiod-box log ---\n{}",
+                step.name,
+                logs.join("\n"),
+                istiod.proc.log_text()
+            );
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn live_pushes_match_pilot_agent() {
+    let started = tokio::time::Instant::now();
+    let mesh = mesh_with_free_ports();
+    let istiod =
+        IstiodBox::start_with(&pods_yaml(), Some(&mesh), &["--legacy-ip-autoallocate"]).await;
+    let mut agents = Vec::new();
+    for (kind, workload, ip) in PODS {
+        let prom = free_port();
+        let prom_s = prom.to_string();
+        let dns = SocketAddr::from(([127, 0, 0, 1], free_port())).to_string();
+        let env = [
+            ("ENVOY_PROMETHEUS_PORT", prom_s.as_str()),
+            ("ISTIO_META_DNS_CAPTURE", "true"),
+            ("ISTIO_META_DNS_AUTO_ALLOCATE", "true"),
+            ("DNS_PROXY_ADDR", dns.as_str()),
+        ];
+        let pod = PodSpec {
+            workload,
+            namespace: "default",
+            service_account: "client",
+            ip,
+            proxy_config: json!({}),
+            env: &env,
+        };
+        let sc = start_agent(&istiod, kind, &pod).await;
+        agents.push(Agent {
+            kind,
+            workload,
+            ip,
+            sc,
+            prom,
+            dns,
+        });
+    }
+    for a in &agents {
+        let deadline = tokio::time::Instant::now() + DEADLINE;
+        while !matches!(http_get(a.sc.status, "/healthz/ready").await, Ok((200, _))) {
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "{:?} not ready within {DEADLINE:?}\n{}",
+                a.kind,
+                a.logs()
+            );
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
+    let mut unexpected = Vec::new();
+    for step in steps() {
+        if let Some(y) = &step.apply {
+            istiod.apply(y).await;
+        }
+        if let Some(y) = &step.delete {
+            istiod.delete(y).await;
+        }
+        let seen = settle(&istiod, &agents, &step).await;
+        if std::env::var_os("COMPAT_PUSHES_SHOW").is_some() {
+            eprintln!("{}: pilot-agent: {:#}", step.name, seen[0]);
+        }
+        for (path, p, m) in json_diff(&seen[0], &seen[1]) {
+            unexpected.push(format!(
+                "after {:?}: {path}: pilot-agent {p} | meshagent {m}",
+                step.name
+            ));
+        }
+    }
+    eprintln!(
+        "{} steps compared in {:?}",
+        steps().len(),
+        started.elapsed()
+    );
+    if !unexpected.is_empty() {
+        let logs: Vec<String> = agents.iter().map(Agent::logs).collect();
+        panic!(
+            "{} differences:\n{}\n{}",
+            unexpected.len(),
+            unexpected.join("\n"),
+            logs.join("\n")
+        );
+    }
+}
