@@ -34,10 +34,12 @@ use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::time::Duration;
 
+use base64::Engine as _;
 use meshagent_testkit::istiod_box::{
     AgentKind, IstiodBox, PodSpec, RunningPod, envoy_config_dump, mesh_with_free_ports, start_agent,
 };
-use meshagent_testkit::{Sidecar, Value, free_port, http_get, json, json_diff};
+use meshagent_testkit::{Sidecar, Value, free_port, http_get, http_with_body, json, json_diff};
+use x509_parser::pem::Pem;
 
 /// Until an agent is ready, or a step has reached both and settled.
 const DEADLINE: Duration = Duration::from_secs(90);
@@ -115,6 +117,9 @@ struct Step {
     absent: &'static [&'static str],
     /// (NDS host, address) that must be in the table.
     nds: &'static [(&'static str, &'static str)],
+    /// The roots Envoy's `ROOTCA` must hold, by name (see [`Roots`]), in any order; `None`:
+    /// not checked (still compared).
+    roots: Option<&'static [&'static str]>,
 }
 
 fn steps() -> Vec<Step> {
@@ -126,6 +131,7 @@ fn steps() -> Vec<Step> {
             present: &[],
             absent: &[],
             nds: &[],
+            roots: None,
         },
         Step {
             name: "add Service and ServiceEntry",
@@ -140,6 +146,7 @@ fn steps() -> Vec<Step> {
                 ("live.default.svc.cluster.local", "10.96.7.7"),
                 ("pushed.example.com", "10.9.0.1"),
             ],
+            roots: None,
         },
         Step {
             name: "change port and address",
@@ -155,6 +162,7 @@ fn steps() -> Vec<Step> {
             ],
             absent: &["outbound|80||live.default.svc.cluster.local"],
             nds: &[("pushed.example.com", "10.9.0.2")],
+            roots: None,
         },
         Step {
             name: "delete both",
@@ -170,6 +178,7 @@ fn steps() -> Vec<Step> {
                 "outbound|443||pushed.example.com",
             ],
             nds: &[],
+            roots: None,
         },
     ]
 }
@@ -301,6 +310,65 @@ fn dynamic_config(dump: &Value) -> BTreeMap<String, Value> {
     out
 }
 
+/// Known roots by DER, to name the certificates of Envoy's `ROOTCA` secret.
+struct Roots(Vec<(Vec<u8>, &'static str)>);
+
+impl Roots {
+    fn named(pems: &[(&[u8], &'static str)]) -> Roots {
+        let mut out = Vec::new();
+        for (pem, name) in pems {
+            for p in Pem::iter_from_buffer(pem) {
+                out.push((p.expect("PEM block").contents, *name));
+            }
+        }
+        Roots(out)
+    }
+
+    /// The certificates of `ROOTCA`'s `trusted_ca` in Envoy's dump, in order, by name
+    /// (`<unknown>` for one not known, `<bad PEM>` for an unreadable block).
+    fn rootca(&self, dump: &Value) -> Value {
+        let b64 = base64::engine::general_purpose::STANDARD;
+        for cfg in dump["configs"].as_array().into_iter().flatten() {
+            for s in cfg["dynamic_active_secrets"]
+                .as_array()
+                .into_iter()
+                .flatten()
+            {
+                if s["name"] != "ROOTCA" {
+                    continue;
+                }
+                let inline = &s["secret"]["validation_context"]["trusted_ca"]["inline_bytes"];
+                let bytes = b64
+                    .decode(inline.as_str().unwrap_or(""))
+                    .unwrap_or_default();
+                let names: Vec<&str> = Pem::iter_from_buffer(&bytes)
+                    .map(|p| match p {
+                        Ok(p) => self
+                            .0
+                            .iter()
+                            .find(|(der, _)| *der == p.contents)
+                            .map_or("<unknown>", |(_, n)| n),
+                        Err(_) => "<bad PEM>",
+                    })
+                    .collect();
+                return json!(names);
+            }
+        }
+        Value::Null
+    }
+}
+
+/// A new self-signed CA certificate (PEM): another mesh's root, for PCDS.
+fn other_root() -> String {
+    let key = rcgen::KeyPair::generate().unwrap();
+    let mut params = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
+    params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+    params
+        .distinguished_name
+        .push(rcgen::DnType::OrganizationName, "other mesh");
+    params.self_signed(&key).unwrap().pem()
+}
+
 /// istiod's view of one agent's requests: per type, the watched names, whether the last
 /// nonce sent is ACKed, and the last NACK's error. `None` while the proxy is not listed.
 fn upstream_view(a: &Agent, adsz: &Value, syncz: &Value) -> Option<Value> {
@@ -341,14 +409,16 @@ fn upstream_view(a: &Agent, adsz: &Value, syncz: &Value) -> Option<Value> {
 }
 
 /// Everything compared for one agent at one moment.
-async fn observe(a: &Agent, adsz: &Value, syncz: &Value) -> Option<Value> {
+async fn observe(a: &Agent, adsz: &Value, syncz: &Value, roots: &Roots) -> Option<Value> {
     let dump = envoy_config_dump(&a.sc).await?;
+    let rootca = roots.rootca(&dump);
     let (code, body) = http_get(a.sc.status, "/debug/ndsz").await.ok()?;
     let ndsz = json!({ "code": code, "body": serde_json::from_str::<Value>(&body).ok()? });
     let mut v = json!({
         "upstream": upstream_view(a, adsz, syncz)?,
         "envoy_config": dynamic_config(&dump),
         "ndsz": ndsz,
+        "rootca": rootca,
     });
     a.normalise(&mut v);
     Some(v)
@@ -372,12 +442,24 @@ fn reached(v: &Value, step: &Step) -> bool {
                 .is_some_and(|a| a.iter().any(|x| x == ip))
         })
         && v["ndsz"]["code"] == 200
+        && step.roots.is_none_or(|want| {
+            let mut have: Vec<&str> = v["rootca"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .filter_map(Value::as_str)
+                .collect();
+            let mut want = want.to_vec();
+            have.sort_unstable();
+            want.sort_unstable();
+            have == want
+        })
         && !types.is_empty()
         && types.values().all(|t| t["acked"] == true)
 }
 
 /// Polls until both agents show `step` and their observations are unchanged a second apart.
-async fn settle(istiod: &IstiodBox, agents: &[Agent], step: &Step) -> Vec<Value> {
+async fn settle(istiod: &IstiodBox, agents: &[Agent], step: &Step, roots: &Roots) -> Vec<Value> {
     let deadline = tokio::time::Instant::now() + DEADLINE;
     let mut prev: Option<Vec<Value>> = None;
     loop {
@@ -386,7 +468,7 @@ async fn settle(istiod: &IstiodBox, agents: &[Agent], step: &Step) -> Vec<Value>
         let syncz = istiod.debug_json("/debug/syncz").await;
         let mut now = Vec::new();
         for a in agents {
-            match observe(a, &adsz, &syncz).await {
+            match observe(a, &adsz, &syncz, roots).await {
                 Some(v) if reached(&v, step) => now.push(v),
                 _ => break,
             }
@@ -411,23 +493,21 @@ async fn settle(istiod: &IstiodBox, agents: &[Agent], step: &Step) -> Vec<Value>
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn live_pushes_match_pilot_agent() {
-    let started = tokio::time::Instant::now();
-    let mesh = mesh_with_free_ports();
-    let istiod =
-        IstiodBox::start_with(&pods_yaml(), Some(&mesh), &["--legacy-ip-autoallocate"]).await;
+/// Starts both agents side by side against `istiod` with `extra_env`, waits for both to be
+/// ready.
+async fn start_agents(istiod: &IstiodBox, extra_env: &[(&str, &str)]) -> Vec<Agent> {
     let mut agents = Vec::new();
     for (kind, workload, ip) in PODS {
         let prom = free_port();
         let prom_s = prom.to_string();
         let dns = SocketAddr::from(([127, 0, 0, 1], free_port())).to_string();
-        let env = [
+        let mut env = vec![
             ("ENVOY_PROMETHEUS_PORT", prom_s.as_str()),
             ("ISTIO_META_DNS_CAPTURE", "true"),
             ("ISTIO_META_DNS_AUTO_ALLOCATE", "true"),
             ("DNS_PROXY_ADDR", dns.as_str()),
         ];
+        env.extend_from_slice(extra_env);
         let pod = PodSpec {
             workload,
             namespace: "default",
@@ -436,7 +516,7 @@ async fn live_pushes_match_pilot_agent() {
             proxy_config: json!({}),
             env: &env,
         };
-        let sc = start_agent(&istiod, kind, &pod).await;
+        let sc = start_agent(istiod, kind, &pod).await;
         agents.push(Agent {
             kind,
             workload,
@@ -458,15 +538,34 @@ async fn live_pushes_match_pilot_agent() {
             tokio::time::sleep(Duration::from_millis(200)).await;
         }
     }
+    agents
+}
+
+/// Runs `steps` (each: its change, then `before_settle`'s) against both agents, and fails
+/// with every difference and both agents' logs.
+async fn run_steps(
+    istiod: &IstiodBox,
+    agents: &[Agent],
+    steps: &[Step],
+    roots: &Roots,
+    trust_anchors: &[Option<String>],
+) {
+    let started = tokio::time::Instant::now();
     let mut unexpected = Vec::new();
-    for step in steps() {
+    for (i, step) in steps.iter().enumerate() {
         if let Some(y) = &step.apply {
             istiod.apply(y).await;
         }
         if let Some(y) = &step.delete {
             istiod.delete(y).await;
         }
-        let seen = settle(&istiod, &agents, &step).await;
+        if let Some(Some(pem)) = trust_anchors.get(i) {
+            let (code, body) = http_with_body("PUT", istiod.http, "/trust-anchors", pem.as_bytes())
+                .await
+                .unwrap();
+            assert_eq!(code, 200, "PUT /trust-anchors: {body}");
+        }
+        let seen = settle(istiod, agents, step, roots).await;
         if std::env::var_os("COMPAT_PUSHES_SHOW").is_some() {
             eprintln!("{}: pilot-agent: {:#}", step.name, seen[0]);
         }
@@ -477,11 +576,7 @@ async fn live_pushes_match_pilot_agent() {
             ));
         }
     }
-    eprintln!(
-        "{} steps compared in {:?}",
-        steps().len(),
-        started.elapsed()
-    );
+    eprintln!("{} steps compared in {:?}", steps.len(), started.elapsed());
     if !unexpected.is_empty() {
         let logs: Vec<String> = agents.iter().map(Agent::logs).collect();
         panic!(
@@ -491,4 +586,59 @@ async fn live_pushes_match_pilot_agent() {
             logs.join("\n")
         );
     }
+}
+
+async fn istiod_root(istiod: &IstiodBox) -> String {
+    let (code, pem) = http_get(istiod.http, "/root-cert").await.unwrap();
+    assert_eq!(code, 200, "GET /root-cert: {pem}");
+    pem
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn live_pushes_match_pilot_agent() {
+    let mesh = mesh_with_free_ports();
+    let istiod =
+        IstiodBox::start_with(&pods_yaml(), Some(&mesh), &["--legacy-ip-autoallocate"]).await;
+    let root = istiod_root(&istiod).await;
+    let roots = Roots::named(&[(root.as_bytes(), "istiod_root")]);
+    let agents = start_agents(&istiod, &[]).await;
+    run_steps(&istiod, &agents, &steps(), &roots, &[]).await;
+}
+
+/// PCDS: istiod-box with `--multi-root-mesh` serves the ProxyConfig type with its trust bundle
+/// (its CA root, plus the anchors `PUT /trust-anchors` sets, istiod's meshConfig
+/// `caCertificates`); both agents subscribe (`PROXY_CONFIG_XDS_AGENT`) and merge it into the
+/// `ROOTCA` Envoy gets over SDS. Another mesh's root is added, then removed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pcds_trust_bundle_matches_pilot_agent() {
+    let mesh = mesh_with_free_ports();
+    let istiod = IstiodBox::start_with(
+        &pods_yaml(),
+        Some(&mesh),
+        &["--legacy-ip-autoallocate", "--multi-root-mesh"],
+    )
+    .await;
+    let root = istiod_root(&istiod).await;
+    let other = other_root();
+    let roots = Roots::named(&[
+        (root.as_bytes(), "istiod_root"),
+        (other.as_bytes(), "other_root"),
+    ]);
+    let agents = start_agents(&istiod, &[("PROXY_CONFIG_XDS_AGENT", "true")]).await;
+    let step = |name, roots| Step {
+        name,
+        apply: None,
+        delete: None,
+        present: &[],
+        absent: &[],
+        nds: &[],
+        roots: Some(roots),
+    };
+    let steps = [
+        step("initial", &["istiod_root"]),
+        step("another mesh's root added", &["istiod_root", "other_root"]),
+        step("another mesh's root removed", &["istiod_root"]),
+    ];
+    let anchors = [None, Some(other.clone()), Some(String::new())];
+    run_steps(&istiod, &agents, &steps, &roots, &anchors).await;
 }
