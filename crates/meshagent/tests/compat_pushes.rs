@@ -38,11 +38,18 @@ use base64::Engine as _;
 use meshagent_testkit::istiod_box::{
     AgentKind, IstiodBox, PodSpec, RunningPod, envoy_config_dump, mesh_with_free_ports, start_agent,
 };
-use meshagent_testkit::{Sidecar, Value, free_port, http_get, http_with_body, json, json_diff};
+use meshagent_testkit::{
+    Sidecar, Value, free_port, http_get, http_with_body, json, json_diff, workspace_root,
+};
 use x509_parser::pem::Pem;
 
 /// Until an agent is ready, or a step has reached both and settled.
 const DEADLINE: Duration = Duration::from_secs(90);
+
+/// Differences meshagent makes on purpose, in the PCDS test: (path prefix, COMPAT.md row).
+/// Each must still show, and COMPAT.md must have its row.
+const PCDS_DELIBERATE: &[(&str, &str)] =
+    &[(".workload_cert_replaced", "a PCDS trust bundle change")];
 
 /// The two pods: (agent, workload, address).
 const PODS: [(AgentKind, &str, &str); 2] = [
@@ -358,6 +365,23 @@ impl Roots {
     }
 }
 
+/// The certificate chain of the `default` secret in Envoy's dump, as dumped (base64): which
+/// workload certificate Envoy holds.
+fn default_cert(dump: &Value) -> Value {
+    for cfg in dump["configs"].as_array().into_iter().flatten() {
+        for s in cfg["dynamic_active_secrets"]
+            .as_array()
+            .into_iter()
+            .flatten()
+        {
+            if s["name"] == "default" {
+                return s["secret"]["tls_certificate"]["certificate_chain"]["inline_bytes"].clone();
+            }
+        }
+    }
+    Value::Null
+}
+
 /// A new self-signed CA certificate (PEM): another mesh's root, for PCDS.
 fn other_root() -> String {
     let key = rcgen::KeyPair::generate().unwrap();
@@ -412,6 +436,7 @@ fn upstream_view(a: &Agent, adsz: &Value, syncz: &Value) -> Option<Value> {
 async fn observe(a: &Agent, adsz: &Value, syncz: &Value, roots: &Roots) -> Option<Value> {
     let dump = envoy_config_dump(&a.sc).await?;
     let rootca = roots.rootca(&dump);
+    let default_cert = default_cert(&dump);
     let (code, body) = http_get(a.sc.status, "/debug/ndsz").await.ok()?;
     let ndsz = json!({ "code": code, "body": serde_json::from_str::<Value>(&body).ok()? });
     let mut v = json!({
@@ -419,6 +444,7 @@ async fn observe(a: &Agent, adsz: &Value, syncz: &Value, roots: &Roots) -> Optio
         "envoy_config": dynamic_config(&dump),
         "ndsz": ndsz,
         "rootca": rootca,
+        "default_cert": default_cert,
     });
     a.normalise(&mut v);
     Some(v)
@@ -549,9 +575,21 @@ async fn run_steps(
     steps: &[Step],
     roots: &Roots,
     trust_anchors: &[Option<String>],
+    deliberate: &[(&str, &'static str)],
 ) {
+    let compat = std::fs::read_to_string(workspace_root().join("COMPAT.md")).unwrap();
+    for (_, row) in deliberate {
+        assert!(
+            compat.contains(&format!("\n| {row} |")),
+            "COMPAT.md has no row {row:?}"
+        );
+    }
+    let mut seen_rows = std::collections::BTreeSet::new();
     let started = tokio::time::Instant::now();
     let mut unexpected = Vec::new();
+    let mut listed = Vec::new();
+    // Each agent's workload certificate after the previous step.
+    let mut certs: Vec<Value> = vec![Value::Null; agents.len()];
     for (i, step) in steps.iter().enumerate() {
         if let Some(y) = &step.apply {
             istiod.apply(y).await;
@@ -565,18 +603,52 @@ async fn run_steps(
                 .unwrap();
             assert_eq!(code, 200, "PUT /trust-anchors: {body}");
         }
-        let seen = settle(istiod, agents, step, roots).await;
+        let mut seen = settle(istiod, agents, step, roots).await;
+        // The certificate itself is each pod's own; whether the step made the agent replace
+        // it is compared (not known for the first step).
+        for (v, prev) in seen.iter_mut().zip(certs.iter_mut()) {
+            let cert = v.as_object_mut().unwrap().remove("default_cert").unwrap();
+            if i > 0 {
+                v["workload_cert_replaced"] = json!(cert != *prev);
+            }
+            *prev = cert;
+        }
         if std::env::var_os("COMPAT_PUSHES_SHOW").is_some() {
             eprintln!("{}: pilot-agent: {:#}", step.name, seen[0]);
         }
         for (path, p, m) in json_diff(&seen[0], &seen[1]) {
-            unexpected.push(format!(
+            let line = format!(
                 "after {:?}: {path}: pilot-agent {p} | meshagent {m}",
                 step.name
-            ));
+            );
+            match deliberate
+                .iter()
+                .find(|(prefix, _)| path.starts_with(prefix))
+            {
+                Some((_, row)) => {
+                    seen_rows.insert(*row);
+                    listed.push(format!("{line} (COMPAT.md: {row})"));
+                }
+                None => unexpected.push(line),
+            }
         }
     }
-    eprintln!("{} steps compared in {:?}", steps.len(), started.elapsed());
+    eprintln!(
+        "{} steps compared in {:?}; listed differences:\n{}",
+        steps.len(),
+        started.elapsed(),
+        listed.join("\n")
+    );
+    let gone: Vec<&str> = deliberate
+        .iter()
+        .map(|(_, row)| *row)
+        .filter(|row| !seen_rows.contains(row))
+        .collect();
+    if !gone.is_empty() {
+        unexpected.push(format!(
+            "listed in COMPAT.md but no step shows it any more: {gone:?}"
+        ));
+    }
     if !unexpected.is_empty() {
         let logs: Vec<String> = agents.iter().map(Agent::logs).collect();
         panic!(
@@ -602,7 +674,7 @@ async fn live_pushes_match_pilot_agent() {
     let root = istiod_root(&istiod).await;
     let roots = Roots::named(&[(root.as_bytes(), "istiod_root")]);
     let agents = start_agents(&istiod, &[]).await;
-    run_steps(&istiod, &agents, &steps(), &roots, &[]).await;
+    run_steps(&istiod, &agents, &steps(), &roots, &[], &[]).await;
 }
 
 /// PCDS: istiod-box with `--multi-root-mesh` serves the ProxyConfig type with its trust bundle
@@ -640,5 +712,5 @@ async fn pcds_trust_bundle_matches_pilot_agent() {
         step("another mesh's root removed", &["istiod_root"]),
     ];
     let anchors = [None, Some(other.clone()), Some(String::new())];
-    run_steps(&istiod, &agents, &steps, &roots, &anchors).await;
+    run_steps(&istiod, &agents, &steps, &roots, &anchors, PCDS_DELIBERATE).await;
 }
