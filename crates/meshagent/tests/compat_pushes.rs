@@ -21,9 +21,13 @@
 //! connection's own; only "acked = sent" is compared); adsz's connection time and peer port.
 //! Any other difference fails.
 //!
-//! PCDS is not exercised: istiod only answers the ProxyConfig type with
-//! `ISTIO_MULTIROOT_MESH` on and a trust bundle wired to the generator
-//! (`pilot/pkg/xds/pcds.go`), which the fake discovery server istiod-box runs does not set up.
+//! PCDS: istiod only answers the ProxyConfig type with `ISTIO_MULTIROOT_MESH` on and a trust
+//! bundle behind its generator (`pilot/pkg/xds/pcds.go`); istiod-box's `--multi-root-mesh`
+//! wires both, and `PUT /trust-anchors` changes the bundle as meshConfig `caCertificates`
+//! would. `pcds_trust_bundle_matches_pilot_agent` compares the `ROOTCA` each Envoy gets over
+//! SDS (its certificates by name, in order) and whether the agent replaced the workload
+//! certificate (pilot-agent does on every bundle change; meshagent does not, listed in
+//! COMPAT.md).
 #![allow(
     clippy::disallowed_methods,
     reason = "test and benchmark code, not on the agent's runtime"
