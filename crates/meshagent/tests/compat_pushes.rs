@@ -14,9 +14,11 @@
 //! - **the NDS name table** each agent built (`/debug/ndsz` on its status port; pilot-agent
 //!   serves it too, `pilot/cmd/pilot-agent/status/server.go`).
 //!
-//! Normalised, each with its reason: the pod's name and address (each agent is its own pod,
-//! so istiod names them in connection ids and inbound config); each agent's own ports
-//! (status, admin, Envoy's readiness and Prometheus); `version_info`/`last_updated` of dumped
+//! Normalised, each with its reason: the pod's name, workload name and address (each agent is
+//! its own pod, so istiod names them in connection ids, node metadata and inbound config);
+//! each agent's own ports (status, admin, Envoy's readiness and Prometheus) and DNS proxy
+//! address (`DNS_PROXY_ADDR` in the node metadata); the workload certificate itself (only
+//! whether a step replaced it is compared); `version_info`/`last_updated` of dumped
 //! resources (istiod's push time, each Envoy's clock); nonces and versions in `syncz` (each
 //! connection's own; only "acked = sent" is compared); adsz's connection time and peer port.
 //! Any other difference fails.
