@@ -70,6 +70,7 @@ type options struct {
 	workloadCertTTL time.Duration
 	audience        string
 	logLevel        string
+	multiRootMesh   bool
 }
 
 func parseFlags() options {
@@ -89,6 +90,7 @@ func parseFlags() options {
 	fs.DurationVar(&o.debounce, "debounce", 100*time.Millisecond, "istiod's push debounce (PILOT_DEBOUNCE_AFTER)")
 	fs.DurationVar(&o.workloadCertTTL, "workload-cert-ttl", 24*time.Hour, "default TTL of workload certificates the CA signs")
 	fs.StringVar(&o.audience, "audience", "istio-ca", "audience of issued tokens and the one the JWT authenticator accepts")
+	fs.BoolVar(&o.multiRootMesh, "multi-root-mesh", false, "ISTIO_MULTIROOT_MESH: serve PCDS (the ProxyConfig type) with a trust bundle of the CA root and whatever PUT /trust-anchors sets (pcds.go)")
 	fs.StringVar(&o.logLevel, "log-level", "default:info", "Istio log levels, as istiod's --log_output_level")
 	_ = fs.Parse(os.Args[1:])
 	if fs.NArg() > 0 {
@@ -137,6 +139,9 @@ func main() {
 		}
 	}
 	applyEnvoyCompatibility(m, o.istioExtensions)
+	if o.multiRootMesh {
+		multiRootMesh()
+	}
 	if o.legacyAutoalloc {
 		// PILOT_ENABLE_IP_AUTOALLOCATE (pilot/pkg/features/pilot.go), read once at init like
 		// the features above: off, the ServiceEntry registry allocates 240.240.0.0/16 addresses
@@ -237,6 +242,12 @@ func main() {
 		DebounceTime:           o.debounce,
 	})
 	ds.Discovery.Authenticators = authenticators
+	var trust *pcds
+	if o.multiRootMesh {
+		if trust, err = wirePCDS(ds, m, rootPEM); err != nil {
+			fatalf("PCDS: %v", err)
+		}
+	}
 	log.Infof("istiod config generation ready in %v (%d Istio, %d Kubernetes documents)",
 		time.Since(start).Round(time.Millisecond), len(istioDocs), len(kubeDocs))
 
@@ -280,6 +291,8 @@ func main() {
 	mux.HandleFunc("/csrs", csrs.serve)
 	// GET /streams: the gRPC streams opened on the TLS port (streams.go); DELETE clears them.
 	mux.HandleFunc("/streams", streams.serve)
+	// PUT /trust-anchors: extra trust anchors for PCDS (pcds.go, --multi-root-mesh).
+	mux.HandleFunc("/trust-anchors", trust.serve)
 	httpSrv := &http.Server{Handler: mux, ReadHeaderTimeout: 10 * time.Second}
 
 	serveErr := make(chan error, 3)

@@ -745,6 +745,11 @@ impl LookupTable {
                 serde_json::json!({ "ips": ips, "registry": "Kubernetes" }),
             );
         }
+        // protojson leaves an empty map out: pilot-agent answers `{}` for an empty table
+        // (`pilot/cmd/pilot-agent/status/server.go` `handleNdsz`, `protomarshal.Marshal`).
+        if entries.is_empty() {
+            return "{}".to_owned();
+        }
         serde_json::json!({ "table": entries }).to_string()
     }
 
@@ -1104,6 +1109,12 @@ mod tests {
             ask(&t, "odd.example.com.", RecordType::AAAA),
             Some(vec!["odd.example.com. fd00::3".to_owned()])
         );
+    }
+
+    #[test]
+    fn ndsz_of_an_empty_table_is_an_empty_object() {
+        let t = LookupTable::build(&NameTable::default(), &scope());
+        assert_eq!(t.ndsz(), "{}");
     }
 
     #[test]
