@@ -78,6 +78,34 @@ pub struct StatusState {
     pub views: views::Views,
 }
 
+impl StatusState {
+    /// A sidecar's state with only metrics wired: default readiness, no Envoy admin, no
+    /// application probes (the port they would be rewritten to is 15020), no DNS table, no
+    /// config dump, empty debug views. Callers set the rest with struct update syntax; the
+    /// agent itself sets every field (`app.rs`).
+    pub fn new(registry: Registry, merger: Merger) -> Result<Self, rustls::Error> {
+        Ok(StatusState {
+            readiness: Readiness::default(),
+            registry,
+            drain: Arc::default(),
+            shutdown: CancellationToken::new(),
+            envoy_admin: None,
+            proxy_type: ProxyType::Sidecar,
+            merger,
+            probes: AppProbes::new(
+                Default::default(),
+                IpAddr::from([127, 0, 0, 1]),
+                15020,
+                true,
+            )?,
+            metrics_localhost_only: false,
+            name_table: None,
+            config_dump: None,
+            views: views::Views::default(),
+        })
+    }
+}
+
 pub fn router(state: StatusState) -> axum::Router {
     axum::Router::new()
         .route("/healthz/ready", any(ready))
@@ -745,31 +773,9 @@ mod tests {
 
     fn state() -> StatusState {
         let registry = Registry::new();
-        StatusState {
-            readiness: Readiness::default(),
-            merger: Merger::new(
-                registry.clone(),
-                MergeMetrics::register(&registry).unwrap(),
-                None,
-                Vec::new(),
-            ),
-            registry,
-            drain: Arc::default(),
-            shutdown: CancellationToken::new(),
-            envoy_admin: None,
-            proxy_type: ProxyType::Sidecar,
-            probes: AppProbes::new(
-                Default::default(),
-                IpAddr::from([127, 0, 0, 1]),
-                15020,
-                true,
-            )
-            .unwrap(),
-            metrics_localhost_only: false,
-            name_table: None,
-            config_dump: None,
-            views: Default::default(),
-        }
+        let metrics = MergeMetrics::register(&registry).unwrap();
+        let merger = Merger::new(registry.clone(), metrics, None, Vec::new());
+        StatusState::new(registry, merger).unwrap()
     }
 
     async fn call(s: StatusState, peer: &str, method: &str, path: &str) -> (StatusCode, String) {

@@ -16,10 +16,9 @@ use bytes::Bytes;
 use http_body_util::{BodyExt, Empty};
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
-use meshagent::config::ProxyType;
 use meshagent::config::probers::ScrapeTarget;
 use meshagent::metrics::Registry;
-use meshagent::status::{self, AppProbes, MergeMetrics, Merger, Readiness, StatusState};
+use meshagent::status::{self, MergeMetrics, Merger, StatusState};
 use meshagent_testkit::free_port;
 use tokio::io::AsyncReadExt;
 use tokio::sync::Notify;
@@ -85,20 +84,9 @@ impl Drop for Agent {
 async fn start_status(targets: Vec<ScrapeTarget>) -> Agent {
     let registry = Registry::new();
     let metrics = MergeMetrics::register(&registry).unwrap();
-    let state = StatusState {
-        readiness: Readiness::default(),
-        merger: Merger::new(registry.clone(), metrics, None, targets),
-        registry,
-        drain: Arc::default(),
-        shutdown: CancellationToken::new(),
-        envoy_admin: None,
-        proxy_type: ProxyType::Sidecar,
-        probes: AppProbes::new(Default::default(), [127, 0, 0, 1].into(), 15020, true).unwrap(),
-        metrics_localhost_only: false,
-        name_table: None,
-        config_dump: None,
-        views: Default::default(),
-    };
+    let merger = Merger::new(registry.clone(), metrics, None, targets);
+    let state = StatusState::new(registry, merger).unwrap();
+
     let port = free_port();
     let listener = status::bind(port).await.unwrap();
     let stop = CancellationToken::new();

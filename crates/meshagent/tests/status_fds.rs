@@ -11,12 +11,10 @@
 
 use std::net::SocketAddr;
 use std::process::Command;
-use std::sync::Arc;
 use std::time::Duration;
 
-use meshagent::config::ProxyType;
 use meshagent::metrics::Registry;
-use meshagent::status::{self, AppProbes, MergeMetrics, Merger, Readiness, StatusState};
+use meshagent::status::{self, MergeMetrics, Merger, StatusState};
 use meshagent_testkit::{DEADLINE, Proc, free_port, wait_for};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::time::Instant;
@@ -78,20 +76,9 @@ async fn get_ready(sock: tokio::net::TcpSocket, addr: SocketAddr) -> Result<Stri
 async fn accept_loop_survives_running_out_of_file_descriptors() {
     let registry = Registry::new();
     let metrics = MergeMetrics::register(&registry).unwrap();
-    let state = StatusState {
-        readiness: Readiness::default(),
-        merger: Merger::new(registry.clone(), metrics, None, Vec::new()),
-        registry,
-        drain: Arc::default(),
-        shutdown: CancellationToken::new(),
-        envoy_admin: None,
-        proxy_type: ProxyType::Sidecar,
-        probes: AppProbes::new(Default::default(), [127, 0, 0, 1].into(), 15020, true).unwrap(),
-        metrics_localhost_only: false,
-        name_table: None,
-        config_dump: None,
-        views: Default::default(),
-    };
+    let merger = Merger::new(registry.clone(), metrics, None, Vec::new());
+    let state = StatusState::new(registry, merger).unwrap();
+
     let port = free_port();
     let addr = SocketAddr::from(([127, 0, 0, 1], port));
     let listener = status::bind(port).await.unwrap();

@@ -19,10 +19,9 @@ use bytes::Bytes;
 use http_body_util::{BodyExt, Empty};
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
-use meshagent::config::ProxyType;
 use meshagent::config::probers::ScrapeTarget;
 use meshagent::metrics::Registry;
-use meshagent::status::{self, AppProbes, MergeMetrics, Merger, Readiness, StatusState};
+use meshagent::status::{self, MergeMetrics, Merger, StatusState};
 use meshagent_testkit::{DEADLINE, Envoy, free_port, wait_for};
 use serde_json::json;
 use tokio_util::sync::CancellationToken;
@@ -127,20 +126,9 @@ async fn start_status(envoy: Option<SocketAddr>, targets: Vec<ScrapeTarget>) -> 
         .counter("xds_proxy_requests", "Requests forwarded.")
         .unwrap()
         .inc();
-    let state = StatusState {
-        readiness: Readiness::default(),
-        merger: Merger::new(registry.clone(), metrics.clone(), envoy, targets),
-        registry,
-        drain: Arc::default(),
-        shutdown: CancellationToken::new(),
-        envoy_admin: None,
-        proxy_type: ProxyType::Sidecar,
-        probes: AppProbes::new(Default::default(), [127, 0, 0, 1].into(), 15020, true).unwrap(),
-        metrics_localhost_only: false,
-        name_table: None,
-        config_dump: None,
-        views: Default::default(),
-    };
+    let merger = Merger::new(registry.clone(), metrics.clone(), envoy, targets);
+    let state = StatusState::new(registry, merger).unwrap();
+
     let port = free_port();
     let listener = status::bind(port).await.unwrap();
     let stop = CancellationToken::new();

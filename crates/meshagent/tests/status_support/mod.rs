@@ -2,31 +2,21 @@
 //! for tests whose subsystems (DNS proxy, Wasm converter) run in-process too.
 
 use std::net::SocketAddr;
-use std::sync::Arc;
 
-use meshagent::config::ProxyType;
 use meshagent::metrics::Registry;
-use meshagent::status::{self, AppProbes, MergeMetrics, Merger, Readiness, StatusState};
+use meshagent::status::{self, MergeMetrics, Merger, StatusState};
 use tokio_util::sync::CancellationToken;
 
 /// Serves `views` until the returned token is cancelled (or dropped with the runtime).
 pub async fn serve_views(views: status::views::Views) -> (SocketAddr, CancellationToken) {
     let registry = Registry::new();
     let metrics = MergeMetrics::register(&registry).unwrap();
+    let merger = Merger::new(registry.clone(), metrics, None, Vec::new());
     let state = StatusState {
-        readiness: Readiness::default(),
-        merger: Merger::new(registry.clone(), metrics, None, Vec::new()),
-        registry,
-        drain: Arc::default(),
-        shutdown: CancellationToken::new(),
-        envoy_admin: None,
-        proxy_type: ProxyType::Sidecar,
-        probes: AppProbes::new(Default::default(), [127, 0, 0, 1].into(), 15020, true).unwrap(),
-        metrics_localhost_only: false,
-        name_table: None,
-        config_dump: None,
         views,
+        ..StatusState::new(registry, merger).unwrap()
     };
+
     let port = meshagent_testkit::free_port();
     let listener = status::bind(port).await.unwrap();
     let stop = CancellationToken::new();
