@@ -526,6 +526,7 @@ fn envoy_args(
         enable_core_dump: cfg.bootstrap.envoy_enable_core_dump,
         config_yaml,
         concurrency: cfg.proxy_config.concurrency,
+        compliance_policy: cfg.xds.compliance_policy.clone(),
     }
 }
 

@@ -213,6 +213,7 @@ impl Envoy {
         set_parent_death_signal(&mut cmd);
         let child = cmd
             .args(&argv)
+            .envs(args.env())
             .current_dir(cwd)
             .stdin(Stdio::null())
             .stdout(Stdio::inherit())

@@ -721,6 +721,40 @@ fn forced_legacy_binary() {
     assert!(!save.contains("ISTIO_"), "{save}");
 }
 
+/// Legacy tables that exist but hold no rule (instantiated by a listing, as a detection probe
+/// or an earlier run's `iptables-legacy-save` does) do not make the next run pick legacy:
+/// only `-A` rules count (Istio #61019/#61020; the pinned Istio counts ≥ 3 lines of
+/// `*-save` output, which these tables already give).
+#[test]
+fn legacy_tables_without_rules_do_not_prime_legacy() {
+    let pod = Pod::new();
+    let list = pod.exec(&pod.app, &["iptables-legacy", "-t", "nat", "-L", "-n"]);
+    assert!(
+        list.status.success(),
+        "priming the legacy nat table: {}",
+        String::from_utf8_lossy(&list.stderr)
+    );
+    let names = String::from_utf8_lossy(
+        &pod.exec(&pod.app, &["cat", "/proc/net/ip_tables_names"])
+            .stdout,
+    )
+    .into_owned();
+    assert!(
+        names.contains("nat"),
+        "legacy nat table not instantiated: {names:?}"
+    );
+    let save =
+        String::from_utf8_lossy(&pod.exec(&pod.app, &["iptables-legacy-save"]).stdout).into_owned();
+    assert!(
+        save.lines().count() >= 3 && !save.lines().any(|l| l.starts_with("-A ")),
+        "{save}"
+    );
+    let log = pod.apply(&["-b", "*", "-i", "*"]);
+    assert!(log.contains("iptables-nft-restore"), "{log}");
+    assert!(!log.contains("iptables-legacy-restore"), "{log}");
+    pod.apply(&["--cleanup-only"]);
+}
+
 /// Bad flags exit 1 naming the flag and the value (no namespace needed: nothing is applied).
 #[test]
 fn bad_flags_exit_1() {

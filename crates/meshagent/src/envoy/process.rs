@@ -24,9 +24,27 @@ pub struct EnvoyArgs {
     /// `ISTIO_BOOTSTRAP_OVERRIDE` contents, converted to JSON.
     pub config_yaml: Option<String>,
     pub concurrency: Option<u32>,
+    /// `COMPLIANCE_POLICY` (`fips-140-2`, `fips-140-3`, ...): see [`EnvoyArgs::env`].
+    pub compliance_policy: String,
 }
 
+/// TLS 1.2 ciphers Envoy's Google gRPC client may use under a FIPS policy
+/// (Istio: `pkg/envoy/proxy.go` `Run`).
+pub const FIPS_GRPC_CIPHER_SUITES: &str = "ECDHE-ECDSA-AES128-GCM-SHA256:ECDHE-RSA-AES128-GCM-SHA256:ECDHE-ECDSA-AES256-GCM-SHA384:ECDHE-RSA-AES256-GCM-SHA384";
+
 impl EnvoyArgs {
+    /// Variables added to the environment Envoy inherits. Istio (`pkg/envoy/proxy.go` `Run`)
+    /// limits the Google gRPC client's TLS 1.2 ciphers under `fips-140-2` and `fips-140-3`
+    /// through `GRPC_SSL_CIPHER_SUITES`; gRPC reads it from the process environment.
+    pub fn env(&self) -> Vec<(&'static str, &'static str)> {
+        match self.compliance_policy.as_str() {
+            "fips-140-2" | "fips-140-3" => {
+                vec![("GRPC_SSL_CIPHER_SUITES", FIPS_GRPC_CIPHER_SUITES)]
+            }
+            _ => Vec::new(),
+        }
+    }
+
     /// Envoy's argv after the binary, in Istio's order.
     pub fn argv(&self) -> Vec<String> {
         let mut a = vec![
@@ -135,7 +153,29 @@ mod tests {
             enable_core_dump: false,
             config_yaml: None,
             concurrency: Some(2),
+            compliance_policy: String::new(),
         }
+    }
+
+    #[test]
+    fn fips_policies_limit_envoys_grpc_ciphers() {
+        assert!(base().env().is_empty());
+        for policy in ["fips-140-2", "fips-140-3"] {
+            let a = EnvoyArgs {
+                compliance_policy: policy.into(),
+                ..base()
+            };
+            assert_eq!(
+                a.env(),
+                vec![("GRPC_SSL_CIPHER_SUITES", FIPS_GRPC_CIPHER_SUITES)],
+                "{policy}"
+            );
+        }
+        let pqc = EnvoyArgs {
+            compliance_policy: "pqc".into(),
+            ..base()
+        };
+        assert!(pqc.env().is_empty());
     }
 
     #[test]
