@@ -231,16 +231,30 @@ fn report_memory(c: &Container) {
     };
     let rollup = std::fs::read_to_string(format!("/proc/{pid}/smaps_rollup")).unwrap_or_default();
     let comm = std::fs::read_to_string(format!("/proc/{pid}/comm")).unwrap_or_default();
-    let cgroup = std::fs::read_to_string(format!("/proc/{pid}/cgroup"))
-        .ok()
-        .and_then(|c| {
-            c.lines()
-                .find_map(|l| l.strip_prefix("0::").map(str::to_owned))
-        });
+    // cgroup v2 (`0::<path>`: memory.current, memory.peak), or v1's memory controller
+    // (`N:memory:<path>`: memory.usage_in_bytes, memory.max_usage_in_bytes), as the machine has.
+    let cgroups = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).unwrap_or_default();
+    let v1 = cgroups.lines().find_map(|l| {
+        let mut f = l.splitn(3, ':');
+        let (_, ctrl, path) = (f.next()?, f.next()?, f.next()?);
+        ctrl.split(',')
+            .any(|c| c == "memory")
+            .then(|| format!("/sys/fs/cgroup/memory{path}"))
+    });
+    let v2 = cgroups
+        .lines()
+        .find_map(|l| l.strip_prefix("0::"))
+        .map(|p| format!("/sys/fs/cgroup{p}"));
+    let (dir, files) = match (v1, v2) {
+        (Some(d), _) => (
+            Some(d),
+            ["memory.usage_in_bytes", "memory.max_usage_in_bytes"],
+        ),
+        (None, d) => (d, ["memory.current", "memory.peak"]),
+    };
     let cg = |file: &str| -> String {
-        cgroup
-            .as_ref()
-            .and_then(|p| std::fs::read_to_string(format!("/sys/fs/cgroup{p}/{file}")).ok())
+        dir.as_ref()
+            .and_then(|d| std::fs::read_to_string(format!("{d}/{file}")).ok())
             .and_then(|v| v.trim().parse::<f64>().ok())
             .map_or_else(
                 || "unavailable".to_owned(),
@@ -248,11 +262,13 @@ fn report_memory(c: &Container) {
             )
     };
     println!(
-        "{}: cgroup memory.current {}, memory.peak {}; agent ({}, pid {pid}) VmRSS {:.2} MiB, \
+        "{}: cgroup {} {}, {} {}; agent ({}, pid {pid}) VmRSS {:.2} MiB, \
          RssAnon {:.2}, Pss {:.2}, VmHWM {:.2}",
         c.name,
-        cg("memory.current"),
-        cg("memory.peak"),
+        files[0],
+        cg(files[0]),
+        files[1],
+        cg(files[1]),
         comm.trim(),
         kib(&status, "VmRSS:"),
         kib(&status, "RssAnon:"),
