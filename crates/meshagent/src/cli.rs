@@ -364,6 +364,16 @@ pub fn parse_args(argv: impl IntoIterator<Item = OsString>) -> Result<Parsed, cl
         Err(e) => return Err(e),
     };
     let cli = Cli::from_arg_matches(&matches)?;
+    // `doctor` borrows the `proxy` flags to load the same configuration; `--dump-config`
+    // among them would otherwise be accepted and silently do nothing.
+    if let Command::Doctor(d) = &cli.command
+        && d.proxy.dump_config
+    {
+        return Err(clap::Error::raw(
+            ErrorKind::ArgumentConflict,
+            "doctor does not take --dump-config (run `proxy --dump-config` to print the configuration)\n",
+        ));
+    }
     Ok(Parsed { cli, dropped_flags })
 }
 
@@ -748,6 +758,12 @@ mod tests {
         };
         assert!(!d.json);
         assert_eq!(d.proxy.proxy_type, "router");
+        let err = parse(&["a", "doctor", "--dump-config"]).unwrap_err();
+        assert!(
+            err.to_string()
+                .contains("doctor does not take --dump-config"),
+            "{err}"
+        );
     }
 
     #[test]
