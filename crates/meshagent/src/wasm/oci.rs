@@ -718,6 +718,21 @@ mod tests {
     }
 
     #[test]
+    fn a_parameter_name_inside_a_quoted_value_is_text() {
+        // The hand parser this replaced took `scope=evil"` out of the realm's query.
+        let c = challenges(
+            [r#"Bearer realm="https://auth.example/token?a=1, scope=evil",scope="repository:x:pull""#]
+                .into_iter(),
+        )
+        .unwrap();
+        assert_eq!(
+            c[0].param("realm"),
+            Some("https://auth.example/token?a=1, scope=evil")
+        );
+        assert_eq!(c[0].param("scope"), Some("repository:x:pull"));
+    }
+
+    #[test]
     fn challenge_with_escaped_quotes_and_case() {
         let c = challenges(
             [r#"BEARER Realm="https://a.example/t",  error="say \"no\", twice""#].into_iter(),
