@@ -351,14 +351,12 @@ impl Target {
     }
 }
 
+/// The first address `host` resolves to.
 async fn resolve(host: &str, port: u16) -> Result<SocketAddr, ProbeError> {
-    if let Ok(ip) = host.parse::<IpAddr>() {
-        return Ok(SocketAddr::new(ip, port));
-    }
-    tokio::net::lookup_host((host, port))
+    crate::net::connect::resolve(host, port)
         .await
         .ok()
-        .and_then(|mut a| a.next())
+        .and_then(|a| a.into_iter().next())
         .ok_or_else(|| ProbeError::Resolve(host.to_owned()))
 }
 
