@@ -16,10 +16,12 @@
 //! | `GET /logging`, `POST /logging?level=…` / `?reset` | loopback | scope levels, changed at run time |
 //! | `/debug/logs[?lines=N]` | loopback | the agent's last log lines as written ([`crate::logging::RECENT`]) |
 //! | `GET /` | loopback | an HTML status page (identity, xDS, DNS, readiness) |
+//! | `/debug/pprof/`, `/debug/tokioz` | loopback, `--profiling` | what is served; the Tokio runtime's metrics ([`profile`]) |
+//! | `/debug/pprof/profile?seconds=N` | loopback, `--profiling` and `MESHAGENT_PROFILING=true` | a CPU profile, gzipped profile.proto ([`profile`]) |
 //!
-//! Go's `/debug/pprof/*` has no Rust equivalent worth shipping (no runtime profiler in the
-//! binary); with `--profiling` (default on) the loopback-only `/debug/config_dump` takes its
-//! place as the "what is this process doing" endpoint, and the pprof paths answer 404.
+//! Of Go's `/debug/pprof/*` only the CPU profile has a counterpart (heap, goroutine, trace
+//! profiles are Go runtime features); with `--profiling` (default on) the loopback-only
+//! `/debug/config_dump` and `/debug/tokioz` are the other "what is this process doing" views.
 //! Every response is gzip- or zstd-compressed when the client accepts it, as Istio wraps its
 //! mux in klauspost/compress `gzhttp` ([`compress`]).
 
@@ -28,6 +30,7 @@ pub mod conns;
 pub mod lines;
 pub mod merge;
 pub mod probes;
+pub mod profile;
 pub mod proto;
 pub mod ready;
 pub mod views;
@@ -76,6 +79,8 @@ pub struct StatusState {
     pub config_dump: Option<Arc<serde_json::Value>>,
     /// Sources of `/debug/certz`, `/debug/xdsz` and the page, set as subsystems start.
     pub views: views::Views,
+    /// `/debug/pprof/*` and `/debug/tokioz`: off in [`StatusState::new`].
+    pub profiling: profile::Profiling,
 }
 
 impl StatusState {
@@ -102,6 +107,7 @@ impl StatusState {
             name_table: None,
             config_dump: None,
             views: views::Views::default(),
+            profiling: profile::Profiling::default(),
         })
     }
 }
@@ -124,6 +130,9 @@ pub fn router(state: StatusState) -> axum::Router {
         .route("/debug/wasmz", any(wasmz))
         .route("/logging", any(logging))
         .route("/debug/logs", any(recent_logs))
+        .route("/debug/pprof/", any(profile::index))
+        .route("/debug/pprof/profile", any(profile::profile))
+        .route("/debug/tokioz", any(profile::tokioz))
         .route("/", any(page))
         .with_state(state)
         .layer(axum::middleware::from_fn(compress::layer))
