@@ -33,6 +33,7 @@ pub mod probes;
 pub mod profile;
 pub mod proto;
 pub mod ready;
+pub mod sampler;
 pub mod views;
 
 use std::net::{IpAddr, SocketAddr};
@@ -135,7 +136,27 @@ pub fn router(state: StatusState) -> axum::Router {
         .route("/debug/tokioz", any(profile::tokioz))
         .route("/", any(page))
         .with_state(state)
+        .layer(axum::middleware::from_fn(settle_after_view))
         .layer(axum::middleware::from_fn(compress::layer))
+}
+
+/// Whether `path` is an operator's view (asked by hand, rarely), not a probe or a scrape.
+fn is_view(path: &str) -> bool {
+    path == "/" || path == "/logging" || path == "/drain/status" || path.starts_with("/debug/")
+}
+
+/// A view runs code and builds state nothing else does (JSON and HTML rendering, certificate
+/// parsing): once one is answered, the heap is trimmed and the code pages are released again a
+/// quiet second later ([`crate::malloc::trimmer`]), so a view asked once leaves nothing
+/// resident (docs/benchmarks-log.md, views). Probes and scrapes, asked every few seconds, do
+/// not trigger it: their code stays mapped.
+async fn settle_after_view(req: axum::extract::Request, next: axum::middleware::Next) -> Response {
+    let view = is_view(req.uri().path());
+    let resp = next.run(req).await;
+    if view {
+        crate::malloc::trim_soon();
+    }
+    resp
 }
 
 /// A client must send its request headers within this time, and an idle keep-alive
@@ -882,6 +903,27 @@ mod tests {
         let v: serde_json::Value = serde_json::from_str(&body).unwrap();
         assert_eq!(v["phase"], "withdrawing", "{body}");
         assert!(v["elapsedSeconds"].as_f64().is_some(), "{body}");
+    }
+
+    #[test]
+    fn views_but_not_probes_or_scrapes_settle_afterwards() {
+        for p in [
+            "/",
+            "/logging",
+            "/drain/status",
+            "/debug/certz",
+            "/debug/pprof/profile",
+        ] {
+            assert!(is_view(p), "{p}");
+        }
+        for p in [
+            "/healthz/ready",
+            "/stats/prometheus",
+            "/metrics",
+            "/app-health/a/livez",
+        ] {
+            assert!(!is_view(p), "{p}");
+        }
     }
 
     #[tokio::test]

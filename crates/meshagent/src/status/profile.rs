@@ -4,11 +4,11 @@
 //! Istio's status server registers Go's `net/http/pprof` under `/debug/pprof/` when
 //! `--profiling` is on (its default), each handler refusing non-loopback peers
 //! (`pilot/cmd/pilot-agent/status/server.go` `handlePprofProfile`). Go's profiler is part of
-//! its runtime and costs nothing until asked. Here the profiler is pprof-rs: the first profile
-//! allocates its sample table (~95 MiB resident, kept by the crate for the life of the process,
-//! docs/benchmarks-log.md) and installs a `SIGPROF` handler for the profile's duration, so the
-//! CPU profiler also needs `MESHAGENT_PROFILING=true`. Until a profile is requested nothing of it is initialised: no
-//! handler, no timer, no table (measured in docs/benchmarks-log.md).
+//! its runtime and costs nothing until asked. Here a profile installs a `SIGPROF` handler and
+//! allocates a sample buffer for its duration ([`super::sampler`]); a signal handler that
+//! unwinds stacks in a sidecar is something an operator should ask for, so the CPU profiler
+//! also needs `MESHAGENT_PROFILING=true`. Until a profile is requested, and after it, nothing of
+//! it is installed or kept (measured in docs/benchmarks-log.md).
 //!
 //! `/debug/tokioz` reads counters the runtime keeps anyway, so it follows `--profiling` alone,
 //! as `/debug/config_dump` does.
@@ -21,19 +21,12 @@ use axum::http::{StatusCode, Uri, header};
 use axum::response::{IntoResponse, Response};
 use std::net::SocketAddr;
 
-use super::{StatusState, forbidden, json, loopback};
+use super::{StatusState, forbidden, json, loopback, sampler};
 
 /// `seconds` when the request has none: Go's `net/http/pprof` `Profile` default.
 pub const DEFAULT_SECONDS: u64 = 30;
 /// The longest profile served: bounds how long the one profiler slot is held.
 pub const MAX_SECONDS: u64 = 300;
-/// Samples per second of CPU time: Go's `runtime/pprof` rate.
-#[cfg(feature = "cpu-profiler")]
-const FREQUENCY: i32 = 100;
-/// Libraries whose frames are not unwound from the signal handler: unwinding through glibc
-/// and the unwinder itself can deadlock (pprof-rs's documented blocklist).
-#[cfg(feature = "cpu-profiler")]
-const BLOCKLIST: [&str; 4] = ["libc", "libgcc", "pthread", "vdso"];
 
 /// What is served, from `--profiling` and `MESHAGENT_PROFILING`, and the one profiler slot.
 #[derive(Clone, Default)]
@@ -155,24 +148,16 @@ pub async fn profile(
     take(secs, slot, s.shutdown.clone()).await
 }
 
-#[cfg(not(feature = "cpu-profiler"))]
-async fn take(_secs: u64, _slot: Slot, _shutdown: tokio_util::sync::CancellationToken) -> Response {
-    text(
-        StatusCode::NOT_FOUND,
-        "this build has no CPU profiler (built without the `cpu-profiler` feature)\n",
-    )
-}
-
 /// Profiles for `secs` seconds holding `slot`, and answers the encoded profile.
-#[cfg(feature = "cpu-profiler")]
 async fn take(secs: u64, slot: Slot, shutdown: tokio_util::sync::CancellationToken) -> Response {
     tracing::info!(seconds = secs, "CPU profile started");
-    let guard = match pprof::ProfilerGuardBuilder::default()
-        .frequency(FREQUENCY)
-        .blocklist(&BLOCKLIST)
-        .build()
-    {
-        Ok(g) => g,
+    // Room for every sample of two busy threads (the agent's runtime and one blocking task);
+    // the sampler caps it.
+    let samples = usize::try_from(secs)
+        .unwrap_or(usize::MAX)
+        .saturating_mul(sampler::HZ * 2);
+    let running = match sampler::start(samples) {
+        Ok(r) => r,
         Err(e) => {
             return text(
                 StatusCode::INTERNAL_SERVER_ERROR,
@@ -186,19 +171,25 @@ async fn take(secs: u64, slot: Slot, shutdown: tokio_util::sync::CancellationTok
             return text(StatusCode::SERVICE_UNAVAILABLE, "the agent is shutting down\n");
         }
     }
-    // Symbolising and encoding take tens of milliseconds: off the reactor thread. The guard
-    // goes along, so the profiler stops (timer, then signal handler) when it is done.
+    // Stopping waits for a handler still running; reading the mappings and encoding take
+    // milliseconds: off the reactor thread.
     let encoded = tokio::task::spawn_blocking(move || {
         let _slot = slot;
-        let r = encode(&guard);
-        drop(guard);
-        crate::malloc::trim_soon();
-        r
+        let samples = running.stop();
+        let maps = sampler::own_mappings().map_err(|e| e.to_string())?;
+        let body = gzip(&sampler::encode(&samples, &maps)).map_err(|e| e.to_string())?;
+        Ok::<_, String>((body, samples.stacks.len(), samples.dropped))
     })
     .await;
     match encoded {
-        Ok(Ok(body)) => {
-            tracing::info!(seconds = secs, bytes = body.len(), "CPU profile served");
+        Ok(Ok((body, n, dropped))) => {
+            tracing::info!(
+                seconds = secs,
+                samples = n,
+                dropped,
+                bytes = body.len(),
+                "CPU profile served"
+            );
             (
                 StatusCode::OK,
                 [
@@ -221,17 +212,12 @@ async fn take(secs: u64, slot: Slot, shutdown: tokio_util::sync::CancellationTok
     }
 }
 
-/// The report as Go writes it: profile.proto, gzipped.
-#[cfg(feature = "cpu-profiler")]
-fn encode(guard: &pprof::ProfilerGuard<'_>) -> Result<Vec<u8>, String> {
-    use pprof::protos::Message;
+/// Gzipped, as Go's `net/http/pprof` serves profile.proto.
+fn gzip(raw: &[u8]) -> std::io::Result<Vec<u8>> {
     use std::io::Write;
-    let report = guard.report().build().map_err(|e| e.to_string())?;
-    let proto = report.pprof().map_err(|e| e.to_string())?;
-    let raw = proto.encode_to_vec();
     let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::default());
-    gz.write_all(&raw).map_err(|e| e.to_string())?;
-    gz.finish().map_err(|e| e.to_string())
+    gz.write_all(raw)?;
+    gz.finish()
 }
 
 /// `/debug/tokioz`: the runtime's stable metrics (`tokio::runtime::RuntimeMetrics`).
