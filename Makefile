@@ -211,6 +211,7 @@ bench: envoy agent netpeers dnspeers wasmpeers pilot-agent istiod-box
 	MESHAGENT_BIN=$(AGENT_BIN) cargo bench -p meshagent --bench grpc
 	MESHAGENT_BIN=$(AGENT_BIN) cargo bench -p meshagent --bench dns_push
 	MESHAGENT_BIN=$(AGENT_BIN) cargo bench -p meshagent --bench storm
+	MESHAGENT_BIN=$(AGENT_BIN) cargo bench -p meshagent --bench views
 	MESHAGENT_BIN=$(AGENT_BIN) cargo bench -p meshagent --bench side_by_side
 
 # Fuzzing (not part of `make test`, which replays fuzz/corpus through the same entry points

@@ -242,9 +242,10 @@ pub struct ProxyArgs {
     /// Envoy outlier event log path.
     #[arg(long = "outlierLogPath", default_value = "")]
     pub outlier_log_path: String,
-    /// Enable the status port's debug view host:port/debug/config_dump (the effective
-    /// configuration as JSON, from localhost only); pilot-agent's Go profiles under
-    /// /debug/pprof/ have no equivalent here and answer 404.
+    /// Enable the status port's debug views host:port/debug/config_dump (the effective
+    /// configuration as JSON) and /debug/tokioz (runtime metrics), from localhost only; CPU
+    /// profiles at /debug/pprof/profile also need MESHAGENT_PROFILING=true (pilot-agent's
+    /// other Go profiles have no equivalent here).
     #[arg(
         long,
         num_args = 0..=1,

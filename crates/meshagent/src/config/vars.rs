@@ -244,6 +244,9 @@ pub struct StatusConfig {
     pub merge_envoy_stats: bool,
     /// `METRICS_LOCALHOST_ACCESS_ONLY` (default false): metrics only from loopback.
     pub metrics_localhost_access_only: bool,
+    /// `MESHAGENT_PROFILING` (default false): serve CPU profiles on `/debug/pprof/profile`
+    /// (with `--profiling`, which alone serves only `/debug/tokioz`).
+    pub profiling: bool,
 }
 
 impl StatusConfig {
@@ -281,6 +284,7 @@ impl StatusConfig {
             enable_probe_keepalive_connections: r.bool("ENABLE_PROBE_KEEPALIVE_CONNECTIONS", false),
             merge_envoy_stats: r.bool("PILOT_AGENT_MERGE_ENVOY_STATS", true),
             metrics_localhost_access_only: r.bool("METRICS_LOCALHOST_ACCESS_ONLY", false),
+            profiling: r.bool("MESHAGENT_PROFILING", false),
         }
     }
 }
