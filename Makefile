@@ -9,7 +9,7 @@ export ENVOY_BIN
 
 NEXTEST := $(shell cargo nextest --version >/dev/null 2>&1 && echo yes)
 
-.PHONY: all build agent pilot-agent istiod-box test test-loaded lint unit envoy peers netpeers dnspeers wasmpeers metricspeers chromiumpeers bench demo fuzz fuzz-tools clean-tools \
+.PHONY: all build agent pilot-agent istiod-box test test-loaded lint unit envoy peers netpeers dnspeers plotpeers wasmpeers metricspeers chromiumpeers bench demo fuzz fuzz-tools clean-tools \
 	deploytools deploy-validate imagetools image image-test orderfile arm64tools agent-arm64 image-arm64
 
 all: build
@@ -96,6 +96,16 @@ chromiumpeers:
 	@if command -v chromium >/dev/null; then :; \
 	else echo "installing chromium"; \
 	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; fi
+
+# matplotlib from PyPI for the side-by-side benchmark's plots (docs/bench-plots/*.png), in a
+# directory of its own so its numpy/pillow never replace what the test peers installed.
+PLOT_PIP := $(TOOLS)/plot
+export PLOT_PYTHONPATH := $(PLOT_PIP)
+plotpeers:
+	@if PYTHONPATH=$(PLOT_PIP) python3 -c 'import matplotlib' 2>/dev/null; then :; \
+	else echo "installing matplotlib into $(PLOT_PIP)"; \
+	  python3 -m pip install --quiet --disable-pip-version-check --no-warn-script-location \
+	    --root-user-action=ignore --target "$(PLOT_PIP)" "matplotlib==3.9.2"; fi
 
 dnspeers:
 	@if command -v dnsmasq >/dev/null && command -v dig >/dev/null && command -v dnsperf >/dev/null; then :; \
@@ -198,7 +208,7 @@ test-loaded:
 
 # Benchmarks (not tests): release builds against real Envoy and devplane; results go to
 # docs/benchmarks-log.md, the latest of each into BENCHMARKS.md's table.
-bench: envoy agent netpeers dnspeers wasmpeers pilot-agent istiod-box
+bench: envoy agent netpeers dnspeers plotpeers wasmpeers pilot-agent istiod-box
 	cargo build --release --bins
 	cargo bench -p meshagent --bench sds
 	cargo bench -p meshagent --bench xds
@@ -213,6 +223,7 @@ bench: envoy agent netpeers dnspeers wasmpeers pilot-agent istiod-box
 	MESHAGENT_BIN=$(AGENT_BIN) cargo bench -p meshagent --bench storm
 	MESHAGENT_BIN=$(AGENT_BIN) cargo bench -p meshagent --bench views
 	MESHAGENT_BIN=$(AGENT_BIN) cargo bench -p meshagent --bench side_by_side
+	MESHAGENT_BIN=$(AGENT_BIN) cargo bench -p meshagent --bench side_by_side_load
 
 # Fuzzing (not part of `make test`, which replays fuzz/corpus through the same entry points
 # in tests/fuzz_corpus.rs): a short libFuzzer run of every target. cargo-fuzz needs nightly
