@@ -6,9 +6,10 @@
 //!
 //! Headless entries carry every address of every selected workload (a dual-stack pod's IPv4
 //! and IPv6, `extraAddresses`), in workload order, as istiod appends each endpoint's
-//! `Addresses`. Workloads are selected whatever ports they declare: Kubernetes lists a pod
-//! on every port of the service (numeric `targetPort`s), so istiod's endpoints of the first
-//! port (the pinned Istio) and of all ports (istio#61039) are the same set here.
+//! `Addresses`. Every selected workload serves every `targetPort` of its service (the mesh
+//! file is refused otherwise, as Kubernetes lists a pod on every port of the service), so
+//! istiod's endpoints of the first port (the pinned Istio) and of all ports (istio#61039)
+//! are the same set here.
 
 use std::collections::HashMap;
 
@@ -95,7 +96,7 @@ serviceEntries:
 "#;
 
     /// The shape istiod-box gives a headless service over a dual-stack pod (`compat_dns`'s
-    /// `mip`: the pod's IPv4 then its IPv6) and over pods serving different ports of it.
+    /// `mip`: the pod's IPv4 then its IPv6), for a service of two ports: each address once.
     #[test]
     fn headless_entries_carry_every_address_of_every_workload() {
         let dir = tempfile::tempdir().unwrap();
@@ -104,9 +105,9 @@ serviceEntries:
             &p,
             r#"
 workloads:
-  - {name: mip-0, serviceAccount: mip, address: 10.1.1.1, extraAddresses: ["fd00::1:1"], ports: [{port: 80, inboundPort: 15006}]}
-  - {name: mip-1, serviceAccount: mip, address: 10.1.1.2, extraAddresses: ["fd00::1:2", "10.9.9.9"], ports: [{port: 9090, inboundPort: 15006}]}
-  - {name: other, serviceAccount: other, address: 10.1.2.1, extraAddresses: ["fd00::2:1"]}
+  - {name: mip-0, serviceAccount: mip, address: 10.1.1.1, extraAddresses: ["fd00::1:1"], ports: [{port: 80, inboundPort: 15006}, {port: 9090, inboundPort: 15007}]}
+  - {name: mip-1, serviceAccount: mip, address: 10.1.1.2, extraAddresses: ["fd00::1:2", "10.9.9.9"], ports: [{port: 80, inboundPort: 15006}, {port: 9090, inboundPort: 15007}]}
+  - {name: other, serviceAccount: other, address: 10.1.2.1, extraAddresses: ["fd00::2:1"], ports: [{port: 80, inboundPort: 15006}]}
 services:
   - {name: mip, headless: true, selector: [mip-0, mip-1], ports: [{port: 80, targetPort: 80}, {port: 9090, targetPort: 9090}]}
   - {name: other, selector: [other], ports: [{port: 80, targetPort: 80}]}
