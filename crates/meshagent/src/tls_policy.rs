@@ -236,6 +236,12 @@ mod tests {
         );
     }
 
+    /// The `fips` build runs on aws-lc's FIPS module, the default build does not.
+    #[test]
+    fn the_fips_feature_selects_the_fips_module() {
+        assert_eq!(is_fips_module(), cfg!(feature = "fips"));
+    }
+
     #[tokio::test]
     async fn fips_140_2_allows_tls12_aes_gcm_over_p256_only() {
         let p = CompliancePolicy::Fips1402;
