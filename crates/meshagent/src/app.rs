@@ -235,6 +235,10 @@ impl Agent {
                     .profiling
                     .then(|| serde_json::to_value(cfg).ok().map(Arc::new))
                     .flatten(),
+                profiling: status::profile::Profiling::new(
+                    cfg.flags.profiling,
+                    cfg.status.profiling,
+                ),
             };
             let stop = status_stop.clone();
             let shutdown = self.shutdown.clone();

@@ -425,10 +425,6 @@ pub fn template_path(cfg: &Config) -> Option<(PathBuf, &'static str)> {
 /// or a function or parameter meshagent does not provide is an error naming it and the line.
 /// Says once, when Envoy's bootstrap is about to be rendered, that the image's template is
 /// not used (config validation calls [`load_template`], which stays quiet).
-#[allow(
-    clippy::disallowed_methods,
-    reason = "runs at start, before anything is served"
-)]
 pub fn check_template(
     cfg: &Config,
     cwd: &Path,

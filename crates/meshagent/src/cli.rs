@@ -242,9 +242,10 @@ pub struct ProxyArgs {
     /// Envoy outlier event log path.
     #[arg(long = "outlierLogPath", default_value = "")]
     pub outlier_log_path: String,
-    /// Enable the status port's debug view host:port/debug/config_dump (the effective
-    /// configuration as JSON, from localhost only); pilot-agent's Go profiles under
-    /// /debug/pprof/ have no equivalent here and answer 404.
+    /// Enable the status port's debug views host:port/debug/config_dump (the effective
+    /// configuration as JSON) and /debug/tokioz (runtime metrics), from localhost only; CPU
+    /// profiles at /debug/pprof/profile also need MESHAGENT_PROFILING=true (pilot-agent's
+    /// other Go profiles have no equivalent here).
     #[arg(
         long,
         num_args = 0..=1,
@@ -364,6 +365,16 @@ pub fn parse_args(argv: impl IntoIterator<Item = OsString>) -> Result<Parsed, cl
         Err(e) => return Err(e),
     };
     let cli = Cli::from_arg_matches(&matches)?;
+    // `doctor` borrows the `proxy` flags to load the same configuration; `--dump-config`
+    // among them would otherwise be accepted and silently do nothing.
+    if let Command::Doctor(d) = &cli.command
+        && d.proxy.dump_config
+    {
+        return Err(clap::Error::raw(
+            ErrorKind::ArgumentConflict,
+            "doctor does not take --dump-config (run `proxy --dump-config` to print the configuration)\n",
+        ));
+    }
     Ok(Parsed { cli, dropped_flags })
 }
 
@@ -748,6 +759,12 @@ mod tests {
         };
         assert!(!d.json);
         assert_eq!(d.proxy.proxy_type, "router");
+        let err = parse(&["a", "doctor", "--dump-config"]).unwrap_err();
+        assert!(
+            err.to_string()
+                .contains("doctor does not take --dump-config"),
+            "{err}"
+        );
     }
 
     #[test]

@@ -275,7 +275,8 @@ pub struct ProxyFlags {
     pub template_file: PathBuf,
     /// `--outlierLogPath`: Envoy outlier event log.
     pub outlier_log_path: String,
-    /// `--profiling`: enable `/debug/pprof/*` on the status port.
+    /// `--profiling`: `/debug/config_dump`, `/debug/tokioz` and (with `MESHAGENT_PROFILING`)
+    /// `/debug/pprof/profile` on the status port.
     pub profiling: bool,
     /// Root `--log_as_json`; also passed to the Envoy bootstrap as `log_json`.
     pub log_as_json: bool,

@@ -23,6 +23,7 @@ use tonic::metadata::{AsciiMetadataKey, AsciiMetadataValue, MetadataMap};
 use tonic::transport::{Channel, Endpoint};
 
 use crate::config::{AuthenticationPolicy, Config};
+use crate::net::error_chain;
 
 /// Default root of istiod's CA (the `istio-ca-root-cert` configmap mount).
 pub const DEFAULT_ROOT: &str = "./var/run/secrets/istio/root-cert.pem";
@@ -31,17 +32,7 @@ pub const ETC_CERTS_ROOT: &str = "./etc/certs/root-cert.pem";
 /// Server name used when the address is `localhost` (and istiod's SAN).
 pub const ISTIOD_SVC: &str = "istiod.istio-system.svc";
 
-/// Where OS trust bundles live (Istio's list, first existing wins).
-pub const SYSTEM_ROOT_PATHS: [&str; 8] = [
-    "/etc/ssl/certs/ca-certificates.crt",
-    "/etc/pki/tls/certs/ca-bundle.crt",
-    "/etc/ssl/ca-bundle.pem",
-    "/etc/pki/tls/cacert.pem",
-    "/etc/pki/ca-trust/extracted/pem/tls-ca-bundle.pem",
-    "/etc/ssl/cert.pem",
-    "/usr/local/etc/ssl/cert.pem",
-    "/etc/ssl/certs/ca-certificates",
-];
+pub use crate::net::tls::SYSTEM_ROOT_PATHS;
 
 #[derive(Debug, thiserror::Error)]
 pub enum DialError {
@@ -279,21 +270,6 @@ pub fn transport_status(s: tonic::Status) -> tonic::Status {
         }
         _ => s,
     }
-}
-
-/// `e` and its causes on one line (tonic's transport error alone says only "transport error").
-fn error_chain(e: &dyn std::error::Error) -> String {
-    let mut out = e.to_string();
-    let mut cause = e.source();
-    while let Some(c) = cause {
-        let m = c.to_string();
-        if !out.contains(&m) {
-            out.push_str(": ");
-            out.push_str(&m);
-        }
-        cause = c.source();
-    }
-    out
 }
 
 /// HTTP/2 receive windows of control-plane connections (hyper's defaults are 2 MiB per

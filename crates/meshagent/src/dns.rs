@@ -11,7 +11,6 @@
 //! | [`cache`] | TTL cache of forwarded answers, bounded in bytes (Istio has none) |
 //! | [`wire`] | where TTLs and the question are in a message: forwarded replies patched, not re-encoded |
 //! | [`server`] | the UDP (recvmmsg batches) and TCP loops |
-//! | [`resolv`] | resolv.conf servers and search list |
 //! | [`view`] | `/debug/dnsz`: a name explained through the proxy's own lookup; per-upstream counters |
 //!
 //! Each listen address gets a UDP and a TCP server; all of them run under one supervisor
@@ -22,7 +21,6 @@ pub mod cache;
 pub mod forward;
 pub mod handler;
 pub mod metrics;
-pub mod resolv;
 pub mod server;
 pub mod table;
 pub mod view;
@@ -43,8 +41,8 @@ use crate::config::{Config, ProxyType};
 use crate::metrics::Registry;
 use crate::supervise;
 
+pub use crate::net::resolv::ResolvConf;
 pub use handler::{Core, Proto};
-pub use resolv::ResolvConf;
 pub use table::{LookupTable, Scope};
 
 /// The decoded NDS resource (`istio.networking.nds.v1.NameTable`).
@@ -200,6 +198,7 @@ pub async fn start(
         .await
         .map_err(DnsError::ResolvConf)?;
     let resolv = ResolvConf::parse(&String::from_utf8_lossy(&text));
+    let servers = resolv.servers();
     let addrs = listen_addrs(&opts.addr, &resolv)?;
     // What Istio binds by default (`localhost`) is loopback; any other address serves, and
     // forwards for, whoever can reach it: a reflector and amplifier for queries with a
@@ -243,16 +242,16 @@ pub async fn start(
     let core = Arc::new(Core {
         table: tables,
         search0,
-        upstreams: resolv.servers.clone(),
+        upstreams: servers.clone(),
         parallel: opts.parallel,
         timeout: opts.timeout,
         forward_before_table: opts.forward_before_table,
         cache,
         metrics,
         pool: forward::Pool::default(),
-        upstream_stats: view::UpstreamStats::new(&resolv.servers),
+        upstream_stats: view::UpstreamStats::new(&servers),
     });
-    tracing::info!(addrs = %crate::logging::list(&addrs), upstreams = %crate::logging::list(&resolv.servers), search = %crate::logging::list(&resolv.search), "DNS proxy listening");
+    tracing::info!(addrs = %crate::logging::list(&addrs), upstreams = %crate::logging::list(&servers), search = %crate::logging::list(&resolv.search), "DNS proxy listening");
 
     let mut first = Some(bound);
     let serve_core = core.clone();
@@ -344,7 +343,7 @@ pub fn listen_addrs(addr: &str, resolv: &ResolvConf) -> Result<Vec<SocketAddr>, 
     let port: u16 = port.parse().map_err(|_| bad("the port is not a number"))?;
     let host = host.trim_start_matches('[').trim_end_matches(']');
     let ips: Vec<IpAddr> = match host {
-        "localhost" if !resolv.servers.is_empty() => {
+        "localhost" if !resolv.nameservers.is_empty() => {
             let mut v = Vec::new();
             if resolv.has_v4() {
                 v.push(Ipv4Addr::LOCALHOST.into());

@@ -1,7 +1,7 @@
 //! HTTP/1.1 client for loopback debug endpoints: Envoy's admin API, the agent's own status
-//! port (`meshagent request`, `meshagent wait`) and the test harness. Built on hyper's
-//! connection API: one request per connection (`Connection: close`), as Istio's agent does
-//! with its short-lived Go clients.
+//! port (`meshagent request`, `meshagent wait`) and the test harness. On the agent's one
+//! client ([`crate::net`], plain connector): one request per connection (`Connection:
+//! close`), as Istio's agent does with its short-lived Go clients.
 //!
 //! Bodies are never cut silently. [`Response::bytes`] reads a whole body only up to an
 //! explicit cap and fails past it; [`Response::copy_to`] streams a body of any size with
@@ -15,11 +15,12 @@ use bytes::{Bytes, BytesMut};
 pub use http::{Method, StatusCode};
 
 use http::{HeaderValue, Request, header};
-use http_body_util::{BodyExt, Full};
+use http_body_util::Full;
 use hyper::body::Incoming;
-use hyper_util::rt::TokioIo;
 use tokio::io::{AsyncWrite, AsyncWriteExt};
 use tokio::time::Instant;
+
+use crate::net::{self, BodyError, ConnectError, Connector, SendError, connect::Plain};
 
 /// What went wrong, without the request it belongs to (see [`HttpError`]).
 #[derive(Debug, thiserror::Error)]
@@ -107,37 +108,28 @@ pub struct Response {
 pub async fn send(call: &Call<'_>) -> Result<Response, HttpError> {
     let deadline = Instant::now() + call.timeout;
     let timeout = call.timeout;
+    let url = net::url("http", &call.addr.to_string(), call.path)
+        .map_err(|e| call.error(HttpErrorKind::Request(e)))?;
     let req = Request::builder()
         .method(call.method.clone())
-        .uri(call.path)
+        .uri(url)
         .header(header::HOST, call.addr.to_string())
         .header(header::CONNECTION, "close")
         .header(header::USER_AGENT, HeaderValue::from_static("meshagent"))
         .body(Full::new(call.body.clone()))
         .map_err(|e| call.error(HttpErrorKind::Request(e.to_string())))?;
-    let exchange = async {
-        let tcp = tokio::net::TcpStream::connect(call.addr)
-            .await
-            .map_err(HttpErrorKind::Connect)?;
-        let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(tcp))
-            .await
-            .map_err(|e| HttpErrorKind::Exchange(error_chain(&e)))?;
-        // The connection task ends with the exchange (or when the response is dropped).
-        tokio::spawn(async move {
-            if let Err(e) = conn.await {
-                tracing::trace!(error = %error_chain(&e), "HTTP client connection ended");
-            }
-        });
-        sender
-            .send_request(req)
-            .await
-            .map_err(|e| HttpErrorKind::Exchange(error_chain(&e)))
-    };
-    let resp = match tokio::time::timeout_at(deadline, exchange).await {
-        Err(_) => return Err(call.error(HttpErrorKind::Timeout(timeout))),
-        Ok(Err(kind)) => return Err(call.error(kind)),
-        Ok(Ok(r)) => r,
-    };
+    let resp = net::send(Connector::new(Plain), req, deadline, deadline)
+        .await
+        .map_err(|e| {
+            call.error(match e {
+                SendError::Timeout => HttpErrorKind::Timeout(timeout),
+                SendError::Connect(ConnectError::Connect { source, .. }) => {
+                    HttpErrorKind::Connect(source)
+                }
+                SendError::Connect(c) => HttpErrorKind::Connect(std::io::Error::other(c)),
+                SendError::Exchange(reason) => HttpErrorKind::Exchange(reason),
+            })
+        })?;
     let (parts, body) = resp.into_parts();
     Ok(Response {
         status: parts.status,
@@ -208,24 +200,17 @@ impl Response {
 
     /// The next data frame (trailers are skipped); `None` at a complete end of body.
     async fn next_data(&mut self, received: u64) -> Result<Option<Bytes>, HttpError> {
-        loop {
-            let frame = match tokio::time::timeout_at(self.deadline, self.body.frame()).await {
-                Err(_) => return Err(self.fail(HttpErrorKind::Timeout(self.timeout))),
-                Ok(None) => return Ok(None),
-                Ok(Some(Err(e))) => {
-                    return Err(self.fail(HttpErrorKind::Body {
-                        received,
-                        reason: error_chain(&e),
-                    }));
-                }
-                Ok(Some(Ok(f))) => f,
-            };
-            if let Ok(data) = frame.into_data()
-                && !data.is_empty()
-            {
-                return Ok(Some(data));
-            }
-        }
+        net::next_data(&mut self.body, self.deadline, received)
+            .await
+            .map_err(|e| {
+                self.fail(match e {
+                    BodyError::Timeout => HttpErrorKind::Timeout(self.timeout),
+                    BodyError::Broken { received, reason } => {
+                        HttpErrorKind::Body { received, reason }
+                    }
+                    BodyError::TooLarge { cap } => HttpErrorKind::TooLarge { cap: cap as usize },
+                })
+            })
     }
 
     fn fail(&self, kind: HttpErrorKind) -> HttpError {
@@ -236,22 +221,6 @@ impl Response {
             kind,
         }
     }
-}
-
-/// An error and its causes, "outer: inner: …" (hyper's own message names only the stage,
-/// e.g. "error reading a body from connection", and puts the reason in its source).
-pub(crate) fn error_chain(e: &dyn std::error::Error) -> String {
-    let mut s = e.to_string();
-    let mut cur = e.source();
-    while let Some(c) = cur {
-        let next = c.to_string();
-        if !s.ends_with(&next) {
-            s.push_str(": ");
-            s.push_str(&next);
-        }
-        cur = c.source();
-    }
-    s
 }
 
 /// Status and whole body as text, capped at `cap` bytes (an error beyond it).
@@ -373,53 +342,5 @@ mod tests {
         let call = Call::new(Method::GET, addr, "/", Duration::from_millis(200));
         let e = send(&call).await.unwrap_err();
         assert!(matches!(e.kind, HttpErrorKind::Timeout(_)), "{e}");
-    }
-}
-
-/// A server certificate verifier that accepts any certificate but still checks the handshake
-/// signatures against it, as Go's `InsecureSkipVerify` does: HTTPS app probes (kubelet does not
-/// verify) and `WASM_INSECURE_REGISTRIES`.
-#[derive(Debug)]
-pub(crate) struct AcceptAnyCert(pub std::sync::Arc<rustls::crypto::CryptoProvider>);
-
-impl rustls::client::danger::ServerCertVerifier for AcceptAnyCert {
-    fn verify_server_cert(
-        &self,
-        _: &rustls::pki_types::CertificateDer<'_>,
-        _: &[rustls::pki_types::CertificateDer<'_>],
-        _: &rustls::pki_types::ServerName<'_>,
-        _: &[u8],
-        _: rustls::pki_types::UnixTime,
-    ) -> Result<rustls::client::danger::ServerCertVerified, rustls::Error> {
-        Ok(rustls::client::danger::ServerCertVerified::assertion())
-    }
-    fn verify_tls12_signature(
-        &self,
-        message: &[u8],
-        cert: &rustls::pki_types::CertificateDer<'_>,
-        dss: &rustls::DigitallySignedStruct,
-    ) -> Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
-        rustls::crypto::verify_tls12_signature(
-            message,
-            cert,
-            dss,
-            &self.0.signature_verification_algorithms,
-        )
-    }
-    fn verify_tls13_signature(
-        &self,
-        message: &[u8],
-        cert: &rustls::pki_types::CertificateDer<'_>,
-        dss: &rustls::DigitallySignedStruct,
-    ) -> Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
-        rustls::crypto::verify_tls13_signature(
-            message,
-            cert,
-            dss,
-            &self.0.signature_verification_algorithms,
-        )
-    }
-    fn supported_verify_schemes(&self) -> Vec<rustls::SignatureScheme> {
-        self.0.signature_verification_algorithms.supported_schemes()
     }
 }

@@ -26,6 +26,7 @@ pub mod iptables;
 pub mod logging;
 pub mod malloc;
 pub mod metrics;
+pub mod net;
 pub mod platform;
 pub mod preflight;
 pub mod reference;

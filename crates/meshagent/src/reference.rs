@@ -424,6 +424,11 @@ const SECTIONS: &[(&str, &str, &[Var])] = &[
                 "Serve metrics to loopback peers only.",
                 SAME,
             ),
+            (
+                "MESHAGENT_PROFILING",
+                "With `--profiling` (default on), serve CPU profiles on `/debug/pprof/profile` (loopback; docs/debugging.md).",
+                "Istio serves Go's pprof with `--profiling` alone; meshagent's profiler needs this too",
+            ),
         ],
     ),
     (

@@ -16,10 +16,12 @@
 //! | `GET /logging`, `POST /logging?level=…` / `?reset` | loopback | scope levels, changed at run time |
 //! | `/debug/logs[?lines=N]` | loopback | the agent's last log lines as written ([`crate::logging::RECENT`]) |
 //! | `GET /` | loopback | an HTML status page (identity, xDS, DNS, readiness) |
+//! | `/debug/pprof/`, `/debug/tokioz` | loopback, `--profiling` | what is served; the Tokio runtime's metrics ([`profile`]) |
+//! | `/debug/pprof/profile?seconds=N` | loopback, `--profiling` and `MESHAGENT_PROFILING=true` | a CPU profile, gzipped profile.proto ([`profile`]) |
 //!
-//! Go's `/debug/pprof/*` has no Rust equivalent worth shipping (no runtime profiler in the
-//! binary); with `--profiling` (default on) the loopback-only `/debug/config_dump` takes its
-//! place as the "what is this process doing" endpoint, and the pprof paths answer 404.
+//! Of Go's `/debug/pprof/*` only the CPU profile has a counterpart (heap, goroutine, trace
+//! profiles are Go runtime features); with `--profiling` (default on) the loopback-only
+//! `/debug/config_dump` and `/debug/tokioz` are the other "what is this process doing" views.
 //! Every response is gzip- or zstd-compressed when the client accepts it, as Istio wraps its
 //! mux in klauspost/compress `gzhttp` ([`compress`]).
 
@@ -28,8 +30,10 @@ pub mod conns;
 pub mod lines;
 pub mod merge;
 pub mod probes;
+pub mod profile;
 pub mod proto;
 pub mod ready;
+pub mod sampler;
 pub mod views;
 
 use std::net::{IpAddr, SocketAddr};
@@ -76,6 +80,8 @@ pub struct StatusState {
     pub config_dump: Option<Arc<serde_json::Value>>,
     /// Sources of `/debug/certz`, `/debug/xdsz` and the page, set as subsystems start.
     pub views: views::Views,
+    /// `/debug/pprof/*` and `/debug/tokioz`: off in [`StatusState::new`].
+    pub profiling: profile::Profiling,
 }
 
 impl StatusState {
@@ -102,6 +108,7 @@ impl StatusState {
             name_table: None,
             config_dump: None,
             views: views::Views::default(),
+            profiling: profile::Profiling::default(),
         })
     }
 }
@@ -124,9 +131,32 @@ pub fn router(state: StatusState) -> axum::Router {
         .route("/debug/wasmz", any(wasmz))
         .route("/logging", any(logging))
         .route("/debug/logs", any(recent_logs))
+        .route("/debug/pprof/", any(profile::index))
+        .route("/debug/pprof/profile", any(profile::profile))
+        .route("/debug/tokioz", any(profile::tokioz))
         .route("/", any(page))
         .with_state(state)
+        .layer(axum::middleware::from_fn(settle_after_view))
         .layer(axum::middleware::from_fn(compress::layer))
+}
+
+/// Whether `path` is an operator's view (asked by hand, rarely), not a probe or a scrape.
+fn is_view(path: &str) -> bool {
+    path == "/" || path == "/logging" || path == "/drain/status" || path.starts_with("/debug/")
+}
+
+/// A view runs code and builds state nothing else does (JSON and HTML rendering, certificate
+/// parsing): once one is answered, the heap is trimmed and the code pages are released again a
+/// quiet second later ([`crate::malloc::trimmer`]), so a view asked once leaves nothing
+/// resident (docs/benchmarks-log.md, views). Probes and scrapes, asked every few seconds, do
+/// not trigger it: their code stays mapped.
+async fn settle_after_view(req: axum::extract::Request, next: axum::middleware::Next) -> Response {
+    let view = is_view(req.uri().path());
+    let resp = next.run(req).await;
+    if view {
+        crate::malloc::trim_soon();
+    }
+    resp
 }
 
 /// A client must send its request headers within this time, and an idle keep-alive
@@ -873,6 +903,27 @@ mod tests {
         let v: serde_json::Value = serde_json::from_str(&body).unwrap();
         assert_eq!(v["phase"], "withdrawing", "{body}");
         assert!(v["elapsedSeconds"].as_f64().is_some(), "{body}");
+    }
+
+    #[test]
+    fn views_but_not_probes_or_scrapes_settle_afterwards() {
+        for p in [
+            "/",
+            "/logging",
+            "/drain/status",
+            "/debug/certz",
+            "/debug/pprof/profile",
+        ] {
+            assert!(is_view(p), "{p}");
+        }
+        for p in [
+            "/healthz/ready",
+            "/stats/prometheus",
+            "/metrics",
+            "/app-health/a/livez",
+        ] {
+            assert!(!is_view(p), "{p}");
+        }
     }
 
     #[tokio::test]

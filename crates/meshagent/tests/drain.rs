@@ -23,7 +23,7 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::time::Instant;
 
 use meshagent_testkit::{
-    DEADLINE, Devplane, Proc, Sidecar, free_addr, free_port, http_get, wait_for,
+    DEADLINE, Devplane, Proc, Sidecar, TwoWorkloads, free_addr, http_get, wait_for,
 };
 
 /// One `POST /drain_listeners…` the agent sent to Envoy's admin.
@@ -458,29 +458,10 @@ async fn keepalive_get(s: &mut TcpStream) -> std::io::Result<(u16, Vec<(String, 
 /// gone) the agent exits.
 #[tokio::test(flavor = "multi_thread")]
 async fn outbound_requests_keep_flowing_while_inbound_drains() {
-    let (a_app, b_app) = (free_port(), free_port());
-    let (a_to_b, b_to_a) = (free_addr(), free_addr());
-    let (a_in, b_in) = (free_port(), free_port());
-    let yaml = format!(
-        r#"
-workloads:
-  - name: a
-    serviceAccount: a
-    ports: [{{name: http, port: {a_app}, inboundPort: {a_in}}}]
-    outbound: [{{service: b.default, port: 80, bind: "{a_to_b}"}}]
-  - name: b
-    serviceAccount: b
-    ports: [{{name: http, port: {b_app}, inboundPort: {b_in}}}]
-    outbound: [{{service: a.default, port: 80, bind: "{b_to_a}"}}]
-services:
-  - name: a
-    selector: [a]
-    ports: [{{port: 80, targetPort: {a_app}}}]
-  - name: b
-    selector: [b]
-    ports: [{{port: 80, targetPort: {b_app}}}]
-"#
-    );
+    let mesh = TwoWorkloads::new().with_b_to_a();
+    let (a_app, b_app, a_to_b) = (mesh.a_app, mesh.b_app, mesh.a_to_b);
+    let b_to_a = mesh.b_to_a.expect("b calls a");
+    let yaml = mesh.yaml(false);
     let dp = Devplane::start(&yaml).await;
     for port in [a_app, b_app] {
         let l = TcpListener::bind(("127.0.0.1", port)).await.unwrap();

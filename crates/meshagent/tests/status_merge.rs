@@ -26,6 +26,9 @@ use meshagent_testkit::{DEADLINE, Envoy, free_port, wait_for};
 use serde_json::json;
 use tokio_util::sync::CancellationToken;
 
+#[path = "status_support/peers.rs"]
+mod peers;
+
 const OM: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
 
 /// A real HTTP server standing in for the application's metrics endpoints.
@@ -599,15 +602,7 @@ const PROMETHEUS_PROTO_ACCEPT: &str = "application/vnd.google.protobuf;proto=io.
 
 /// `promproto`: `$PROMPROTO`, else the project's `.tools/bin` (`make metricspeers`).
 fn promproto() -> std::path::PathBuf {
-    let path = std::env::var_os("PROMPROTO")
-        .map(std::path::PathBuf::from)
-        .unwrap_or_else(|| meshagent_testkit::workspace_root().join(".tools/bin/promproto"));
-    assert!(
-        path.is_file(),
-        "{} is missing: run `make metricspeers`",
-        path.display()
-    );
-    path
+    peers::peer("promproto", "PROMPROTO")
 }
 
 /// A Go application on the Prometheus Go client (promhttp), with a native histogram.
@@ -629,31 +624,12 @@ async fn start_go_app(dir: &std::path::Path) -> (meshagent_testkit::Proc, u16) {
 /// The Go client's protobuf parser on `body`: family → (type, series, series with native
 /// buckets); its error when it rejects the body.
 fn parse_protobuf(body: &[u8]) -> Result<HashMap<String, (String, usize, usize)>, String> {
-    use std::io::Write;
-    let mut child = std::process::Command::new(promproto())
-        .arg("parse")
-        .stdin(std::process::Stdio::piped())
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    child.stdin.take().unwrap().write_all(body).unwrap();
-    let out = child.wait_with_output().unwrap();
-    if !out.status.success() {
-        return Err(String::from_utf8_lossy(&out.stderr).into_owned());
-    }
-    Ok(String::from_utf8(out.stdout)
-        .unwrap()
-        .lines()
-        .map(|l| {
-            let f: Vec<&str> = l.split(' ').collect();
+    Ok(peers::parse_lines(promproto(), &["parse"], body)?
+        .into_iter()
+        .map(|f| {
             (
-                f[0].to_owned(),
-                (
-                    f[1].to_owned(),
-                    f[2].parse().unwrap(),
-                    f[3].parse().unwrap(),
-                ),
+                f[0].clone(),
+                (f[1].clone(), f[2].parse().unwrap(), f[3].parse().unwrap()),
             )
         })
         .collect())

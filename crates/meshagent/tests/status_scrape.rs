@@ -11,51 +11,27 @@
 use std::collections::HashMap;
 use std::io::{Read, Write};
 use std::net::SocketAddr;
-use std::path::PathBuf;
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::time::Duration;
 
 use axum::http::header;
-use meshagent_testkit::{DEADLINE, Proc, free_port, status_only_agent, wait_for, workspace_root};
+use meshagent_testkit::{DEADLINE, Proc, free_port, status_only_agent, wait_for};
 use serde_json::json;
+
+#[path = "status_support/peers.rs"]
+mod peers;
 
 const TEXT: &str = "text/plain; version=0.0.4; charset=utf-8";
 const PROTOBUF: &str =
     "application/vnd.google.protobuf; proto=io.prometheus.client.MetricFamily; encoding=delimited";
 
-/// `expfmt-check`: `$EXPFMT_CHECK`, else the project's `.tools/bin`.
-fn expfmt_check() -> PathBuf {
-    let path = std::env::var_os("EXPFMT_CHECK")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| workspace_root().join(".tools/bin/expfmt-check"));
-    assert!(
-        path.is_file(),
-        "{} is missing: run `make metricspeers`",
-        path.display()
-    );
-    path
-}
-
-/// Parses `body` strictly: family name -> (TYPE, number of series), or the parser's error.
+/// Parses `body` strictly with `expfmt-check` (`$EXPFMT_CHECK`, else the project's
+/// `.tools/bin`): family name -> (TYPE, number of series), or the parser's error.
 fn parse(body: &[u8]) -> Result<HashMap<String, (String, usize)>, String> {
-    let mut child = Command::new(expfmt_check())
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    child.stdin.take().unwrap().write_all(body).unwrap();
-    let out = child.wait_with_output().unwrap();
-    if !out.status.success() {
-        return Err(String::from_utf8_lossy(&out.stderr).into_owned());
-    }
-    Ok(String::from_utf8(out.stdout)
-        .unwrap()
-        .lines()
-        .map(|l| {
-            let f: Vec<&str> = l.split(' ').collect();
-            (f[0].to_owned(), (f[1].to_owned(), f[2].parse().unwrap()))
-        })
+    let checker = peers::peer("expfmt-check", "EXPFMT_CHECK");
+    Ok(peers::parse_lines(checker, &[], body)?
+        .into_iter()
+        .map(|f| (f[0].clone(), (f[1].clone(), f[2].parse().unwrap())))
         .collect())
 }
 

@@ -56,6 +56,8 @@ pub struct TwoWorkloads {
     pub a_to_b: SocketAddr,
     pub a_app: u16,
     pub b_app: u16,
+    /// Where B's sidecar accepts B's calls to service a ([`TwoWorkloads::with_b_to_a`]).
+    pub b_to_a: Option<SocketAddr>,
     a_in: u16,
     b_in: u16,
 }
@@ -72,9 +74,16 @@ impl TwoWorkloads {
             a_to_b: free_addr(),
             a_app: free_port(),
             b_app: free_port(),
+            b_to_a: None,
             a_in: free_port(),
             b_in: free_port(),
         }
+    }
+
+    /// B calls A too, through an outbound listener of its sidecar at [`TwoWorkloads::b_to_a`].
+    pub fn with_b_to_a(mut self) -> TwoWorkloads {
+        self.b_to_a = Some(free_addr());
+        self
     }
 
     /// The mesh file; `service_c` adds service `c` (backed by a) to simulate a mesh edit.
@@ -83,9 +92,13 @@ impl TwoWorkloads {
             a_to_b,
             a_app,
             b_app,
+            b_to_a,
             a_in,
             b_in,
         } = self;
+        let b_outbound = b_to_a.map_or_else(String::new, |addr| {
+            format!("\n    outbound: [{{service: a.default, port: 80, bind: \"{addr}\"}}]")
+        });
         let mut y = format!(
             r#"
 workloads:
@@ -95,7 +108,7 @@ workloads:
     outbound: [{{service: b.default, port: 80, bind: "{a_to_b}"}}]
   - name: b
     serviceAccount: b
-    ports: [{{name: http, port: {b_app}, inboundPort: {b_in}}}]
+    ports: [{{name: http, port: {b_app}, inboundPort: {b_in}}}]{b_outbound}
 services:
   - name: a
     selector: [a]

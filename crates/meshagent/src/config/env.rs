@@ -209,15 +209,17 @@ impl<'a> Reader<'a> {
     }
 
     /// A value of a type Istio reads as a string and checks later (e.g. an IP address): unset
-    /// or empty → `default`; not accepted by `parse` → an error.
+    /// or empty → `default`; not accepted by `parse` → an error. `default_doc` is how the
+    /// configuration reference shows the default (`T` need not be printable).
     pub(crate) fn validated<T>(
         &mut self,
         key: &str,
         default: T,
+        default_doc: &str,
         expected: &str,
         parse: impl FnOnce(&str) -> Option<T>,
     ) -> T {
-        self.note(key, expected, "unset");
+        self.note(key, expected, default_doc);
         let Some(raw) = self.non_empty(key) else {
             return default;
         };

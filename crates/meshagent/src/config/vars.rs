@@ -45,9 +45,13 @@ impl PodConfig {
         Self {
             name: r.string("POD_NAME", ""),
             namespace: r.string("POD_NAMESPACE", ""),
-            instance_ip: r.validated("INSTANCE_IP", None, "an IPv4 or IPv6 address", |s| {
-                s.parse().ok().map(Some)
-            }),
+            instance_ip: r.validated(
+                "INSTANCE_IP",
+                None,
+                "unset",
+                "an IPv4 or IPv6 address",
+                |s| s.parse().ok().map(Some),
+            ),
             service_account: r.string("SERVICE_ACCOUNT", ""),
             host_ip: r.string("HOST_IP", ""),
             cpu_limit: r.int("ISTIO_CPU_LIMIT", 0, 0, u32::MAX),
@@ -214,6 +218,7 @@ fn drain_start_delay(r: &mut Reader<'_>) -> Duration {
     r.validated(
         "MESHAGENT_DRAIN_START_DELAY",
         Duration::ZERO,
+        "0s",
         "a duration between 0s and 1h, e.g. 5s or 1500ms",
         |s| super::parse::parse_go_duration(s).filter(|d| *d <= MAX_DRAIN_START_DELAY),
     )
@@ -239,6 +244,9 @@ pub struct StatusConfig {
     pub merge_envoy_stats: bool,
     /// `METRICS_LOCALHOST_ACCESS_ONLY` (default false): metrics only from loopback.
     pub metrics_localhost_access_only: bool,
+    /// `MESHAGENT_PROFILING` (default false): serve CPU profiles on `/debug/pprof/profile`
+    /// (with `--profiling`, which alone serves only `/debug/tokioz`).
+    pub profiling: bool,
 }
 
 impl StatusConfig {
@@ -276,6 +284,7 @@ impl StatusConfig {
             enable_probe_keepalive_connections: r.bool("ENABLE_PROBE_KEEPALIVE_CONNECTIONS", false),
             merge_envoy_stats: r.bool("PILOT_AGENT_MERGE_ENVOY_STATS", true),
             metrics_localhost_access_only: r.bool("METRICS_LOCALHOST_ACCESS_ONLY", false),
+            profiling: r.bool("MESHAGENT_PROFILING", false),
         }
     }
 }

@@ -2,8 +2,12 @@
 //! allocation beyond the reply); forwarded queries run as tasks, bounded in number.
 //!
 //! This module holds one audited `unsafe` call: `sendmmsg(2)` ([`sendmmsg`]). nix's safe
-//! wrapper cannot be used for it: its results iterator reads the address slots of its
-//! headers, which a send never fills.
+//! wrapper (nix 0.30 `sys::socket::sendmmsg`) does not fit: how many datagrams the kernel
+//! took is only readable through its `MultiResults` iterator, which `assume_init`s the
+//! address slots of its `MultiHeaders` — slots a send never writes, so reading them is
+//! undefined behaviour — and it wants the replies as one `[IoSlice]` group per message plus
+//! an `Option` per address, which borrow the batch's buffers and so would be rebuilt (one
+//! allocation) per call, where the raw call reuses one thread's header arrays.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -187,19 +191,22 @@ fn sendmmsg(
     peers: &[SockaddrStorage],
 ) -> std::io::Result<usize> {
     use nix::sys::socket::SockaddrLike;
+    thread_local! {
+        /// The header arrays of the last call on this thread, kept for their capacity (the
+        /// pointers they hold are overwritten before every call, never read after it).
+        static ARRAYS: std::cell::RefCell<(Vec<libc::iovec>, Vec<libc::mmsghdr>)> =
+            const { std::cell::RefCell::new((Vec::new(), Vec::new())) };
+    }
     // UIO_MAXIOV: the kernel's cap on messages per call.
     let n = bufs.len().min(peers.len()).min(1024);
-    let mut iovs: Vec<libc::iovec> = bufs[..n]
-        .iter()
-        .map(|b| libc::iovec {
+    let r = ARRAYS.with_borrow_mut(|(iovs, hdrs)| {
+        iovs.clear();
+        iovs.extend(bufs[..n].iter().map(|b| libc::iovec {
             iov_base: b.as_ptr().cast_mut().cast(),
             iov_len: b.len(),
-        })
-        .collect();
-    let mut hdrs: Vec<libc::mmsghdr> = iovs
-        .iter_mut()
-        .zip(peers)
-        .map(|(iov, peer)| {
+        }));
+        hdrs.clear();
+        hdrs.extend(iovs.iter_mut().zip(peers).map(|(iov, peer)| {
             // SAFETY: `mmsghdr` is plain data (pointers, lengths, flags); all-zero is a valid
             // value of it (null pointers, zero lengths).
             let mut h: libc::mmsghdr = unsafe { std::mem::zeroed() };
@@ -208,13 +215,13 @@ fn sendmmsg(
             h.msg_hdr.msg_iov = iov;
             h.msg_hdr.msg_iovlen = 1;
             h
-        })
-        .collect();
-    // SAFETY: `hdrs` holds `n` initialised headers; each points at one iovec of `iovs` and at
-    // one address of `peers`, which the kernel only reads for a send, and each iovec at one
-    // buffer of `bufs`; all of them outlive the call, which keeps no pointer after it returns.
-    // The kernel writes only each header's `msg_len`.
-    let r = unsafe { libc::sendmmsg(fd, hdrs.as_mut_ptr(), n as libc::c_uint, libc::MSG_DONTWAIT) };
+        }));
+        // SAFETY: `hdrs` holds `n` headers initialised just above; each points at one iovec
+        // of `iovs` and at one address of `peers`, which the kernel only reads for a send,
+        // and each iovec at one buffer of `bufs`; all of them outlive the call, which keeps
+        // no pointer after it returns. The kernel writes only each header's `msg_len`.
+        unsafe { libc::sendmmsg(fd, hdrs.as_mut_ptr(), n as libc::c_uint, libc::MSG_DONTWAIT) }
+    });
     if r < 0 {
         return Err(std::io::Error::last_os_error());
     }

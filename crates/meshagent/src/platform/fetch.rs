@@ -1,13 +1,16 @@
-//! One bounded HTTP/1.1 exchange with a metadata server: connect, send, read a capped body,
-//! all under one deadline. Metadata servers are plain HTTP on a link-local address (or a
-//! host named by `GCE_METADATA_HOST`), so this needs no TLS and no connection reuse.
+//! One bounded HTTP/1.1 exchange with a metadata server on the agent's one client
+//! ([`crate::net`], plain connector): connect, send, read a capped body, all under one
+//! deadline. Metadata servers are plain HTTP on a link-local address (or a host named by
+//! `GCE_METADATA_HOST`), so this needs no TLS and no connection reuse.
 
 use std::time::Duration;
 
 use bytes::Bytes;
 use http::{Method, Request, StatusCode, header};
-use http_body_util::{BodyExt, Full, Limited};
-use hyper_util::rt::TokioIo;
+use http_body_util::Full;
+use tokio::time::Instant;
+
+use crate::net::{self, Connector, SendError, connect::Plain};
 
 /// Metadata answers are small; anything larger is not a metadata server.
 const BODY_CAP: usize = 256 * 1024;
@@ -62,10 +65,22 @@ pub async fn fetch(
         path: path.to_owned(),
         reason,
     };
-    let target = with_port(authority);
+    let deadline = Instant::now() + timeout;
+    let timed_out = || FetchError::Timeout {
+        method: method.clone(),
+        authority: authority.to_owned(),
+        path: path.to_owned(),
+        timeout,
+    };
+    // A bare IPv6 address (as `GCE_METADATA_HOST` may hold) is bracketed in a URL.
+    let url = match authority.parse::<std::net::Ipv6Addr>() {
+        Ok(_) => net::url("http", &format!("[{authority}]"), path),
+        Err(_) => net::url("http", authority, path),
+    }
+    .map_err(fail)?;
     let mut req = Request::builder()
         .method(method.clone())
-        .uri(path)
+        .uri(url)
         .header(header::HOST, authority)
         .header(header::CONNECTION, "close")
         .header(header::USER_AGENT, "meshagent");
@@ -75,38 +90,26 @@ pub async fn fetch(
     let req = req
         .body(Full::new(Bytes::new()))
         .map_err(|e| fail(e.to_string()))?;
-    let exchange = async {
-        let tcp = tokio::net::TcpStream::connect(target.as_str())
-            .await
-            .map_err(|e| format!("connect: {e}"))?;
-        let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(tcp))
-            .await
-            .map_err(|e| e.to_string())?;
-        tokio::spawn(async move {
-            let _ = conn.await;
-        });
-        let resp = sender.send_request(req).await.map_err(|e| e.to_string())?;
-        let (parts, body) = resp.into_parts();
-        let body = Limited::new(body, BODY_CAP)
-            .collect()
-            .await
-            .map_err(|e| format!("reading the body: {e}"))?
-            .to_bytes();
-        Ok::<_, String>(Answer {
-            status: parts.status,
-            headers: parts.headers,
-            body,
-        })
+    let resp = match net::send(Connector::new(Plain), req, deadline, deadline).await {
+        Ok(r) => r,
+        Err(SendError::Timeout) => return Err(timed_out()),
+        Err(SendError::Connect(net::ConnectError::Connect { source, .. })) => {
+            return Err(fail(format!("connect: {source}")));
+        }
+        Err(SendError::Connect(e)) => return Err(fail(format!("connect: {e}"))),
+        Err(SendError::Exchange(e)) => return Err(fail(e)),
     };
-    match tokio::time::timeout(timeout, exchange).await {
-        Err(_) => Err(FetchError::Timeout {
-            method: method.clone(),
-            authority: authority.to_owned(),
-            path: path.to_owned(),
-            timeout,
-        }),
-        Ok(r) => r.map_err(fail),
-    }
+    let (parts, body) = resp.into_parts();
+    let body = match net::collect(body, BODY_CAP, deadline).await {
+        Ok(b) => b,
+        Err(net::BodyError::Timeout) => return Err(timed_out()),
+        Err(e) => return Err(fail(format!("reading the body: {e}"))),
+    };
+    Ok(Answer {
+        status: parts.status,
+        headers: parts.headers,
+        body,
+    })
 }
 
 /// `host:port` for connecting: the authority as given if it has a port, else port 80.

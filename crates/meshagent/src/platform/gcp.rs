@@ -74,11 +74,11 @@ pub fn parse_gcp_metadata(v: &str) -> Option<[String; 4]> {
     }
 }
 
-/// The zone in a resolv.conf's search list, if it has a GKE one.
+/// The zone in a resolv.conf's search list ([`crate::net::resolv`]: the last `search` line,
+/// as glibc uses), if it has a GKE one.
 pub fn zone_from_resolv_conf(text: &str) -> Option<String> {
-    text.lines()
-        .find_map(zone_in_search_line)
-        .map(str::to_owned)
+    let search = crate::net::resolv::ResolvConf::parse(text).search;
+    zone_in_search_line(&format!("search {}", search.join(" "))).map(str::to_owned)
 }
 
 /// Istio's `zoneToRegion`: everything before the last `-`.
@@ -326,9 +326,17 @@ mod tests {
             None,
             "[^.]+ needs a project"
         );
+        // Read as glibc reads the file (Istio matches its expression on every line): a
+        // `searchx` line is no search line, and of several `search` lines the last counts.
+        assert_eq!(zone_from_resolv_conf("searchx a-b-c.c.p.internal\n"), None);
         assert_eq!(
-            zone_from_resolv_conf("searchx a-b-c.c.p.internal\n").as_deref(),
-            Some("a-b-c")
+            zone_from_resolv_conf("search a-b-c.c.p.internal\nsearch cluster.local\n"),
+            None
+        );
+        assert_eq!(
+            zone_from_resolv_conf("search cluster.local\nsearch x-y-z.c.p.internal # gke\n")
+                .as_deref(),
+            Some("x-y-z")
         );
     }
 

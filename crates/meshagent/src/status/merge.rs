@@ -481,47 +481,32 @@ async fn write_all(
                 Err(_) => failed = Some(ScrapeError::Timeout),
             }
         }
-        while failed.is_none() {
-            match tokio::time::timeout_at(deadline, s.rx.recv()).await {
-                Ok(Some(Msg::Data(d))) => {
-                    filter.push(&mut seen, &d, &mut ready);
-                    if let Some(why) = filter.failure() {
-                        failed = Some(ScrapeError::Invalid(why));
-                    }
-                    if !send(&tx, &mut ready).await {
-                        return;
-                    }
-                }
-                Ok(Some(Msg::Failed(e))) => failed = Some(e),
-                Ok(Some(Msg::Head(_))) => {}
-                Ok(None) => break,
-                Err(_) => failed = Some(ScrapeError::Timeout),
-            }
-        }
+        let Ok(mut failed) = read_source(
+            &mut s,
+            failed,
+            &mut filter,
+            &mut seen,
+            &mut ready,
+            &tx,
+            deadline,
+        )
+        .await
+        else {
+            return;
+        };
         if failed.is_none() {
             filter.finish(&mut seen, &mut ready);
             failed = filter.failure().map(ScrapeError::Invalid);
         }
-        if filter.dropped_families > 0 {
-            metrics
-                .dropped_families
-                .with(&[s.kind.label()])
-                .add(filter.dropped_families);
+        if failed.is_some() {
+            filter.abort(&mut ready);
         }
-        health.push(TargetHealth {
-            kind: s.kind,
-            target: std::mem::take(&mut s.target),
-            up: failed.is_none(),
-            seconds: s.started.elapsed().as_secs_f64(),
-        });
-        match failed {
-            None => {}
-            Some(e) => {
-                metrics.failures.with(&[s.kind.label()]).inc();
-                tracing::warn!(source = %s.what, error = %e, "failed scraping {} metrics", s.kind.label());
-                filter.abort(&mut ready);
-            }
-        }
+        health.push(source_done(
+            &mut s,
+            failed,
+            filter.dropped_families,
+            &metrics,
+        ));
         // Dropping the receiver ends the fetch task if it is still running.
         drop(s.rx);
         if !send(&tx, &mut ready).await {
@@ -564,45 +549,31 @@ async fn write_all_proto(
     let mut health = Vec::with_capacity(sources.len());
     for mut s in sources {
         let mut filter = proto::ProtoFilter::default();
-        let mut failed = s.early_failure.take();
-        while failed.is_none() {
-            match tokio::time::timeout_at(deadline, s.rx.recv()).await {
-                Ok(Some(Msg::Data(d))) => {
-                    filter.push(&mut seen, &d, &mut ready);
-                    if let Some(why) = filter.failure() {
-                        failed = Some(ScrapeError::Invalid(why));
-                    }
-                    if !send(&tx, &mut ready).await {
-                        return;
-                    }
-                }
-                Ok(Some(Msg::Failed(e))) => failed = Some(e),
-                Ok(Some(Msg::Head(_))) => {}
-                Ok(None) => break,
-                Err(_) => failed = Some(ScrapeError::Timeout),
-            }
-        }
+        let failed = s.early_failure.take();
+        let Ok(mut failed) = read_source(
+            &mut s,
+            failed,
+            &mut filter,
+            &mut seen,
+            &mut ready,
+            &tx,
+            deadline,
+        )
+        .await
+        else {
+            return;
+        };
         // Whole messages held back are sent whatever happened: each is a complete family.
         filter.finish(&mut ready);
         if failed.is_none() {
             failed = filter.failure().map(ScrapeError::Invalid);
         }
-        if filter.dropped_families > 0 {
-            metrics
-                .dropped_families
-                .with(&[s.kind.label()])
-                .add(filter.dropped_families);
-        }
-        health.push(TargetHealth {
-            kind: s.kind,
-            target: std::mem::take(&mut s.target),
-            up: failed.is_none(),
-            seconds: s.started.elapsed().as_secs_f64(),
-        });
-        if let Some(e) = failed {
-            metrics.failures.with(&[s.kind.label()]).inc();
-            tracing::warn!(source = %s.what, error = %e, "failed scraping {} metrics", s.kind.label());
-        }
+        health.push(source_done(
+            &mut s,
+            failed,
+            filter.dropped_families,
+            &metrics,
+        ));
         drop(s.rx);
         if !send(&tx, &mut ready).await {
             return;
@@ -613,6 +584,91 @@ async fn write_all_proto(
         let _ = tx
             .send(Bytes::from(proto::encode(&families, &mut seen)))
             .await;
+    }
+}
+
+/// What the text and protobuf merges have in common: a filter fed a source's chunks that
+/// hands on whole, de-duplicated families and says when the input is not valid.
+trait Filter {
+    fn push(&mut self, seen: &mut Seen, chunk: &[u8], ready: &mut Vec<Bytes>);
+    fn failure(&self) -> Option<&'static str>;
+}
+
+impl Filter for SourceFilter {
+    fn push(&mut self, seen: &mut Seen, chunk: &[u8], ready: &mut Vec<Bytes>) {
+        SourceFilter::push(self, seen, chunk, ready)
+    }
+    fn failure(&self) -> Option<&'static str> {
+        SourceFilter::failure(self)
+    }
+}
+
+impl Filter for proto::ProtoFilter {
+    fn push(&mut self, seen: &mut Seen, chunk: &[u8], ready: &mut Vec<Bytes>) {
+        proto::ProtoFilter::push(self, seen, chunk, ready)
+    }
+    fn failure(&self) -> Option<&'static str> {
+        proto::ProtoFilter::failure(self)
+    }
+}
+
+/// The scraper went away: stop merging.
+struct Gone;
+
+/// Reads one source's body through `filter` until it ends, fails, turns invalid or the
+/// scrape's deadline passes, sending what is ready as it goes. Returns why the source failed
+/// (`None`: read whole; the caller still finishes the filter).
+async fn read_source(
+    s: &mut Source,
+    mut failed: Option<ScrapeError>,
+    filter: &mut impl Filter,
+    seen: &mut Seen,
+    ready: &mut Vec<Bytes>,
+    tx: &mpsc::Sender<Bytes>,
+    deadline: Instant,
+) -> Result<Option<ScrapeError>, Gone> {
+    while failed.is_none() {
+        match tokio::time::timeout_at(deadline, s.rx.recv()).await {
+            Ok(Some(Msg::Data(d))) => {
+                filter.push(seen, &d, ready);
+                if let Some(why) = filter.failure() {
+                    failed = Some(ScrapeError::Invalid(why));
+                }
+                if !send(tx, ready).await {
+                    return Err(Gone);
+                }
+            }
+            Ok(Some(Msg::Failed(e))) => failed = Some(e),
+            Ok(Some(Msg::Head(_))) => {}
+            Ok(None) => break,
+            Err(_) => failed = Some(ScrapeError::Timeout),
+        }
+    }
+    Ok(failed)
+}
+
+/// Counts and logs how one source ended, and returns its health line.
+fn source_done(
+    s: &mut Source,
+    failed: Option<ScrapeError>,
+    dropped_families: u64,
+    metrics: &MergeMetrics,
+) -> TargetHealth {
+    if dropped_families > 0 {
+        metrics
+            .dropped_families
+            .with(&[s.kind.label()])
+            .add(dropped_families);
+    }
+    if let Some(e) = &failed {
+        metrics.failures.with(&[s.kind.label()]).inc();
+        tracing::warn!(source = %s.what, error = %e, "failed scraping {} metrics", s.kind.label());
+    }
+    TargetHealth {
+        kind: s.kind,
+        target: std::mem::take(&mut s.target),
+        up: failed.is_none(),
+        seconds: s.started.elapsed().as_secs_f64(),
     }
 }
 

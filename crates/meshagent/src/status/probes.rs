@@ -9,24 +9,31 @@
 //! the app's status and at most 10 KiB of body; transport errors → 500.
 
 use std::collections::BTreeMap;
-use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
+use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
+use std::time::Duration;
 
 use axum::body::Body;
 use axum::http::{HeaderMap, HeaderName, HeaderValue, Request, Response, StatusCode, Uri, header};
-use bytes::{Bytes, BytesMut};
-use http_body_util::{BodyExt, Full};
-use hyper_util::rt::{TokioExecutor, TokioIo};
-use rustls::pki_types::ServerName;
-use tokio::net::{TcpSocket, TcpStream};
+use bytes::Bytes;
+use http_body_util::Full;
+use tokio::time::Instant;
 
 use crate::config::probers::{AppProber, ProberKind};
+use crate::net::connect::{Conn, ProbeSource, Tls, connect_from_probe_source};
+use crate::net::{self, ConnectError, Connector, SendError, error_chain};
 
 /// Body bytes passed back to kubelet (Istio's 10 KiB).
 pub const MAX_BODY: usize = 10 * 1024;
 /// gRPC health responses are a few bytes; a larger message is an error.
 const MAX_GRPC_BODY: usize = 64 * 1024;
 const MAX_REDIRECTS: usize = 10;
+const H2_AND_H1: &[&[u8]] = &[b"h2", b"http/1.1"];
+const H1_ONLY: &[&[u8]] = &[b"http/1.1"];
+/// The bound of a probe whose configuration has no timeout (Istio's client then has none;
+/// kubelet gives up after its own `timeoutSeconds`, default 1 s, and closes the request,
+/// which cancels the probe here).
+const UNSET_TIMEOUT_BOUND: Duration = Duration::from_secs(600);
 
 #[derive(Debug, thiserror::Error)]
 pub enum ProbeError {
@@ -39,7 +46,7 @@ pub enum ProbeError {
     #[error("cannot resolve {0}")]
     Resolve(String),
     #[error("TLS handshake failed: {0}")]
-    Tls(#[source] std::io::Error),
+    Tls(String),
     #[error("HTTP request failed: {0}")]
     Http(String),
     #[error("timed out")]
@@ -55,7 +62,7 @@ pub struct AppProbes {
     /// Where the application is: `INSTANCE_IP`, or loopback with the legacy switch.
     dest: IpAddr,
     status_port: u16,
-    tls: Arc<rustls::ClientConfig>,
+    tls: Tls,
 }
 
 impl AppProbes {
@@ -69,7 +76,8 @@ impl AppProbes {
             probers: Arc::new(probers),
             dest,
             status_port,
-            tls: Arc::new(insecure_tls(http2)?),
+            // Kubelet does not verify probe certificates; neither do we.
+            tls: Tls::unverified(if http2 { H2_AND_H1 } else { H1_ONLY })?,
         })
     }
 
@@ -85,13 +93,11 @@ impl AppProbes {
                 Bytes::from(format!("app prober config does not exists for {path}")),
             );
         };
-        let work = self.run(prober, incoming);
-        let result = match prober.timeout() {
-            Some(t) => tokio::time::timeout(t, work)
-                .await
-                .unwrap_or(Err(ProbeError::Timeout)),
-            None => work.await,
-        };
+        let deadline = Instant::now() + prober.timeout().unwrap_or(UNSET_TIMEOUT_BOUND);
+        let work = self.run(prober, incoming, deadline);
+        let result = tokio::time::timeout_at(deadline, work)
+            .await
+            .unwrap_or(Err(ProbeError::Timeout));
         match result {
             Ok((code, body)) => plain(code, body),
             Err(e) => {
@@ -108,11 +114,12 @@ impl AppProbes {
         &self,
         prober: &AppProber,
         incoming: &HeaderMap,
+        deadline: Instant,
     ) -> Result<(StatusCode, Bytes), ProbeError> {
         match &prober.kind {
             ProberKind::TcpSocket { port } => {
                 let addr = SocketAddr::new(self.dest, *port);
-                match connect(addr).await {
+                match connect_from_probe_source(addr).await {
                     Ok(_) => Ok((StatusCode::OK, Bytes::new())),
                     Err(e) => {
                         tracing::debug!(error = %e, "TCP probe failed");
@@ -139,12 +146,24 @@ impl AppProbes {
                 host,
                 headers,
             } => {
-                self.http(path, *port, *https, host.as_deref(), headers, incoming)
-                    .await
+                self.http(
+                    path,
+                    *port,
+                    *https,
+                    host.as_deref(),
+                    headers,
+                    incoming,
+                    deadline,
+                )
+                .await
             }
         }
     }
 
+    #[allow(
+        clippy::too_many_arguments,
+        reason = "the probe's fields, passed through"
+    )]
     async fn http(
         &self,
         path: &str,
@@ -153,6 +172,7 @@ impl AppProbes {
         host: Option<&str>,
         extra: &[(String, String)],
         incoming: &HeaderMap,
+        deadline: Instant,
     ) -> Result<(StatusCode, Bytes), ProbeError> {
         let dest_host = host
             .map(str::to_owned)
@@ -169,7 +189,7 @@ impl AppProbes {
         };
         let headers = self.request_headers(port, extra, incoming);
         for _ in 0..=MAX_REDIRECTS {
-            let (status, location, body) = self.http_once(&target, &headers).await?;
+            let (status, location, body) = self.http_once(&target, &headers, deadline).await?;
             if !status.is_redirection() {
                 return Ok((status, body));
             }
@@ -238,39 +258,69 @@ impl AppProbes {
         &self,
         t: &Target,
         headers: &HeaderMap,
+        deadline: Instant,
     ) -> Result<(StatusCode, Option<String>, Bytes), ProbeError> {
         let addr = resolve(&t.host, t.port).await?;
-        let tcp = connect(addr)
-            .await
-            .map_err(|source| ProbeError::Connect { addr, source })?;
         let authority = match headers.get(header::HOST).and_then(|v| v.to_str().ok()) {
             Some(h) => h.to_owned(),
             None => SocketAddr::new(addr.ip(), t.port).to_string(),
         };
-        let resp = if t.https {
-            let name = match t.host.parse::<IpAddr>() {
-                Ok(ip) => ServerName::IpAddress(ip.into()),
-                Err(_) => ServerName::try_from(t.host.clone())
-                    .map_err(|_| ProbeError::Resolve(t.host.clone()))?,
-            };
-            let tls = tokio_rustls::TlsConnector::from(self.tls.clone())
-                .connect(name, tcp)
-                .await
-                .map_err(ProbeError::Tls)?;
-            let h2 = tls.get_ref().1.alpn_protocol() == Some(b"h2");
-            send(TokioIo::new(tls), h2, "https", &authority, t, headers).await?
-        } else {
-            send(TokioIo::new(tcp), false, "http", &authority, t, headers).await?
+        let scheme = if t.https { "https" } else { "http" };
+        // The URL carries the authority the request names (HTTP/2's `:authority`); the
+        // connector dials `addr` whatever it says, and TLS uses the target's host as the
+        // server name.
+        let default_port = if t.https { 443 } else { 80 };
+        let (url, host_by_hand) = match net::url(scheme, &authority, &t.path_and_query) {
+            // hyper-util writes HTTP/1.1's `Host` from the URL but drops a default port.
+            Ok(u) => {
+                let by_hand = u.port_u16() == Some(default_port);
+                (u, by_hand)
+            }
+            // A `Host` that is no URL authority still goes out as the header.
+            Err(_) => {
+                let direct = SocketAddr::new(addr.ip(), t.port).to_string();
+                let u = net::url(scheme, &direct, &t.path_and_query).map_err(ProbeError::Http)?;
+                (u, true)
+            }
         };
+        let mut req = Request::get(url);
+        // `Host` comes from the URL: HTTP/1.1's header, HTTP/2's `:authority` (no `Host`
+        // header there, as before); written by hand only where the URL cannot say it.
+        for (k, v) in headers {
+            if k != header::HOST {
+                req = req.header(k, v);
+            }
+        }
+        if host_by_hand {
+            req = req.header(header::HOST, authority.as_str());
+        }
+        // No keep-alive: every probe is a fresh connection (Istio's default).
+        req = req.header(header::CONNECTION, "close");
+        let req = req
+            .body(Full::new(Bytes::new()))
+            .map_err(|e| ProbeError::Http(e.to_string()))?;
+        let connector = Connector::new(ProbeSource { to: addr })
+            .with_tls(self.tls.clone().with_server_name(&t.host));
+        let resp = net::send(connector, req, deadline, deadline)
+            .await
+            .map_err(|e| match e {
+                SendError::Timeout => ProbeError::Timeout,
+                SendError::Connect(ConnectError::Connect { addr, source }) => {
+                    ProbeError::Connect { addr, source }
+                }
+                SendError::Connect(ConnectError::Tls { reason, .. }) => ProbeError::Tls(reason),
+                SendError::Connect(e) => ProbeError::Resolve(e.to_string()),
+                SendError::Exchange(e) => ProbeError::Http(e),
+            })?;
         let status = resp.status();
         let location = resp
             .headers()
             .get(header::LOCATION)
             .and_then(|v| v.to_str().ok())
             .map(str::to_owned);
-        let body = read_capped(resp.into_body(), MAX_BODY)
+        let (body, _) = net::prefix(resp.into_body(), MAX_BODY, deadline)
             .await
-            .map_err(ProbeError::Http)?;
+            .map_err(|e| ProbeError::Http(e.to_string()))?;
         Ok((status, location, body))
     }
 }
@@ -301,111 +351,13 @@ impl Target {
     }
 }
 
-async fn send<I>(
-    io: I,
-    h2: bool,
-    scheme: &str,
-    authority: &str,
-    t: &Target,
-    headers: &HeaderMap,
-) -> Result<Response<hyper::body::Incoming>, ProbeError>
-where
-    I: hyper::rt::Read + hyper::rt::Write + Unpin + Send + 'static,
-{
-    let http = |e: hyper::Error| ProbeError::Http(e.to_string());
-    if h2 {
-        let (mut sender, conn) = hyper::client::conn::http2::handshake(TokioExecutor::new(), io)
-            .await
-            .map_err(http)?;
-        tokio::spawn(conn);
-        let uri = format!("{scheme}://{authority}{}", t.path_and_query);
-        let mut req = Request::get(uri.as_str());
-        for (k, v) in headers {
-            if k != header::HOST {
-                req = req.header(k, v);
-            }
-        }
-        let req = req
-            .body(Full::new(Bytes::new()))
-            .map_err(|e| ProbeError::Http(e.to_string()))?;
-        sender.send_request(req).await.map_err(http)
-    } else {
-        let (mut sender, conn) = hyper::client::conn::http1::handshake(io)
-            .await
-            .map_err(http)?;
-        tokio::spawn(conn);
-        let mut req = Request::get(t.path_and_query.as_str());
-        for (k, v) in headers {
-            req = req.header(k, v);
-        }
-        if !headers.contains_key(header::HOST) {
-            req = req.header(header::HOST, authority);
-        }
-        // No keep-alive: every probe is a fresh connection (Istio's default).
-        req = req.header(header::CONNECTION, "close");
-        let req = req
-            .body(Full::new(Bytes::new()))
-            .map_err(|e| ProbeError::Http(e.to_string()))?;
-        sender.send_request(req).await.map_err(http)
-    }
-}
-
-async fn read_capped(mut body: hyper::body::Incoming, cap: usize) -> Result<Bytes, String> {
-    let mut out = BytesMut::new();
-    while out.len() < cap {
-        match body.frame().await {
-            None => break,
-            Some(Err(e)) => return Err(e.to_string()),
-            Some(Ok(f)) => {
-                if let Ok(d) = f.into_data() {
-                    let room = cap - out.len();
-                    out.extend_from_slice(&d[..d.len().min(room)]);
-                }
-            }
-        }
-    }
-    Ok(out.freeze())
-}
-
+/// The first address `host` resolves to.
 async fn resolve(host: &str, port: u16) -> Result<SocketAddr, ProbeError> {
-    if let Ok(ip) = host.parse::<IpAddr>() {
-        return Ok(SocketAddr::new(ip, port));
-    }
-    tokio::net::lookup_host((host, port))
+    crate::net::connect::resolve(host, port)
         .await
         .ok()
-        .and_then(|mut a| a.next())
+        .and_then(|a| a.into_iter().next())
         .ok_or_else(|| ProbeError::Resolve(host.to_owned()))
-}
-
-/// Connects from 127.0.0.6 / ::6 when that address exists here (it always does on Linux
-/// loopback for IPv4; `::6` usually does not), else from the default source.
-pub async fn connect(addr: SocketAddr) -> std::io::Result<TcpStream> {
-    let (socket, source) = match addr {
-        SocketAddr::V4(_) => (
-            TcpSocket::new_v4()?,
-            IpAddr::V4(Ipv4Addr::new(127, 0, 0, 6)),
-        ),
-        SocketAddr::V6(_) => (
-            TcpSocket::new_v6()?,
-            IpAddr::V6(Ipv6Addr::new(0, 0, 0, 0, 0, 0, 0, 6)),
-        ),
-    };
-    // Istio's Go dialer sets SO_LINGER 1s. In tokio a non-zero linger makes `close` block a
-    // runtime thread for up to that long (deprecated for that reason), so we keep the default:
-    // the probe has no unsent data at close, so both end the same way.
-    let socket = match socket.bind(SocketAddr::new(source, 0)) {
-        Ok(()) => socket,
-        Err(e) => {
-            tracing::trace!(%source, error = %e, "probe source address unavailable");
-            if addr.is_ipv4() {
-                TcpSocket::new_v4()?
-            } else {
-                TcpSocket::new_v6()?
-            }
-        }
-    };
-    socket.connect(addr).await
 }
 
 /// `grpc.health.v1.Health/Check` with tonic-health's generated client, over one fresh
@@ -428,7 +380,7 @@ async fn grpc_check(
     }
     let channel = endpoint
         .connect_with_connector(tower::service_fn(move |_: Uri| async move {
-            connect(addr).await.map(TokioIo::new)
+            connect_from_probe_source(addr).await.map(Conn::tcp)
         }))
         .await
         .map_err(|e| grpc(&e))?;
@@ -442,37 +394,10 @@ async fn grpc_check(
     Ok(resp.into_inner().status() == ServingStatus::Serving)
 }
 
-fn error_chain(e: &dyn std::error::Error) -> String {
-    let mut s = e.to_string();
-    let mut cur = e.source();
-    while let Some(c) = cur {
-        s.push_str(": ");
-        s.push_str(&c.to_string());
-        cur = c.source();
-    }
-    s
-}
-
 fn plain(code: StatusCode, body: Bytes) -> Response<Body> {
     let mut r = Response::new(Body::from(body));
     *r.status_mut() = code;
     r
-}
-
-/// Kubelet does not verify probe certificates; neither do we.
-fn insecure_tls(http2: bool) -> Result<rustls::ClientConfig, rustls::Error> {
-    let provider = Arc::new(rustls::crypto::aws_lc_rs::default_provider());
-    let mut cfg = rustls::ClientConfig::builder_with_provider(provider.clone())
-        .with_safe_default_protocol_versions()?
-        .dangerous()
-        .with_custom_certificate_verifier(Arc::new(crate::http_client::AcceptAnyCert(provider)))
-        .with_no_client_auth();
-    cfg.alpn_protocols = if http2 {
-        vec![b"h2".to_vec(), b"http/1.1".to_vec()]
-    } else {
-        vec![b"http/1.1".to_vec()]
-    };
-    Ok(cfg)
 }
 
 #[cfg(test)]

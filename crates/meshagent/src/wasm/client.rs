@@ -1,10 +1,11 @@
 //! The HTTP(S) client of Wasm fetches (module URLs, OCI registries, blob redirects, token
-//! realms). hyper's HTTP/1.1 connection API under a connector that resolves the host,
-//! refuses blocked addresses ([`Guard`]) and only then dials, so redirects and realms are
-//! guarded like the first request (Istio master `pkg/security/dial.go`; Go's transport
-//! gets the same effect from a `net.Dialer.Control` hook). TLS is rustls with the system
-//! roots plus the mesh root; hosts in `WASM_INSECURE_REGISTRIES` skip verification, as
-//! Istio's `InsecureSkipVerify` transport does.
+//! realms), on the agent's one client ([`crate::net`]) with the guarded connector: it
+//! resolves the host, refuses blocked addresses ([`Guard`]) and only then dials, so
+//! redirects and realms are guarded like the first request (Istio master
+//! `pkg/security/dial.go`; Go's transport gets the same effect from a `net.Dialer.Control`
+//! hook). TLS is rustls with the system roots plus the mesh root; hosts in
+//! `WASM_INSECURE_REGISTRIES` skip verification, as Istio's `InsecureSkipVerify` transport
+//! does.
 
 use std::path::Path;
 use std::sync::Arc;
@@ -12,14 +13,13 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use http::{HeaderMap, Method, Request, Response, StatusCode, Uri, header};
-use http_body_util::{BodyExt, Empty};
+use http_body_util::{BodyExt, Full};
 use hyper::body::Incoming;
-use hyper_util::rt::TokioIo;
-use rustls::pki_types::pem::PemObject;
-use rustls::pki_types::{CertificateDer, ServerName};
 use tokio::time::Instant;
 
 use super::guard::{Guard, ResolveError};
+use crate::net::connect::{Guarded, Tls};
+use crate::net::{self, ConnectError, Connector, SendError, error_chain};
 
 /// Redirects followed per request (Go's `http.Client` default).
 const MAX_REDIRECTS: usize = 10;
@@ -94,49 +94,22 @@ pub struct Fetched {
 #[derive(Clone)]
 pub struct Client {
     guard: Arc<Guard>,
-    /// Built at the first verified HTTPS connection, on the blocking pool: parsing the OS
-    /// bundle (~140 certificates) took 5–9 ms, which at start-up was on the path to Envoy's
-    /// start, for a client most agents never use.
-    verified: Arc<tokio::sync::OnceCell<Arc<rustls::ClientConfig>>>,
-    mesh_root: Option<Arc<Path>>,
-    unverified: Arc<rustls::ClientConfig>,
+    connector: Connector<Guarded>,
     insecure_hosts: Arc<Vec<String>>,
     /// Per request (`WASM_HTTP_REQUEST_TIMEOUT`): connect and response head, within the
     /// fetch's overall deadline.
     pub request_timeout: Duration,
 }
 
-/// The provider supports the default versions; an error building a config is impossible in
-/// practice, and an empty config then only fails TLS connections.
-fn fallback_config() -> rustls::ClientConfig {
-    rustls::ClientConfig::builder()
-        .with_root_certificates(rustls::RootCertStore::empty())
-        .with_no_client_auth()
-}
-
-/// The OS trust bundle (the first of Istio's paths that exists) plus the mesh CA bundle.
-/// Blocking: file reads and certificate parsing.
-#[allow(clippy::disallowed_methods, reason = "runs on the blocking pool")]
-fn verified_config(mesh_root: Option<&Path>) -> rustls::ClientConfig {
-    let mut roots = rustls::RootCertStore::empty();
-    let files = crate::control_plane::SYSTEM_ROOT_PATHS
-        .iter()
-        .map(Path::new)
-        .filter(|p| p.is_file())
-        .take(1)
-        .chain(mesh_root.filter(|p| p.is_file()));
-    for f in files {
-        if let Ok(pem) = crate::fsio::read_bounded(f, 16 * 1024 * 1024) {
-            for der in CertificateDer::pem_slice_iter(&pem).flatten() {
-                let _ = roots.add(der);
-            }
+/// Whether `host` (no port) is in `WASM_INSECURE_REGISTRIES` (`*` = all).
+fn insecure(hosts: &[String], host: &str) -> bool {
+    hosts.iter().any(|h| {
+        h == "*" || h.eq_ignore_ascii_case(host) || {
+            // Entries may carry a port (`registry:5000`).
+            h.rsplit_once(':')
+                .is_some_and(|(hh, _)| hh.eq_ignore_ascii_case(host))
         }
-    }
-    let provider = Arc::new(rustls::crypto::aws_lc_rs::default_provider());
-    rustls::ClientConfig::builder_with_provider(provider)
-        .with_safe_default_protocol_versions()
-        .map(|b| b.with_root_certificates(roots).with_no_client_auth())
-        .unwrap_or_else(|_| fallback_config())
+    })
 }
 
 impl Client {
@@ -148,37 +121,16 @@ impl Client {
         request_timeout: Duration,
         mesh_root: Option<&Path>,
     ) -> Client {
-        let provider = Arc::new(rustls::crypto::aws_lc_rs::default_provider());
-        let unverified = rustls::ClientConfig::builder_with_provider(provider.clone())
-            .with_safe_default_protocol_versions()
-            .map(|b| {
-                b.dangerous()
-                    .with_custom_certificate_verifier(Arc::new(crate::http_client::AcceptAnyCert(
-                        provider,
-                    )))
-                    .with_no_client_auth()
-            });
+        let guard = Arc::new(guard);
+        let insecure_hosts = Arc::new(insecure_hosts);
+        let hosts = insecure_hosts.clone();
+        let tls = Tls::verified(mesh_root, move |host| insecure(&hosts, host));
         Client {
-            guard: Arc::new(guard),
-            verified: Arc::default(),
-            mesh_root: mesh_root.map(Arc::from),
-            unverified: Arc::new(unverified.unwrap_or_else(|_| fallback_config())),
-            insecure_hosts: Arc::new(insecure_hosts),
+            connector: Connector::new(Guarded(guard.clone())).with_tls(tls),
+            guard,
+            insecure_hosts,
             request_timeout,
         }
-    }
-
-    async fn verified(&self) -> Arc<rustls::ClientConfig> {
-        self.verified
-            .get_or_init(|| async {
-                let root = self.mesh_root.clone();
-                let cfg = tokio::task::spawn_blocking(move || verified_config(root.as_deref()))
-                    .await
-                    .unwrap_or_else(|_| fallback_config());
-                Arc::new(cfg)
-            })
-            .await
-            .clone()
     }
 
     pub fn guard(&self) -> &Guard {
@@ -187,13 +139,7 @@ impl Client {
 
     /// Whether `host` (no port) is in `WASM_INSECURE_REGISTRIES` (`*` = all).
     pub fn insecure(&self, host: &str) -> bool {
-        self.insecure_hosts.iter().any(|h| {
-            h == "*" || h.eq_ignore_ascii_case(host) || {
-                // Entries may carry a port (`registry:5000`).
-                h.rsplit_once(':')
-                    .is_some_and(|(hh, _)| hh.eq_ignore_ascii_case(host))
-            }
-        })
+        insecure(&self.insecure_hosts, host)
     }
 
     /// GET `url`, following redirects (each hop through the guard). `auth` is sent only to
@@ -245,9 +191,8 @@ impl Client {
         deadline: Instant,
     ) -> Result<Response<Incoming>, ClientError> {
         let text = uri.to_string();
-        let https = match uri.scheme_str() {
-            Some("https") => true,
-            Some("http") => false,
+        match uri.scheme_str() {
+            Some("https" | "http") => {}
             _ => {
                 return Err(ClientError::Url(
                     text,
@@ -258,14 +203,12 @@ impl Client {
         let Some(authority) = uri.authority() else {
             return Err(ClientError::Url(text, "no host".into()));
         };
-        let host = authority.host().to_owned();
-        let port = authority.port_u16().unwrap_or(if https { 443 } else { 80 });
         let mut req = Request::builder()
             .method(Method::GET)
-            .uri(uri.path_and_query().map(|p| p.as_str()).unwrap_or("/"))
+            .uri(uri.clone())
             .header(header::HOST, authority.as_str())
             .header(header::USER_AGENT, "meshagent")
-            .body(Empty::<Bytes>::new())
+            .body(Full::new(Bytes::new()))
             .map_err(|e| ClientError::Url(text.clone(), e.to_string()))?;
         for (k, v) in headers {
             req.headers_mut().insert(k, v.clone());
@@ -277,100 +220,39 @@ impl Client {
         }
         let start = Instant::now();
         let until = deadline.min(start + self.request_timeout);
-        let work =
-            async {
-                let addrs = self.guard.resolve(&host, port).await.map_err(|source| {
-                    ClientError::Resolve {
+        // The connection lives until the fetch's deadline at most, whatever the peer does.
+        net::send(self.connector.clone(), req, until, deadline)
+            .await
+            .map_err(|e| match e {
+                SendError::Timeout => ClientError::Timeout {
+                    url: text.clone(),
+                    after: until.saturating_duration_since(start),
+                },
+                SendError::Connect(ConnectError::Resolve(source)) => ClientError::Resolve {
+                    url: text.clone(),
+                    source,
+                },
+                SendError::Connect(ConnectError::Connect { addr, source }) => {
+                    ClientError::Connect {
                         url: text.clone(),
+                        addr,
                         source,
                     }
-                })?;
-                let mut last = None;
-                let mut tcp = None;
-                for a in addrs {
-                    match tokio::net::TcpStream::connect(a).await {
-                        Ok(s) => {
-                            tcp = Some(s);
-                            break;
-                        }
-                        Err(e) => last = Some((a, e)),
-                    }
                 }
-                let tcp = match (tcp, last) {
-                    (Some(s), _) => s,
-                    (None, Some((addr, source))) => {
-                        return Err(ClientError::Connect {
-                            url: text.clone(),
-                            addr,
-                            source,
-                        });
-                    }
-                    (None, None) => unreachable_no_addr(&text)?,
-                };
-                let _ = tcp.set_nodelay(true);
-                let exchange_err = |e: hyper::Error| ClientError::Exchange {
+                SendError::Connect(ConnectError::Tls { reason, plain_http }) => ClientError::Tls {
                     url: text.clone(),
-                    reason: crate::http_client::error_chain(&e),
-                };
-                if https {
-                    let cfg = if self.insecure(host.trim_start_matches('[').trim_end_matches(']')) {
-                        self.unverified.clone()
-                    } else {
-                        self.verified().await
-                    };
-                    let name = ServerName::try_from(
-                        host.trim_start_matches('[')
-                            .trim_end_matches(']')
-                            .to_owned(),
-                    )
-                    .map_err(|e| ClientError::Url(text.clone(), e.to_string()))?;
-                    let tls = tokio_rustls::TlsConnector::from(cfg)
-                        .connect(name, tcp)
-                        .await
-                        .map_err(|e| {
-                            let reason = crate::http_client::error_chain(&e);
-                            ClientError::Tls {
-                                url: text.clone(),
-                                plain_http: reason.contains("InvalidContentType")
-                                    || reason.contains("corrupt message"),
-                                reason,
-                            }
-                        })?;
-                    let (mut s, conn) = hyper::client::conn::http1::handshake(TokioIo::new(tls))
-                        .await
-                        .map_err(exchange_err)?;
-                    tokio::spawn(bounded(conn, deadline));
-                    s.send_request(req).await.map_err(exchange_err)
-                } else {
-                    let (mut s, conn) = hyper::client::conn::http1::handshake(TokioIo::new(tcp))
-                        .await
-                        .map_err(exchange_err)?;
-                    tokio::spawn(bounded(conn, deadline));
-                    s.send_request(req).await.map_err(exchange_err)
+                    reason,
+                    plain_http,
+                },
+                SendError::Connect(ConnectError::Url(reason)) => {
+                    ClientError::Url(text.clone(), reason)
                 }
-            };
-        match tokio::time::timeout_at(until, work).await {
-            Ok(r) => r,
-            Err(_) => Err(ClientError::Timeout {
-                url: text,
-                after: until.saturating_duration_since(start),
-            }),
-        }
+                SendError::Exchange(reason) => ClientError::Exchange {
+                    url: text.clone(),
+                    reason,
+                },
+            })
     }
-}
-
-/// A connection's task, dropped (closing the socket) at the fetch's deadline whatever the
-/// peer does: a server that holds a half-sent body open must not keep the task and its
-/// descriptor.
-async fn bounded<F: std::future::Future>(conn: F, deadline: Instant) {
-    let _ = tokio::time::timeout_at(deadline, conn).await;
-}
-
-fn unreachable_no_addr(url: &str) -> Result<tokio::net::TcpStream, ClientError> {
-    Err(ClientError::Exchange {
-        url: url.to_owned(),
-        reason: "no address to connect to".into(),
-    })
 }
 
 /// A `Location` value against the URL it came from (absolute, or an absolute path).
@@ -424,7 +306,7 @@ impl Fetched {
                 Ok(Some(Err(e))) => {
                     break Err(ClientError::Body {
                         url: self.url_text.clone(),
-                        reason: crate::http_client::error_chain(&e),
+                        reason: error_chain(&e),
                     });
                 }
                 Ok(Some(Ok(f))) => f,
@@ -468,7 +350,7 @@ impl Fetched {
             };
             let f = f.map_err(|e| ClientError::Body {
                 url: self.url_text.clone(),
-                reason: crate::http_client::error_chain(&e),
+                reason: error_chain(&e),
             })?;
             if let Ok(d) = f.into_data() {
                 if out.len() + d.len() > max {

@@ -299,40 +299,31 @@ impl Session<'_> {
         if resp.status != StatusCode::UNAUTHORIZED {
             return Ok(resp);
         }
-        let challenges: Vec<String> = resp
-            .headers
-            .get_all(header::WWW_AUTHENTICATE)
-            .iter()
-            .filter_map(|v| v.to_str().ok().map(str::to_owned))
-            .collect();
+        let parsed = challenges(
+            resp.headers
+                .get_all(header::WWW_AUTHENTICATE)
+                .iter()
+                .filter_map(|v| v.to_str().ok()),
+        );
         resp.discard();
+        let challenges = parsed.map_err(|e| Failure::Other(format!("{url}: {e}")))?;
         // Istio `ssrfProtectionTransport`: every realm of every Bearer challenge is checked
         // before any is used. A Basic realm is a protection-space label, never dialled
         // (htpasswd registries send e.g. `Basic realm="Registry Realm"`), so it is not a URL
         // to check.
-        for c in &challenges {
-            let bearer = c
-                .split_whitespace()
-                .next()
-                .is_some_and(|s| s.eq_ignore_ascii_case("bearer"));
-            if !bearer {
-                continue;
-            }
-            for realm in params(c, "realm") {
-                guard::check_realm(&realm, &self.reference.registry)
+        for c in challenges.iter().filter(|c| c.scheme == "bearer") {
+            if let Some(realm) = c.param("realm") {
+                guard::check_realm(realm, &self.reference.registry)
                     .map_err(|e| Failure::Other(e.to_string()))?;
             }
         }
+        // The first challenge is the one answered (go-containerregistry `transport/ping.go`).
         let Some(c) = challenges.first() else {
             return Err(Failure::Other(format!(
                 "{url}: 401 without WWW-Authenticate"
             )));
         };
-        let scheme = c
-            .split_whitespace()
-            .next()
-            .unwrap_or("")
-            .to_ascii_lowercase();
+        let scheme = c.scheme.clone();
         self.auth = Some(match scheme.as_str() {
             "bearer" => format!("Bearer {}", self.token(c).await?),
             "basic" => match &self.creds {
@@ -362,15 +353,12 @@ impl Session<'_> {
 
     /// The registry token flow (distribution `token` spec): GET realm?service&scope, Basic
     /// credentials if any; the answer's `token` or `access_token`.
-    async fn token(&self, challenge: &str) -> Result<String, Failure> {
-        let realm = params(challenge, "realm")
-            .into_iter()
-            .next()
-            .unwrap_or_default();
-        let service = params(challenge, "service").into_iter().next();
-        let scope = params(challenge, "scope")
-            .into_iter()
-            .next()
+    async fn token(&self, challenge: &Challenge) -> Result<String, Failure> {
+        let realm = challenge.param("realm").unwrap_or_default().to_owned();
+        let service = challenge.param("service").map(str::to_owned);
+        let scope = challenge
+            .param("scope")
+            .map(str::to_owned)
             .unwrap_or_else(|| format!("repository:{}:pull", self.reference.repository));
         let mut url = realm.clone();
         url.push(if realm.contains('?') { '&' } else { '?' });
@@ -569,31 +557,42 @@ fn basic(c: &Credentials) -> String {
     )
 }
 
-/// Values of `key="…"` (or unquoted) parameters in an auth challenge.
-fn params(challenge: &str, key: &str) -> Vec<String> {
-    let mut out = Vec::new();
-    let lower = challenge.to_ascii_lowercase();
-    let pat = format!("{key}=");
-    let mut from = 0;
-    while let Some(i) = lower[from..].find(&pat) {
-        let start = from + i;
-        // Only at a parameter boundary (not e.g. `xrealm=`).
-        let ok = start == 0 || matches!(lower.as_bytes()[start - 1], b' ' | b',' | b'\t');
-        let vstart = start + pat.len();
-        let rest = &challenge[vstart..];
-        let (v, used) = if let Some(q) = rest.strip_prefix('"') {
-            let end = q.find('"').unwrap_or(q.len());
-            (q[..end].to_owned(), end + 2)
-        } else {
-            let end = rest.find(',').unwrap_or(rest.len());
-            (rest[..end].trim().to_owned(), end)
-        };
-        if ok {
-            out.push(v);
-        }
-        from = (vstart + used).min(challenge.len());
+/// One `WWW-Authenticate` challenge: the scheme lowercased, parameter names lowercased and
+/// values unquoted and unescaped.
+#[derive(Debug, PartialEq, Eq)]
+struct Challenge {
+    scheme: String,
+    params: Vec<(String, String)>,
+}
+
+impl Challenge {
+    fn param(&self, name: &str) -> Option<&str> {
+        self.params
+            .iter()
+            .find(|(k, _)| k == name)
+            .map(|(_, v)| v.as_str())
     }
-    out
+}
+
+/// Every challenge of every `WWW-Authenticate` value, in order, parsed by `http-auth` (RFC
+/// 7235: commas and escaped quotes inside quoted values, several challenges in one value).
+/// A malformed value is an error naming it.
+fn challenges<'a>(values: impl Iterator<Item = &'a str>) -> Result<Vec<Challenge>, String> {
+    let mut out = Vec::new();
+    for v in values {
+        for c in http_auth::parser::ChallengeParser::new(v) {
+            let c = c.map_err(|e| format!("malformed WWW-Authenticate {v:?}: {e}"))?;
+            out.push(Challenge {
+                scheme: c.scheme.to_ascii_lowercase(),
+                params: c
+                    .params
+                    .iter()
+                    .map(|(k, v)| (k.to_ascii_lowercase(), v.to_unescaped()))
+                    .collect(),
+            });
+        }
+    }
+    Ok(out)
 }
 
 fn encode(s: &str) -> String {
@@ -707,10 +706,71 @@ mod tests {
     }
 
     #[test]
+    fn challenge_with_quoted_comma_in_scope() {
+        let c = challenges(
+            [r#"Bearer realm="https://auth.example/token",service="reg",scope="repository:a/b:pull,push""#]
+                .into_iter(),
+        )
+        .unwrap();
+        assert_eq!(c.len(), 1);
+        assert_eq!(c[0].param("scope"), Some("repository:a/b:pull,push"));
+        assert_eq!(c[0].param("service"), Some("reg"));
+    }
+
+    #[test]
+    fn a_parameter_name_inside_a_quoted_value_is_text() {
+        // The hand parser this replaced took `scope=evil"` out of the realm's query.
+        let c = challenges(
+            [r#"Bearer realm="https://auth.example/token?a=1, scope=evil",scope="repository:x:pull""#]
+                .into_iter(),
+        )
+        .unwrap();
+        assert_eq!(
+            c[0].param("realm"),
+            Some("https://auth.example/token?a=1, scope=evil")
+        );
+        assert_eq!(c[0].param("scope"), Some("repository:x:pull"));
+    }
+
+    #[test]
+    fn challenge_with_escaped_quotes_and_case() {
+        let c = challenges(
+            [r#"BEARER Realm="https://a.example/t",  error="say \"no\", twice""#].into_iter(),
+        )
+        .unwrap();
+        assert_eq!(c[0].scheme, "bearer");
+        assert_eq!(c[0].param("realm"), Some("https://a.example/t"));
+        assert_eq!(c[0].param("error"), Some(r#"say "no", twice"#));
+    }
+
+    #[test]
+    fn several_challenges_basic_and_bearer() {
+        // Two challenges in one value, a third in a second header value.
+        let c = challenges(
+            [
+                r#"Basic realm="Registry Realm", Bearer realm="https://auth.example/token",scope="repository:x:pull""#,
+                r#"Bearer realm="https://other.example/t""#,
+            ]
+            .into_iter(),
+        )
+        .unwrap();
+        let schemes: Vec<&str> = c.iter().map(|c| c.scheme.as_str()).collect();
+        assert_eq!(schemes, ["basic", "bearer", "bearer"]);
+        assert_eq!(c[0].param("realm"), Some("Registry Realm"));
+        assert_eq!(c[0].param("scope"), None);
+        assert_eq!(c[1].param("scope"), Some("repository:x:pull"));
+        assert_eq!(c[2].param("realm"), Some("https://other.example/t"));
+        // Unterminated quotes are an error, not a guess.
+        let e = challenges([r#"Bearer realm="https://a.example"#].into_iter()).unwrap_err();
+        assert!(e.starts_with("malformed WWW-Authenticate"), "{e}");
+    }
+
+    #[test]
     fn challenge_params_and_keychain() {
         let c = r#"Bearer realm="https://auth.example/token",service="registry.example",scope="repository:a:pull""#;
-        assert_eq!(params(c, "realm"), vec!["https://auth.example/token"]);
-        assert_eq!(params(c, "service"), vec!["registry.example"]);
+        let c = &challenges([c].into_iter()).unwrap()[0];
+        assert_eq!(c.param("realm"), Some("https://auth.example/token"));
+        assert_eq!(c.param("service"), Some("registry.example"));
         let cfg = br#"{"auths":{"https://index.docker.io/v1/":{"auth":"dTpw"},"r.example:5000":{"username":"a","password":"b"}}}"#;
         assert_eq!(
             credentials(cfg, "index.docker.io", true)

@@ -77,27 +77,23 @@ pub(super) fn detect_ipv6(dual_stack: bool) -> Result<bool, DetectError> {
     }
 }
 
-/// `nameserver` lines of resolv.conf, split into v4 and v6 (Istio uses miekg/dns
-/// `ClientConfigFromFile`, then `IPsSplitV4V6`).
+/// `nameserver` lines of resolv.conf ([`crate::net::resolv`]), split into v4 and v6 as
+/// written there, zone removed (Istio uses miekg/dns `ClientConfigFromFile`, then
+/// `IPsSplitV4V6`); an IPv4-mapped IPv6 address counts as the IPv4 address.
 pub fn resolv_conf_servers(text: &str) -> (Vec<String>, Vec<String>) {
+    let parsed = crate::net::resolv::ResolvConf::parse(text);
+    for s in &parsed.skipped {
+        tracing::warn!("ignoring unparseable nameserver {s:?} in resolv.conf");
+    }
     let mut v4 = Vec::new();
     let mut v6 = Vec::new();
-    for line in text.lines() {
-        let mut f = line.split_whitespace();
-        if f.next() != Some("nameserver") {
-            continue;
-        }
-        // A zone suffix (fe80::1%eth0) is not part of the address.
-        let Some(addr) = f.next().map(|a| a.split('%').next().unwrap_or(a)) else {
-            continue;
-        };
-        match addr.parse::<IpAddr>() {
-            Ok(IpAddr::V4(_)) => v4.push(addr.to_owned()),
-            Ok(IpAddr::V6(ip)) => match ip.to_ipv4_mapped() {
+    for n in parsed.nameservers {
+        match n.ip {
+            IpAddr::V4(_) => v4.push(n.written),
+            IpAddr::V6(ip) => match ip.to_ipv4_mapped() {
                 Some(m) => v4.push(m.to_string()),
-                None => v6.push(addr.to_owned()),
+                None => v6.push(n.written),
             },
-            Err(_) => tracing::warn!("ignoring unparseable nameserver {addr:?} in resolv.conf"),
         }
     }
     (v4, v6)

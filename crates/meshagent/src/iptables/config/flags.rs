@@ -508,6 +508,19 @@ pub(super) fn go_bool(v: &str) -> Option<bool> {
 }
 
 /// Applies env then flags (Istio's precedence) and returns the raw values.
+///
+/// Why this is not clap, like the rest of the CLI: clap can be made to accept pflag's syntax
+/// (`--flag=value`, `--flag value`, `-xv`, bools as `--x`/`--x=false` with `num_args(0..=1)`,
+/// `require_equals` and `default_missing_value`, repeats with `overrides_with`, and an
+/// `UnknownArgument` error rewritten to `unknown flag: --x`), but not the rest of what
+/// `tools/istio-iptables/pkg/cmd/root.go` does through viper: a flag bound to a primary and
+/// further environment variables where the later one wins, an unparseable boolean in the
+/// environment ignored with a warning while the same value on the command line is an error,
+/// Go's `strconv.ParseBool` spellings (clap's boolish parser also takes `yes`/`on`), and the
+/// source of each value (`--flag` or `$VAR`) named in validation errors. Each of those would
+/// need this table beside clap's, so one parser would become two that must agree; cobra's
+/// `--help` layout (checked byte for byte against the real binary by `tests/compat_cli.rs`)
+/// is rendered from this table too ([`usage`]).
 pub fn collect(args: &[String], env: &dyn Env) -> Result<RawValues, ConfigError> {
     let mut raw = RawValues::default();
     // Primary env, then additional env: later wins.
