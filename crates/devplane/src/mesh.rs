@@ -93,6 +93,11 @@ pub struct Workload {
     /// Address peers use to reach this workload's sidecar (the "pod IP").
     #[serde(default = "default_address")]
     pub address: IpAddr,
+    /// The pod's other IPs (Kubernetes `status.podIPs` after the first, e.g. the IPv6 one of a
+    /// dual-stack pod). Headless services publish them in NDS after `address`, as istiod
+    /// does with every address of an endpoint (`pkg/dns/server/name_table.go`).
+    #[serde(default)]
+    pub extra_addresses: Vec<IpAddr>,
     #[serde(default)]
     pub ports: Vec<WorkloadPort>,
     #[serde(default)]

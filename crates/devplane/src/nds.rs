@@ -3,6 +3,13 @@
 //! namespace for the agent's expansions), headless services with the addresses of their
 //! endpoints, and ServiceEntry hosts (registry `External`) with their own or auto-allocated
 //! addresses. A Kubernetes service wins over a ServiceEntry for the same host.
+//!
+//! Headless entries carry every address of every selected workload (a dual-stack pod's IPv4
+//! and IPv6, `extraAddresses`), in workload order, as istiod appends each endpoint's
+//! `Addresses`. Every selected workload serves every `targetPort` of its service (the mesh
+//! file is refused otherwise, as Kubernetes lists a pod on every port of the service), so
+//! istiod's endpoints of the first port (the pinned Istio) and of all ports (istio#61039)
+//! are the same set here.
 
 use std::collections::HashMap;
 
@@ -43,7 +50,8 @@ pub fn name_table(mesh: &Mesh) -> NameTable {
             mesh.workloads
                 .iter()
                 .filter(|w| w.namespace == s.namespace && s.selector.contains(&w.name))
-                .map(|w| w.address.to_string())
+                .flat_map(|w| std::iter::once(&w.address).chain(&w.extra_addresses))
+                .map(|ip| ip.to_string())
                 .collect()
         } else {
             s.vip.iter().map(|ip| ip.to_string()).collect()
@@ -86,6 +94,42 @@ serviceEntries:
   - {hosts: ["*.cdn.example.com"], addresses: [203.0.113.7]}
   - {hosts: ["*.nowhere.example.com"]}
 "#;
+
+    /// The shape istiod-box gives a headless service over a dual-stack pod (`compat_dns`'s
+    /// `mip`: the pod's IPv4 then its IPv6), for a service of two ports: each address once.
+    #[test]
+    fn headless_entries_carry_every_address_of_every_workload() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("mesh.yaml");
+        std::fs::write(
+            &p,
+            r#"
+workloads:
+  - {name: mip-0, serviceAccount: mip, address: 10.1.1.1, extraAddresses: ["fd00::1:1"], ports: [{port: 80, inboundPort: 15006}, {port: 9090, inboundPort: 15007}]}
+  - {name: mip-1, serviceAccount: mip, address: 10.1.1.2, extraAddresses: ["fd00::1:2", "10.9.9.9"], ports: [{port: 80, inboundPort: 15006}, {port: 9090, inboundPort: 15007}]}
+  - {name: other, serviceAccount: other, address: 10.1.2.1, extraAddresses: ["fd00::2:1"], ports: [{port: 80, inboundPort: 15006}]}
+services:
+  - {name: mip, headless: true, selector: [mip-0, mip-1], ports: [{port: 80, targetPort: 80}, {port: 9090, targetPort: 9090}]}
+  - {name: other, selector: [other], ports: [{port: 80, targetPort: 80}]}
+"#,
+        )
+        .unwrap();
+        let m = Mesh::load(&p).unwrap();
+        let t = name_table(&m).table;
+        let mip = &t["mip.default.svc.cluster.local"];
+        assert_eq!(
+            mip.ips,
+            ["10.1.1.1", "fd00::1:1", "10.1.1.2", "fd00::1:2", "10.9.9.9"]
+        );
+        assert_eq!(
+            (mip.registry.as_str(), mip.shortname.as_str()),
+            ("Kubernetes", "mip")
+        );
+        // A service with a VIP publishes the VIP, not its workloads' addresses.
+        let other = &t["other.default.svc.cluster.local"].ips;
+        assert_eq!(other.len(), 1, "{other:?}");
+        assert!(other[0].starts_with("240.240."), "{other:?}");
+    }
 
     #[test]
     fn realistic_shapes() {

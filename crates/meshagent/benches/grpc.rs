@@ -185,6 +185,7 @@ async fn main() {
                 roots: Roots::File(dp.root_cert_path()),
                 server_name: "istiod.istio-system.svc".into(),
                 client_cert: None,
+                policy: Default::default(),
             }),
         };
         let direct_channels = || {

@@ -65,6 +65,8 @@ pub struct Tls {
     pub roots: Roots,
     pub server_name: String,
     pub client_cert: Option<ClientCert>,
+    /// `COMPLIANCE_POLICY`, which Istio applies to these clients (`pilot/pkg/grpc/tls.go`).
+    pub policy: crate::tls_policy::CompliancePolicy,
 }
 
 /// Where and how to dial.
@@ -142,6 +144,7 @@ pub fn ca_target(cfg: &Config) -> Result<Target, DialError> {
             roots,
             server_name,
             client_cert: prov_cert(cfg),
+            policy: crate::tls_policy::CompliancePolicy::parse(&cfg.xds.compliance_policy),
         }),
         addr,
     })
@@ -199,6 +202,7 @@ pub fn xds_target(cfg: &Config, cwd: &Path) -> Result<Target, DialError> {
             roots,
             server_name,
             client_cert,
+            policy: crate::tls_policy::CompliancePolicy::parse(&cfg.xds.compliance_policy),
         }),
         addr,
     })
@@ -360,9 +364,7 @@ fn connector(
 /// Builds the rustls client config for one connection from the current files.
 pub fn client_config(tls: &Tls, cwd: &Path) -> std::io::Result<rustls::ClientConfig> {
     let roots = load_roots(&tls.roots, cwd)?;
-    let provider = Arc::new(rustls::crypto::aws_lc_rs::default_provider());
-    let builder = rustls::ClientConfig::builder_with_provider(provider)
-        .with_safe_default_protocol_versions()
+    let builder = crate::tls_policy::client_builder(tls.policy)
         .map_err(std::io::Error::other)?
         .with_root_certificates(roots);
     let mut config = match tls
@@ -560,6 +562,7 @@ mod tests {
                 roots: Roots::System,
                 server_name: n.to_owned(),
                 client_cert: None,
+                policy: Default::default(),
             }),
         };
         let cases = [

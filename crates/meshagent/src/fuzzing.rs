@@ -142,7 +142,7 @@ pub fn xds_framing(data: &[u8]) {
             RawDecoder::default(),
             body,
             None,
-            Some(crate::xds::MAX_MESSAGE),
+            Some(crate::xds::DEFAULT_MAX_RECV_MSG_SIZE),
         );
         while let Ok(Some(msg)) = stream.message().await {
             let _ = wire::peek(Kind::SotwRequest, &msg);

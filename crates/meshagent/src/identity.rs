@@ -167,7 +167,7 @@ impl Default for Options {
         Options {
             file_load_wait: Duration::from_secs(10),
             clock: manager::Clock::System,
-            backoff: manager::Backoff::default(),
+            backoff: manager::default_backoff(),
             servers: crate::supervise::Servers::new(),
             sds_server: true,
         }

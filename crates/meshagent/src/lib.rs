@@ -34,6 +34,7 @@ pub mod request;
 pub mod status;
 pub mod supervise;
 pub mod tasks;
+pub mod tls_policy;
 pub mod uds;
 pub mod wait;
 pub mod wasm;

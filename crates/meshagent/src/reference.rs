@@ -270,7 +270,7 @@ const SECTIONS: &[(&str, &str, &[Var])] = &[
             ),
             (
                 "COMPLIANCE_POLICY",
-                "`fips-140-2` / `fips-140-3` restrict TLS versions and ciphers.",
+                "`fips-140-2` / `fips-140-3` / `pqc` restrict TLS versions, ciphers and curves (Envoy's and the agent's own).",
                 SAME,
             ),
         ],

@@ -48,19 +48,60 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-/// Restart backoff: 100 ms doubling to 30 s, ±20 % jitter, reset after a minute of serving.
-#[derive(Debug, Clone, Copy)]
+/// Exponential backoff with jitter, the agent's one implementation: `initial` doubling per
+/// attempt up to `max`, each delay scaled by a random factor in `[jitter.0, jitter.1]` so a
+/// fleet does not retry in lockstep. [`Backoff::default`] is the server restart schedule:
+/// 100 ms doubling to 30 s, ±20 %, reset after a minute of serving. The identity module uses
+/// the same type with its own schedule (`identity::manager::default_backoff`).
+#[derive(Debug, Clone)]
 pub struct Backoff {
-    pub initial: Duration,
-    pub max: Duration,
+    initial: Duration,
+    max: Duration,
+    jitter: (f64, f64),
+    attempt: u32,
 }
 
 impl Default for Backoff {
     fn default() -> Backoff {
+        Backoff::new(Duration::from_millis(100), Duration::from_secs(30)).jitter(0.8, 1.2)
+    }
+}
+
+impl Backoff {
+    /// `initial` doubling to `max` (at least `initial`), jitter `[0.8, 1.0]` until
+    /// [`Backoff::jitter`] says otherwise.
+    pub fn new(initial: Duration, max: Duration) -> Backoff {
         Backoff {
-            initial: Duration::from_millis(100),
-            max: Duration::from_secs(30),
+            initial,
+            max: max.max(initial),
+            jitter: (0.8, 1.0),
+            attempt: 0,
         }
+    }
+
+    /// Scales each delay by a random factor in `[lo, hi]`.
+    pub fn jitter(mut self, lo: f64, hi: f64) -> Backoff {
+        self.jitter = (lo.min(hi), hi.max(lo));
+        self
+    }
+
+    /// The un-jittered step the next attempt uses.
+    pub fn base(&self) -> Duration {
+        let factor = 2u32.saturating_pow(self.attempt.min(20));
+        self.initial.saturating_mul(factor).min(self.max)
+    }
+
+    /// The next delay, jittered; the one after it doubles.
+    pub fn next_delay(&mut self) -> Duration {
+        let (lo, hi) = self.jitter;
+        let d = self.base().mul_f64(lo + (hi - lo) * rand::random::<f64>());
+        self.attempt = self.attempt.saturating_add(1);
+        d
+    }
+
+    /// Back to `initial`.
+    pub fn reset(&mut self) {
+        self.attempt = 0;
     }
 }
 
@@ -87,7 +128,7 @@ pub async fn run<F, Fut>(
     F: FnMut() -> Fut,
     Fut: Future<Output = Result<Serving, String>>,
 {
-    let mut delay = backoff.initial;
+    let mut backoff = backoff;
     loop {
         let why = match start().await {
             Err(e) => format!("cannot start: {e}"),
@@ -108,7 +149,7 @@ pub async fn run<F, Fut>(
                     why = socket_lost(socket.clone(), inode) => why,
                 };
                 if started.elapsed() >= HEALTHY_AFTER {
-                    delay = backoff.initial;
+                    backoff.reset();
                 }
                 why
             }
@@ -116,19 +157,14 @@ pub async fn run<F, Fut>(
         if stop.is_cancelled() {
             return;
         }
-        let wait = jittered(delay);
+        let wait = backoff.next_delay();
         tracing::error!(server = name, error = %why, restart_in = %crate::logging::dur(wait), "server down; restarting");
         servers.set_down(name, format!("{why}; restarting"));
         tokio::select! {
             () = stop.cancelled() => return,
             () = tokio::time::sleep(wait) => {}
         }
-        delay = (delay * 2).min(backoff.max);
     }
-}
-
-fn jittered(d: Duration) -> Duration {
-    d.mul_f64(jitter_factor(0.2))
 }
 
 /// The inode at `p` (not following a symlink), by a synchronous `lstat` on the runtime thread.
@@ -183,6 +219,23 @@ mod tests {
     #![allow(clippy::unwrap_used)]
     use super::*;
     use std::sync::atomic::{AtomicU32, Ordering};
+
+    #[test]
+    fn server_backoff_doubles_to_thirty_seconds_within_twenty_percent_and_resets() {
+        let mut b = Backoff::default();
+        let mut base = 0.1f64;
+        for _ in 0..16 {
+            let d = b.next_delay().as_secs_f64();
+            let expect = base.min(30.0);
+            assert!(
+                d >= expect * 0.8 - 1e-9 && d <= expect * 1.2 + 1e-9,
+                "{d} vs {expect}"
+            );
+            base *= 2.0;
+        }
+        b.reset();
+        assert_eq!(b.base(), Duration::from_millis(100));
+    }
 
     #[tokio::test(start_paused = true)]
     async fn a_dead_server_is_restarted_and_not_ready_meanwhile() {

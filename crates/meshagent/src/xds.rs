@@ -73,13 +73,15 @@ use crate::supervise;
 /// The socket's file name inside `configPath`.
 pub const SOCKET_NAME: &str = "XDS";
 
-/// Largest message the downstream server accepts from Envoy. Responses from istiod are not
-/// limited (istio#52815: its 4 MiB default broke large meshes), but Envoy's requests are small
-/// (node metadata, resource names), and the socket is reachable by any local process: gRPC
-/// decoding reserves the declared length up front, so an unbounded limit let a 5-byte prefix
-/// make the agent allocate 4 GiB (found by the `xds_framing` fuzz target). 64 MiB is far above
-/// any real request (a Delta request naming 100,000 resources is ~10 MiB).
-pub const MAX_MESSAGE: usize = 64 * 1024 * 1024;
+/// The default largest request the downstream server accepts from Envoy:
+/// `ISTIO_GPRC_MAXRECVMSGSIZE`'s default, 4 MiB (`pilot/pkg/features/tuning.go`), which Istio's
+/// agent applies to its Envoy-facing gRPC server (`pilot/pkg/grpc/grpc.go` `ServerOptions`, used
+/// by `pkg/istio-agent/xds_proxy.go`). Responses from istiod are not limited (Istio sets
+/// `MaxCallRecvMsgSize(math.MaxInt32)` upstream; istio#52815). A bound matters here beyond
+/// parity: the socket is reachable by any local process and gRPC decoding reserves the declared
+/// length up front, so without one a 5-byte prefix made the agent allocate 4 GiB (found by the
+/// `xds_framing` fuzz target).
+pub const DEFAULT_MAX_RECV_MSG_SIZE: usize = 4 * 1024 * 1024;
 
 #[derive(Debug, thiserror::Error)]
 pub enum XdsError {
@@ -183,6 +185,9 @@ pub struct XdsOptions {
     pub keepalive: Keepalive,
     pub metadata: CallMetadata,
     pub max_streams: u32,
+    /// Largest request accepted from a downstream client (`ISTIO_GPRC_MAXRECVMSGSIZE`); a
+    /// larger one ends its stream with `ResourceExhausted`, as Istio's agent does.
+    pub max_recv_msg_size: usize,
     /// Intercept NDS (the DNS proxy is on).
     pub nds: bool,
     /// The proxy's namespace and domain, for building the NDS lookup table.
@@ -216,6 +221,7 @@ impl XdsOptions {
             },
             metadata: CallMetadata::new(&cfg.identity.cluster_id, &cfg.xds.headers, token),
             max_streams: cfg.xds.max_streams,
+            max_recv_msg_size: cfg.xds.max_recv_msg_size as usize,
             // NDS is subscribed exactly when the DNS proxy runs.
             nds: crate::dns::enabled(cfg),
             nds_scope: crate::dns::Scope::from_config(cfg),
@@ -397,6 +403,7 @@ pub fn start_with(
         shared,
         shutdown: shutdown.clone(),
         ids: Arc::default(),
+        max_recv: opts.max_recv_msg_size,
     };
     let socket = opts.socket.clone();
     tracing::info!(socket = %socket.display(), upstream = %opts.target.addr, tls = opts.target.tls.is_some(), nds = opts.nds, pcds = opts.pcds, "xDS proxy listening");
@@ -516,6 +523,8 @@ struct AdsServer {
     shutdown: CancellationToken,
     /// Numbers the stream pairs (log spans).
     ids: Arc<std::sync::atomic::AtomicU64>,
+    /// [`XdsOptions::max_recv_msg_size`].
+    max_recv: usize,
 }
 
 impl NamedService for AdsServer {
@@ -566,7 +575,7 @@ impl AdsServer {
             codec::RawDecoder::default(),
             req.into_body(),
             None,
-            Some(MAX_MESSAGE),
+            Some(self.max_recv),
         );
         let stop = self.shutdown.child_token();
         let id = self

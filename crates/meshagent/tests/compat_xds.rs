@@ -213,3 +213,101 @@ async fn xds_streams_and_envoy_config_match_pilot_agent() {
     }
     assert!(unexpected.is_empty(), "{}", unexpected.join("\n"));
 }
+
+/// A raw SotW ADS stream on the agent's `XDS` socket, as Envoy opens it, sending an EDS request
+/// of `names` names of ~100 bytes; returns the status the stream ends with.
+async fn oversized_request_status(socket: std::path::PathBuf, names: usize) -> tonic::Status {
+    use futures::StreamExt as _;
+    use meshagent_proto::envoy::pb::envoy::service::discovery::v3::DiscoveryRequest;
+    use prost::Message;
+    let channel = tonic::transport::Endpoint::from_static("http://localhost")
+        .connect_with_connector_lazy(tower::service_fn(move |_| {
+            let p = socket.clone();
+            async move {
+                Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(
+                    tokio::net::UnixStream::connect(p).await?,
+                ))
+            }
+        }));
+    let grpc = tonic::client::Grpc::new(channel)
+        .max_decoding_message_size(usize::MAX)
+        .max_encoding_message_size(usize::MAX);
+    let request = DiscoveryRequest {
+        type_url: "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment".into(),
+        resource_names: (0..names)
+            .map(|i| {
+                format!(
+                    "outbound|80||svc-{i:07}.{}.svc.cluster.local",
+                    "n".repeat(60)
+                )
+            })
+            .collect(),
+        ..Default::default()
+    }
+    .encode_to_vec();
+    async fn call(
+        mut grpc: tonic::client::Grpc<tonic::transport::Channel>,
+        request: Vec<u8>,
+    ) -> Result<(), tonic::Status> {
+        grpc.ready()
+            .await
+            .map_err(|e| tonic::Status::unavailable(e.to_string()))?;
+        let requests =
+            futures::stream::iter([bytes::Bytes::from(request)]).chain(futures::stream::pending());
+        let mut stream = grpc
+            .streaming(
+                tonic::Request::new(requests),
+                http::uri::PathAndQuery::from_static(meshagent::xds::stream::SOTW_PATH),
+                meshagent::xds::codec::RawCodec,
+            )
+            .await?
+            .into_inner();
+        while stream.message().await?.is_some() {}
+        Ok(())
+    }
+    let call = call(grpc, request);
+    match tokio::time::timeout(Duration::from_secs(30), call).await {
+        Ok(Err(s)) => s,
+        Ok(Ok(())) => panic!("the stream ended with OK, not a refusal"),
+        Err(_) => panic!("no refusal within 30 s"),
+    }
+}
+
+/// `ISTIO_GPRC_MAXRECVMSGSIZE` on Envoy's requests: with the limit at 64 KiB, each agent ends
+/// an ADS stream whose request is ~100 KiB with the same gRPC status and message (gRPC-Go's
+/// `ResourceExhausted` "grpc: received message larger than max (N vs. 65536)"), while its own
+/// Envoy, whose requests are smaller, gets ready.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn oversized_request_is_refused_as_pilot_agent_refuses_it() {
+    let mesh = mesh_with_free_ports();
+    let istiod = IstiodBox::start_with(&workload_a(), Some(&mesh), &[]).await;
+    let mut seen = Vec::new();
+    for kind in [AgentKind::PilotAgent, AgentKind::Meshagent] {
+        let prom = free_port().to_string();
+        let env = [
+            ("ENVOY_PROMETHEUS_PORT", prom.as_str()),
+            ("ISTIO_GPRC_MAXRECVMSGSIZE", "65536"),
+        ];
+        let pod = PodSpec {
+            env: &env,
+            ..PodSpec::new("a", "127.0.0.1")
+        };
+        let sc: Sidecar = start_agent(&istiod, kind, &pod).await;
+        wait_for(&format!("{kind:?} to be ready"), READY, || async {
+            matches!(http_get(sc.status, "/healthz/ready").await, Ok((200, _))).then_some(())
+        })
+        .await;
+        let s = oversized_request_status(sc.cwd.path().join("etc/istio/proxy/XDS"), 1000).await;
+        eprintln!("{kind:?}: {:?} {:?}", s.code(), s.message());
+        seen.push((s.code(), s.message().to_owned()));
+    }
+    assert_eq!(seen[0], seen[1], "pilot-agent | meshagent");
+    assert_eq!(seen[0].0, tonic::Code::ResourceExhausted);
+    assert!(
+        seen[0]
+            .1
+            .starts_with("grpc: received message larger than max (")
+            && seen[0].1.ends_with(" vs. 65536)"),
+        "{seen:?}"
+    );
+}

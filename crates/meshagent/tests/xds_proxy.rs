@@ -358,16 +358,18 @@ async fn hundred_mib_response_reaches_the_client_intact() {
 }
 
 /// F9, the other way: a 20 MiB request (an Envoy subscribing to 10,000 long EDS names)
-/// passes the agent — whose own limit is 64 MiB (`xds::MAX_MESSAGE`), so no agent-side
+/// passes an agent whose `ISTIO_GPRC_MAXRECVMSGSIZE` is raised to 64 MiB — so no agent-side
 /// failure — and is counted by `pilot_xds_recv_max`; devplane, like istiod (4 MiB
 /// `ISTIO_GPRC_MAXRECVMSGSIZE`), refuses it, and the client sees istiod's clean error
 /// (`ResourceExhausted`, grpc-go's message) rather than a hang or a reset. The agent keeps
 /// serving: a new stream gets config.
 #[tokio::test(flavor = "multi_thread")]
 async fn twenty_mib_request_passes_the_agent_and_devplane_refuses_it_as_istiod() {
+    const LIMIT: usize = 64 * 1024 * 1024;
     let dp = Devplane::start(&mesh_yaml(false)).await;
     let dir = tempfile::tempdir().unwrap();
-    let agent = agent_for(&dp, dir.path(), &[]).await;
+    let limit = LIMIT.to_string();
+    let agent = agent_for(&dp, dir.path(), &[("ISTIO_GPRC_MAXRECVMSGSIZE", &limit)]).await;
     let (tx, stream) = raw_sotw(agent.handle.socket()).await;
     let mut stream = stream.unwrap();
     tx.send(sotw_request(type_url::CLUSTER, vec![], None))
@@ -385,10 +387,7 @@ async fn twenty_mib_request_passes_the_agent_and_devplane_refuses_it_as_istiod()
         .collect();
     let big = sotw_request(type_url::ENDPOINT, names, None);
     let size = big.len();
-    assert!(
-        size > 20 * 1024 * 1024 && size < meshagent::xds::MAX_MESSAGE,
-        "{size}"
-    );
+    assert!(size > 20 * 1024 * 1024 && size < LIMIT, "{size}");
     tx.send(sotw_request(
         type_url::CLUSTER,
         vec![],
@@ -432,6 +431,121 @@ async fn twenty_mib_request_passes_the_agent_and_devplane_refuses_it_as_istiod()
         .unwrap();
     let (_, again) = next_response(&mut stream2, "CDS on a new stream").await;
     assert!(!again.resources.is_empty());
+}
+
+/// Sends `requests` after a first CDS exchange on a fresh stream of `agent` and returns the
+/// status the stream ends with.
+async fn status_after(agent: &Agent, requests: Vec<bytes::Bytes>) -> tonic::Status {
+    let (tx, stream) = raw_sotw(agent.handle.socket()).await;
+    let mut stream = stream.unwrap();
+    tx.send(sotw_request(type_url::CLUSTER, vec![], None))
+        .await
+        .unwrap();
+    let (_, first) = next_response(&mut stream, "the first CDS response").await;
+    tx.send(sotw_request(
+        type_url::CLUSTER,
+        vec![],
+        Some((&first.version_info, &first.nonce)),
+    ))
+    .await
+    .unwrap();
+    for r in requests {
+        tx.send(r).await.unwrap();
+    }
+    loop {
+        match tokio::time::timeout(Duration::from_secs(60), stream.message())
+            .await
+            .expect("the stream to end within 60 s")
+        {
+            Ok(Some(_)) => continue,
+            Ok(None) => panic!("the stream ended with OK, not the agent's refusal"),
+            Err(s) => break s,
+        }
+    }
+}
+
+/// An EDS request naming `n` resources of about 100 bytes each, the last one `extra` bytes
+/// longer (each name is under 128 bytes, so one more byte in it is one more in the message).
+fn eds_request(n: usize, extra: usize) -> bytes::Bytes {
+    let mut names: Vec<String> = (0..n)
+        .map(|i| {
+            format!(
+                "outbound|80||svc-{i:07}.{}.svc.cluster.local",
+                "n".repeat(60)
+            )
+        })
+        .collect();
+    if let Some(last) = names.last_mut() {
+        last.push_str(&"x".repeat(extra));
+    }
+    sotw_request(type_url::ENDPOINT, names, None)
+}
+
+/// Istio's agent applies `ISTIO_GPRC_MAXRECVMSGSIZE` (default 4 MiB,
+/// `pilot/pkg/features/tuning.go`) to its Envoy-facing server (`pilot/pkg/grpc/grpc.go`
+/// `ServerOptions`), and gRPC-Go ends a stream whose request is larger with
+/// `ResourceExhausted` "grpc: received message larger than max (<len> vs. <limit>)"
+/// (`rpc_util.go`), which `pkg/istio-agent/xds_proxy.go` returns to Envoy. The same here:
+/// by default a 5 MiB request is refused by the agent itself (istiod is never sent it), and
+/// a configured limit is applied exactly (a request of the limit passes, one byte more is
+/// refused). The agent serves on.
+#[tokio::test(flavor = "multi_thread")]
+async fn oversized_request_is_refused_by_the_agent_as_istio_refuses_it() {
+    let dp = Devplane::start(&mesh_yaml(false)).await;
+    let dir = tempfile::tempdir().unwrap();
+    let agent = agent_for(&dp, dir.path(), &[]).await;
+    let big = eds_request(50_000, 0);
+    let size = big.len();
+    assert!(size > 5 * 1024 * 1024 && size < 6 * 1024 * 1024, "{size}");
+    let status = status_after(&agent, vec![big]).await;
+    assert_eq!(status.code(), tonic::Code::ResourceExhausted, "{status:?}");
+    assert_eq!(
+        status.message(),
+        format!("grpc: received message larger than max ({size} vs. 4194304)"),
+        "{status:?}"
+    );
+    assert_eq!(
+        agent.metric("istio_agent_envoy_connection_terminations{type=\"error\"}"),
+        1.0,
+        "{}",
+        agent.registry.encode()
+    );
+    // Refused by the agent, not istiod.
+    assert_eq!(
+        agent.metric("istio_agent_istiod_connection_terminations{type=\"error\"}"),
+        0.0
+    );
+    assert!(agent.metric("istio_agent_pilot_xds_recv_max") < size as f64);
+
+    // A configured limit: a request of exactly the limit passes, one byte more does not.
+    let at = eds_request(20, 0);
+    let over = eds_request(20, 1);
+    let (limit, olen) = (at.len(), over.len());
+    assert_eq!(olen, limit + 1);
+    let dir2 = tempfile::tempdir().unwrap();
+    let limit_env = limit.to_string();
+    let agent2 = agent_for(
+        &dp,
+        dir2.path(),
+        &[("ISTIO_GPRC_MAXRECVMSGSIZE", &limit_env)],
+    )
+    .await;
+    let status = status_after(&agent2, vec![at, over]).await;
+    assert_eq!(status.code(), tonic::Code::ResourceExhausted, "{status:?}");
+    assert_eq!(
+        status.message(),
+        format!("grpc: received message larger than max ({olen} vs. {limit})")
+    );
+    // Both agents serve on.
+    for a in [&agent, &agent2] {
+        let (tx, stream) = raw_sotw(a.handle.socket()).await;
+        let mut stream = stream.unwrap();
+        tx.send(sotw_request(type_url::CLUSTER, vec![], None))
+            .await
+            .unwrap();
+        let (_, again) = next_response(&mut stream, "CDS on a new stream").await;
+        assert!(!again.resources.is_empty());
+    }
 }
 
 /// F10: a paused Envoy slows the upstream read instead of growing the agent's memory: while

@@ -77,45 +77,13 @@ pub fn rotation_delay(
     rotate_at.duration_since(now).unwrap_or_default()
 }
 
-/// Per-identity backoff: `initial` doubling to `max`, each step scaled by a random factor in
-/// [0.8, 1.0] so a fleet does not retry in lockstep (never above `max`).
-#[derive(Debug, Clone)]
-pub struct Backoff {
-    initial: Duration,
-    max: Duration,
-    attempt: u32,
-}
+/// The agent's backoff ([`crate::supervise::Backoff`]); identities use it with jitter in
+/// [0.8, 1.0] of each step, so a retry is never later than `max`.
+pub use crate::supervise::Backoff;
 
-impl Default for Backoff {
-    fn default() -> Backoff {
-        Backoff::new(Duration::from_millis(500), Duration::from_secs(150))
-    }
-}
-
-impl Backoff {
-    pub fn new(initial: Duration, max: Duration) -> Backoff {
-        Backoff {
-            initial,
-            max: max.max(initial),
-            attempt: 0,
-        }
-    }
-
-    /// The un-jittered step `attempt` would use.
-    pub fn base(&self) -> Duration {
-        let factor = 2u32.saturating_pow(self.attempt.min(20));
-        self.initial.saturating_mul(factor).min(self.max)
-    }
-
-    pub fn next_delay(&mut self) -> Duration {
-        let d = self.base().mul_f64(1.0 - 0.2 * rand::random::<f64>());
-        self.attempt = self.attempt.saturating_add(1);
-        d
-    }
-
-    pub fn reset(&mut self) {
-        self.attempt = 0;
-    }
+/// Per-identity CSR backoff: 0.5 s doubling to 150 s, each step scaled by [0.8, 1.0].
+pub fn default_backoff() -> Backoff {
+    Backoff::new(Duration::from_millis(500), Duration::from_secs(150))
 }
 
 /// A certificate as published.

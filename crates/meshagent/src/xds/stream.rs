@@ -278,6 +278,30 @@ fn downstream_termination_type(s: Option<&Status>) -> &'static str {
     }
 }
 
+/// A downstream read error as gRPC-Go reports it. tonic refuses a message over the server's
+/// limit with `OutOfRange` and its own wording; gRPC-Go, behind Istio's agent, says
+/// `ResourceExhausted` "grpc: received message larger than max (<len> vs. <limit>)"
+/// (`google.golang.org/grpc` `rpc_util.go` `recvAndDecompress`), which is what Envoy logs and
+/// what operators search for.
+fn recv_status(s: Status) -> Status {
+    const TONIC: &str = "Error, decoded message length too large: found ";
+    if s.code() != tonic::Code::OutOfRange {
+        return s;
+    }
+    let Some(rest) = s.message().strip_prefix(TONIC) else {
+        return s;
+    };
+    let mut nums = rest
+        .split(|c: char| !c.is_ascii_digit())
+        .filter(|w| !w.is_empty());
+    match (nums.next(), nums.next()) {
+        (Some(len), Some(limit)) => Status::resource_exhausted(format!(
+            "grpc: received message larger than max ({len} vs. {limit})"
+        )),
+        _ => Status::resource_exhausted(s.message().to_owned()),
+    }
+}
+
 /// The downstream connection a pair's stream arrived on: pairs of one connection share an
 /// upstream connection ([`Upstream`]), and `cut` closes the connection (a stalled client).
 #[derive(Clone)]
@@ -378,7 +402,7 @@ pub async fn run(
             m = downstream.message(), if up_tx.capacity() > AGENT_HEADROOM => match m {
                 Ok(Some(msg)) => on_request(&shared, api, msg, &up_tx, &mut seen_lds, &view),
                 Ok(None) => break End::Downstream(None),
-                Err(s) => break End::Downstream(Some(s)),
+                Err(s) => break End::Downstream(Some(recv_status(s))),
             },
             Ok(()) = health.changed() => {
                 // Never before LDS: istiod must know the proxy first (Istio sends it only after the first LDS request, `xds_proxy.go`); the replay
@@ -488,7 +512,14 @@ pub async fn run(
                     tracing::debug!(id, status = ?s.as_ref().map(|s| s.code()), "downstream terminated")
                 }
             }
-            // Dropping the upstream stream resets it: istiod sees the proxy go away at once.
+            // Istio's handler returns the downstream error, so gRPC-Go ends Envoy's stream
+            // with it (`pkg/istio-agent/xds_proxy.go` `handleUpstream`): e.g. a request over
+            // `ISTIO_GPRC_MAXRECVMSGSIZE` gets `ResourceExhausted`. A client that is gone never
+            // reads it. Dropping the upstream stream resets it: istiod sees the proxy go away
+            // at once.
+            if let Some(s) = s {
+                fail(s);
+            }
         }
     }
 }
@@ -787,6 +818,23 @@ mod tests {
             downstream_termination_type(Some(&Status::unavailable("boom"))),
             "error"
         );
+    }
+
+    #[test]
+    fn oversized_requests_are_refused_in_grpc_gos_words() {
+        let tonic = Status::out_of_range(
+            "Error, decoded message length too large: found 5242885 bytes, the limit is: 4194304 bytes",
+        );
+        let s = recv_status(tonic);
+        assert_eq!(s.code(), tonic::Code::ResourceExhausted);
+        assert_eq!(
+            s.message(),
+            "grpc: received message larger than max (5242885 vs. 4194304)"
+        );
+        let other = recv_status(Status::out_of_range("something else"));
+        assert_eq!(other.code(), tonic::Code::OutOfRange);
+        let other = recv_status(Status::internal("x"));
+        assert_eq!(other.code(), tonic::Code::Internal);
     }
 
     #[test]

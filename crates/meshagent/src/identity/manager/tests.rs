@@ -117,7 +117,7 @@ fn start_with(ttl: Duration, jitter: f64, kind: KeyKind, keys: KeySource) -> Run
         output: None,
         metrics: Metrics::register(&crate::metrics::Registry::new()).unwrap(),
         clock,
-        backoff: Backoff::default(),
+        backoff: default_backoff(),
         crl: None,
         keys,
         output_gates_readiness: false,
@@ -320,7 +320,7 @@ fn rotation_jitter_bounds() {
 
 #[test]
 fn backoff_doubles_to_cap_with_jitter_and_resets() {
-    let mut b = Backoff::default();
+    let mut b = default_backoff();
     let mut base = 0.5f64;
     for _ in 0..20 {
         let d = secs(b.next_delay());
