@@ -24,7 +24,7 @@
     clippy::disallowed_methods,
     reason = "test and benchmark code, not on the agent's runtime"
 )]
-#![allow(clippy::unwrap_used, clippy::print_stdout)] // a benchmark binary
+#![allow(clippy::unwrap_used, clippy::print_stdout, clippy::disallowed_types)] // a benchmark binary
 
 #[path = "support/mem.rs"]
 mod mem;
