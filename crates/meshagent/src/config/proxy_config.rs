@@ -305,8 +305,26 @@ impl ProxyConfig {
                 self.service_cluster = string(v).ok_or(STRING)?;
                 self.tracing_service_name = None;
             }
+            // An enum (`ProxyConfig.TracingServiceName`, istio.io/api mesh/v1alpha1/proxy.proto),
+            // kept by its name.
             "tracingServiceName" => {
-                self.tracing_service_name = Some(string(v).ok_or(STRING)?);
+                const NAMES: [&str; 3] = [
+                    "APP_LABEL_AND_NAMESPACE",
+                    "CANONICAL_NAME_ONLY",
+                    "CANONICAL_NAME_AND_NAMESPACE",
+                ];
+                let name = match v {
+                    Value::String(s) => NAMES.iter().find(|n| **n == s.as_str()),
+                    Value::Number(n) => n
+                        .as_u64()
+                        .and_then(|i| usize::try_from(i).ok())
+                        .and_then(|i| NAMES.get(i)),
+                    _ => None,
+                }
+                .ok_or(
+                    "APP_LABEL_AND_NAMESPACE, CANONICAL_NAME_ONLY or CANONICAL_NAME_AND_NAMESPACE (or 0/1/2)",
+                )?;
+                self.tracing_service_name = Some((*name).to_owned());
                 self.service_cluster.clear();
             }
             "drainDuration" => self.drain_duration = duration(v).ok_or(DURATION)?,
@@ -367,8 +385,19 @@ impl ProxyConfig {
             "fileFlushInterval" => self.file_flush_interval = Some(duration(v).ok_or(DURATION)?),
             "proxyHeaders" => self.proxy_headers = Some(object(v).ok_or(OBJECT)?),
             "image" => self.image = Some(object(v).ok_or(OBJECT)?),
+            // Kept as JSON, but of the proto type Istio's schema gives each (a uint32 in its
+            // number form, a google.protobuf.BoolValue, messages as objects).
+            "fileFlushMinSizeKb" => {
+                let kb: u32 = int(v).ok_or(UINT)?;
+                self.passthrough.insert(field.to_owned(), Value::from(kb));
+            }
+            "statsCompression" => {
+                let on = v.as_bool().ok_or("a boolean")?;
+                self.passthrough.insert(field.to_owned(), Value::Bool(on));
+            }
             f if PASSTHROUGH_FIELDS.contains(&f) => {
-                self.passthrough.insert(f.to_owned(), v.clone());
+                self.passthrough
+                    .insert(f.to_owned(), object(v).ok_or(OBJECT)?);
             }
             _ => return Ok(false),
         }
