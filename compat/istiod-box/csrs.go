@@ -2,7 +2,9 @@ package main
 
 import (
 	"context"
+	"crypto/x509"
 	"encoding/json"
+	"encoding/pem"
 	"net/http"
 	"strings"
 	"sync"
@@ -40,6 +42,12 @@ type csrRecord struct {
 	Metadata json.RawMessage `json:"metadata"`
 	// The gRPC status code of the answer ("OK" when a certificate was issued).
 	Code string `json:"code"`
+	// When the call arrived, in Unix milliseconds (Time's instant, for arithmetic).
+	TimeUnixMs int64 `json:"time_unix_ms"`
+	// The issued leaf certificate's validity in Unix seconds (0 when none was issued): the
+	// rotation differential measures each agent's next CSR against it.
+	NotBefore int64 `json:"not_before,omitempty"`
+	NotAfter  int64 `json:"not_after,omitempty"`
 }
 
 // csrLog keeps the last maxCSRs CreateCertificate calls.
@@ -56,8 +64,10 @@ func (l *csrLog) interceptor(ctx context.Context, req any, info *grpc.UnaryServe
 	if info.FullMethod != createCertificate || !ok {
 		return handler(ctx, req)
 	}
+	now := time.Now()
 	rec := csrRecord{
-		Time:             time.Now().UTC().Format(time.RFC3339Nano),
+		Time:             now.UTC().Format(time.RFC3339Nano),
+		TimeUnixMs:       now.UnixMilli(),
 		CSR:              r.GetCsr(),
 		ValidityDuration: r.GetValidityDuration(),
 		Metadata:         json.RawMessage("null"),
@@ -70,6 +80,14 @@ func (l *csrLog) interceptor(ctx context.Context, req any, info *grpc.UnaryServe
 	}
 	resp, err := handler(ctx, req)
 	rec.Code = status.Code(err).String()
+	if r, ok := resp.(*pb.IstioCertificateResponse); ok && len(r.GetCertChain()) > 0 {
+		if b, _ := pem.Decode([]byte(r.GetCertChain()[0])); b != nil {
+			if c, err := x509.ParseCertificate(b.Bytes); err == nil {
+				rec.NotBefore = c.NotBefore.Unix()
+				rec.NotAfter = c.NotAfter.Unix()
+			}
+		}
+	}
 	l.mu.Lock()
 	l.records = append(l.records, rec)
 	if len(l.records) > maxCSRs {

@@ -83,7 +83,10 @@ pub struct WasmOptions {
 impl WasmOptions {
     pub fn from_config(cfg: &Config, cwd: &Path) -> WasmOptions {
         WasmOptions {
-            dir: crate::fsio::under(cwd, DATA_DIR),
+            // Absolute, as pilot-agent's `/var/lib/istio/data` (`pkg/istio-agent/xds_proxy.go`
+            // `NewLocalFileCache(constants.IstioDataDir)`): the module file Envoy gets over ECDS
+            // names the same path in both agents' config dumps (`tests/compat_pushes.rs`).
+            dir: crate::grpcxds::absolute(cwd, Path::new(DATA_DIR)),
             cfg: cfg.wasm.clone(),
             mesh_root: Some(crate::fsio::under(cwd, MESH_ROOT)),
             docker_config: cfg.wasm.docker_config.clone(),

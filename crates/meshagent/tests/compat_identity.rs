@@ -16,6 +16,9 @@
 //! - **the OUTPUT_CERTS files**: names, modes, the PEM blocks of each (labels and the
 //!   certificates described as above).
 //!
+//! `rotation_timing_matches_istio_rule` checks when each agent renews a short-lived
+//! certificate against Istio's rotation rule (see its doc).
+//!
 //! Ignored as volatile, each with its reason: serial numbers, signatures, key and
 //! public-key bytes, validity instants (each run's keys and times differ; the lifetime is
 //! compared); `version_info`/`last_updated` of secrets (set by each agent's SDS server at its
@@ -376,4 +379,152 @@ async fn identity_matches_pilot_agent() {
         eprintln!("listed: {l}");
     }
     assert!(unexpected.is_empty(), "{}", unexpected.join("\n"));
+}
+
+/// The workload certificate lifetime both agents ask for (`SECRET_TTL`) in the rotation test:
+/// short enough that the first rotation comes within half a minute of start.
+const ROTATION_TTL: Duration = Duration::from_secs(40);
+
+/// Istio's rotation rule (`security/pkg/nodeagent/cache/secretcache.go` `rotateTime`, with
+/// `SECRET_GRACE_PERIOD_RATIO` 0.5 and `SECRET_GRACE_PERIOD_RATIO_JITTER` 0.01,
+/// `pilot/cmd/pilot-agent/options/options.go`): the next CSR goes out when
+/// `ratio ± u·jitter` (u in [0,1)) of the lifetime the agent saw — from receiving the
+/// certificate to its `NotAfter` — remains.
+const GRACE_RATIO: f64 = 0.5;
+const GRACE_JITTER: f64 = 0.01;
+
+/// Slack above Istio's window for the time from the rotation timer firing to the CSR reaching
+/// the CA (key generation, the TLS handshake) and the first certificate's way back, on a
+/// loaded machine. Below the window only `ROTATION_EPSILON`, for the record's millisecond
+/// rounding: an early CSR is never explained by load.
+const ROTATION_SLACK: Duration = Duration::from_secs(5);
+const ROTATION_EPSILON: f64 = 0.05;
+
+/// The window, in seconds after a CSR arriving at `t_ms` answered with a certificate expiring
+/// at `not_after` (Unix seconds), in which Istio's rule sends the next CSR. The lifetime `L`
+/// the agent saw is at most `not_after + 1 − t` (X.509 times are whole seconds, rounded down)
+/// and at least `not_after − t − d` for the delay `d` of the answer, so the next CSR comes
+/// `(1 − r)·L + d` after `t`: at least `(1 − r_max)·(not_after − t)` (less
+/// `ROTATION_EPSILON`) and at most
+/// `(1 − r_min)·(not_after + 1 − t) + slack`.
+fn rotation_window(t_ms: i64, not_after: i64) -> (f64, f64) {
+    let life = not_after as f64 - t_ms as f64 / 1000.0;
+    let (r_min, r_max) = (GRACE_RATIO - GRACE_JITTER, GRACE_RATIO + GRACE_JITTER);
+    (
+        (1.0 - r_max) * life - ROTATION_EPSILON,
+        (1.0 - r_min) * (life + 1.0) + ROTATION_SLACK.as_secs_f64(),
+    )
+}
+
+/// The CSRs of identity `sa` in the CA's record: (arrival in Unix ms, issued `NotAfter`).
+fn csr_times(records: &[Value], sa: &str) -> Vec<(i64, i64)> {
+    let san = format!("/sa/{sa})");
+    records
+        .iter()
+        .filter(|r| {
+            r["code"] == "OK"
+                && describe_csr(r["csr"].as_str().unwrap_or(""))
+                    .to_string()
+                    .contains(&san)
+        })
+        .map(|r| {
+            (
+                r["time_unix_ms"].as_i64().unwrap(),
+                r["not_after"].as_i64().unwrap(),
+            )
+        })
+        .collect()
+}
+
+/// Rotation timing under the same certificate lifetime: both agents run side by side (each its
+/// own pod and service account) asking for `ROTATION_TTL` certificates with ECDSA keys (key
+/// generation adds nothing to the timing), and the CA records each CSR's arrival and the
+/// certificate it issued. Each agent's first renewal must fall in Istio's window
+/// ([`rotation_window`]), pilot-agent's as the check of the window itself. Windows, not
+/// instants: the jitter and a loaded machine's delays only widen them upwards.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rotation_timing_matches_istio_rule() {
+    let mesh = mesh_with_free_ports();
+    let ttl = format!("{}s", ROTATION_TTL.as_secs());
+    let pods = [
+        (AgentKind::PilotAgent, "rotp", "127.0.62.2"),
+        (AgentKind::Meshagent, "rotm", "127.0.62.3"),
+    ];
+    let mut config = String::new();
+    for (_, w, ip) in pods {
+        let name = format!("{w}-5f7d9");
+        let pod = meshagent_testkit::istiod_box::RunningPod {
+            name: &name,
+            namespace: "default",
+            labels: &[("app", w)],
+            service_account: Some(w),
+            hostname: None,
+            ips: &[ip],
+        };
+        config.push_str(&pod.yaml());
+        config.push_str("---\n");
+    }
+    let istiod = IstiodBox::start_with(&config, Some(&mesh), &["--workload-cert-ttl", &ttl]).await;
+    let env = [
+        ("SECRET_TTL", ttl.as_str()),
+        ("ECC_SIGNATURE_ALGORITHM", "ECDSA"),
+    ];
+    let mut agents = Vec::new();
+    for (kind, w, ip) in pods {
+        let pod = PodSpec {
+            env: &env,
+            ..PodSpec::new(w, ip)
+        };
+        agents.push((kind, w, start_agent(&istiod, kind, &pod).await));
+    }
+    let deadline = tokio::time::Instant::now() + READY + ROTATION_TTL;
+    let records = loop {
+        let (code, body) = http_get(istiod.http, "/csrs").await.unwrap();
+        assert_eq!(code, 200, "GET /csrs: {body}");
+        let records: Vec<Value> = serde_json::from_str(&body).unwrap();
+        if pods
+            .iter()
+            .all(|(_, w, _)| csr_times(&records, w).len() >= 2)
+        {
+            break records;
+        }
+        if tokio::time::Instant::now() >= deadline {
+            let logs: Vec<String> = agents
+                .iter()
+                .map(|(kind, _, sc)| format!("--- {kind:?} ---\n{}", sc.proc.log_text()))
+                .collect();
+            let seen: Vec<Value> = records
+                .iter()
+                .map(|r| {
+                    json!({"time": r["time"], "code": r["code"], "not_after": r["not_after"],
+                        "csr": describe_csr(r["csr"].as_str().unwrap_or(""))["extensions"]})
+                })
+                .collect();
+            panic!(
+                "both agents did not renew their certificate within {:?}; CSRs: {:#}\n{}",
+                READY + ROTATION_TTL,
+                Value::Array(seen),
+                logs.join("\n")
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    };
+    let mut out_of_window = Vec::new();
+    for (kind, w, sc) in &agents {
+        let times = csr_times(&records, w);
+        let ((t0, not_after), (t1, _)) = (times[0], times[1]);
+        let (lo, hi) = rotation_window(t0, not_after);
+        let renewed = (t1 - t0) as f64 / 1000.0;
+        eprintln!(
+            "{kind:?}: certificate of {:.1} s lifetime renewed after {renewed:.2} s (Istio's window {lo:.2}..{hi:.2} s)",
+            not_after as f64 - t0 as f64 / 1000.0
+        );
+        if !(lo..=hi).contains(&renewed) {
+            out_of_window.push(format!(
+                "{kind:?}: renewed after {renewed:.2} s, outside Istio's window {lo:.2}..{hi:.2} s\n{}",
+                sc.proc.log_text()
+            ));
+        }
+    }
+    assert!(out_of_window.is_empty(), "{}", out_of_window.join("\n"));
 }

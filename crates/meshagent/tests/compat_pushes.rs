@@ -9,8 +9,8 @@
 //!   request of each type), and per type whether the last nonce sent is the one ACKed and the
 //!   error of the last NACK (`/debug/syncz`, `resources[type].lastError`: the request's
 //!   `error_detail`);
-//! - **Envoy's dynamic configuration** (`/config_dump`: clusters, listeners, routes, secret
-//!   names, as in `compat_xds`);
+//! - **Envoy's dynamic configuration** (`/config_dump`: clusters, listeners, routes, ECDS
+//!   extension configs, secret names; testkit `istiod_box::dynamic_config`);
 //! - **the NDS name table** each agent built (`/debug/ndsz` on its status port; pilot-agent
 //!   serves it too, `pilot/cmd/pilot-agent/status/server.go`).
 //!
@@ -22,6 +22,12 @@
 //! resources (istiod's push time, each Envoy's clock); nonces and versions in `syncz` (each
 //! connection's own; only "acked = sent" is compared); adsz's connection time and peer port.
 //! Any other difference fails.
+//!
+//! ECDS: `wasm_plugin_pushes_match_pilot_agent` adds, changes and deletes a WasmPlugin whose
+//! module a local HTTP server serves; each agent fetches it and rewrites the remote code to
+//! its local file, so Envoy's ECDS section holds that file's path (each agent's working
+//! directory is normalised to `/`, a pod's). Wire: `xds_requests_on_the_wire_match_pilot_agent`
+//! compares the requests each agent sent on its stream (istiod-box `GET /streams` `messages`).
 //!
 //! PCDS: istiod only answers the ProxyConfig type with `ISTIO_MULTIROOT_MESH` on and a trust
 //! bundle behind its generator (`pilot/pkg/xds/pcds.go`); istiod-box's `--multi-root-mesh`
@@ -36,13 +42,16 @@
 )]
 #![allow(clippy::unwrap_used)] // tests fail loudly by design
 
+mod wasm_support;
+
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::time::Duration;
 
 use base64::Engine as _;
 use meshagent_testkit::istiod_box::{
-    AgentKind, IstiodBox, PodSpec, RunningPod, envoy_config_dump, mesh_with_free_ports, start_agent,
+    AgentKind, IstiodBox, PodSpec, RunningPod, dynamic_config, envoy_config_dump,
+    mesh_with_free_ports, start_agent,
 };
 use meshagent_testkit::{
     Sidecar, Value, free_port, http_get, http_with_body, json, json_diff, workspace_root,
@@ -56,6 +65,9 @@ const DEADLINE: Duration = Duration::from_secs(90);
 /// Each must still show, and COMPAT.md must have its row.
 const PCDS_DELIBERATE: &[(&str, &str)] =
     &[(".workload_cert_replaced", "a PCDS trust bundle change")];
+
+/// Differences meshagent makes on purpose, in the WasmPlugin test.
+const WASM_DELIBERATE: &[(&str, &str)] = &[];
 
 /// The two pods: (agent, workload, address).
 const PODS: [(AgentKind, &str, &str); 2] = [
@@ -133,6 +145,8 @@ struct Step {
     /// The roots Envoy's `ROOTCA` must hold, by name (see [`Roots`]), in any order; `None`:
     /// not checked (still compared).
     roots: Option<&'static [&'static str]>,
+    /// Anything else both must show (e.g. an ECDS resource's content); `None`: nothing.
+    check: Option<fn(&Value) -> bool>,
 }
 
 fn steps() -> Vec<Step> {
@@ -145,6 +159,7 @@ fn steps() -> Vec<Step> {
             absent: &[],
             nds: &[],
             roots: None,
+            check: None,
         },
         Step {
             name: "add Service and ServiceEntry",
@@ -160,6 +175,7 @@ fn steps() -> Vec<Step> {
                 ("pushed.example.com", "10.9.0.1"),
             ],
             roots: None,
+            check: None,
         },
         Step {
             name: "change port and address",
@@ -176,6 +192,7 @@ fn steps() -> Vec<Step> {
             absent: &["outbound|80||live.default.svc.cluster.local"],
             nds: &[("pushed.example.com", "10.9.0.2")],
             roots: None,
+            check: None,
         },
         Step {
             name: "delete both",
@@ -192,6 +209,7 @@ fn steps() -> Vec<Step> {
             ],
             nds: &[],
             roots: None,
+            check: None,
         },
     ]
 }
@@ -219,6 +237,11 @@ impl Agent {
             (self.workload.to_owned(), "<workload>".into()),
             (self.ip.to_owned(), "<pod_ip>".into()),
             (self.dns.clone(), "<dns_proxy_addr>".into()),
+            // Each agent's own working directory, as `/`: a pod's agent runs in `/` (Istio's
+            // image), where meshagent's Wasm module directory `var/lib/istio/data` under its
+            // working directory is pilot-agent's `/var/lib/istio/data`
+            // (`pkg/config/constants` `IstioDataDir`).
+            (self.sc.cwd.path().to_string_lossy().into_owned(), "".into()),
         ];
         let ports = [
             (self.sc.status.port(), "status_port"),
@@ -269,58 +292,6 @@ fn normalise(v: &mut Value, subst: &[(String, String)], ports: &[(u16, &str)]) {
         }
         _ => {}
     }
-}
-
-fn strip_volatile(v: &mut Value) {
-    match v {
-        Value::Object(o) => {
-            o.remove("version_info");
-            o.remove("last_updated");
-            o.values_mut().for_each(strip_volatile);
-        }
-        Value::Array(a) => a.iter_mut().for_each(strip_volatile),
-        _ => {}
-    }
-}
-
-/// Envoy's dynamic resources by kind and name (as `compat_xds`; secrets by name only).
-fn dynamic_config(dump: &Value) -> BTreeMap<String, Value> {
-    let mut out = BTreeMap::new();
-    for cfg in dump["configs"].as_array().into_iter().flatten() {
-        let t = cfg["@type"].as_str().unwrap_or("");
-        let (lists, inner): (&[&str], &str) = if t.ends_with("ClustersConfigDump") {
-            (
-                &["dynamic_active_clusters", "dynamic_warming_clusters"],
-                "cluster",
-            )
-        } else if t.ends_with("ListenersConfigDump") {
-            (&["dynamic_listeners"], "active_state")
-        } else if t.ends_with("RoutesConfigDump") {
-            (&["dynamic_route_configs"], "route_config")
-        } else if t.ends_with("SecretsConfigDump") {
-            (&["dynamic_active_secrets", "dynamic_warming_secrets"], "")
-        } else {
-            continue;
-        };
-        let kind = t.rsplit('.').next().unwrap_or(t);
-        for list in lists {
-            for r in cfg[*list].as_array().into_iter().flatten() {
-                let mut body = match inner {
-                    "" => Value::Null,
-                    "active_state" => r["active_state"]["listener"].clone(),
-                    _ => r[inner].clone(),
-                };
-                let name = r["name"]
-                    .as_str()
-                    .or_else(|| body["name"].as_str())
-                    .unwrap_or("")
-                    .to_owned();
-                strip_volatile(&mut body);
-                out.insert(format!("{kind}/{list}/{name}"), body);
-            }
-        }
-    }
-    out
 }
 
 /// Known roots by DER, to name the certificates of Envoy's `ROOTCA` secret.
@@ -486,8 +457,12 @@ fn reached(v: &Value, step: &Step) -> bool {
             want.sort_unstable();
             have == want
         })
+        && step.check.is_none_or(|check| check(v))
         && !types.is_empty()
-        && types.values().all(|t| t["acked"] == true)
+        // Every type answered: the last response ACKed, or NACKed (its error is compared).
+        && types
+            .values()
+            .all(|t| t["acked"] == true || t["last_error"].as_str().is_some_and(|e| !e.is_empty()))
 }
 
 /// Polls until both agents show `step` and their observations are unchanged a second apart.
@@ -711,6 +686,7 @@ async fn pcds_trust_bundle_matches_pilot_agent() {
         absent: &[],
         nds: &[],
         roots: Some(roots),
+        check: None,
     };
     let steps = [
         step("initial", &["istiod_root"]),
@@ -719,4 +695,271 @@ async fn pcds_trust_bundle_matches_pilot_agent() {
     ];
     let anchors = [None, Some(other.clone()), Some(String::new())];
     run_steps(&istiod, &agents, &steps, &roots, &anchors, PCDS_DELIBERATE).await;
+}
+
+/// A WasmPlugin `hdr` for the pods (label `app: client`), its module at `url`, with
+/// `pluginConfig` `{value: <value>}`.
+fn wasm_plugin(url: &str, sha256: &str, value: &str) -> String {
+    format!(
+        r#"apiVersion: extensions.istio.io/v1alpha1
+kind: WasmPlugin
+metadata:
+  name: hdr
+  namespace: default
+spec:
+  selector:
+    matchLabels:
+      app: client
+  url: {url}
+  sha256: {sha256}
+  phase: AUTHN
+  pluginConfig:
+    value: {value}
+"#
+    )
+}
+
+/// The ECDS resources (extension configs) in an observation, serialised, by key.
+fn ecds_entries(v: &Value) -> Vec<(String, String)> {
+    v["envoy_config"]
+        .as_object()
+        .unwrap()
+        .iter()
+        .filter(|(k, _)| k.starts_with("EcdsConfigDump/"))
+        .map(|(k, b)| (k.clone(), b.to_string()))
+        .collect()
+}
+
+/// Whether Envoy holds the plugin's extension config with `value` in its configuration.
+fn has_plugin_with(v: &Value, value: &str) -> bool {
+    ecds_entries(v)
+        .iter()
+        .any(|(k, b)| k.contains("hdr") && b.contains(value))
+}
+
+/// Whether no listener references the plugin any more.
+fn plugin_unreferenced(v: &Value) -> bool {
+    v["envoy_config"]
+        .as_object()
+        .unwrap()
+        .iter()
+        .filter(|(k, _)| k.starts_with("ListenersConfigDump/"))
+        .all(|(_, b)| !b.to_string().contains("default.hdr"))
+}
+
+/// ECDS after live pushes: a WasmPlugin added, its `pluginConfig` changed, then deleted while
+/// both agents are connected. Envoy's ECDS section (the extension config each agent forwarded,
+/// its remote module rewritten to the local file it fetched from the test's HTTP server), the
+/// listeners referencing it, and what each agent ACKed or NACKed upstream (istiod's adsz and
+/// syncz) are compared as in the other steps.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn wasm_plugin_pushes_match_pilot_agent() {
+    // pilot-agent keeps fetched modules in `/var/lib/istio/data` (`pkg/istio-agent/xds_proxy.go`
+    // `NewLocalFileCache(constants.IstioDataDir)`), a volume (`istio-data`) every injected pod
+    // has; without it pilot-agent cannot cache and gives Envoy its deny-all RBAC stand-in. The
+    // cache is keyed by URL and checksum, so runs side by side share it safely.
+    std::fs::create_dir_all("/var/lib/istio/data").unwrap();
+    let module = wasm_support::module();
+    let sha = wasm_support::sha256_hex(&module);
+    let server = wasm_support::ModServer::start().await;
+    server.route("/hdr.wasm", wasm_support::Behaviour::Serve(module));
+    let url = server.url("/hdr.wasm");
+    let mesh = mesh_with_free_ports();
+    let istiod =
+        IstiodBox::start_with(&pods_yaml(), Some(&mesh), &["--legacy-ip-autoallocate"]).await;
+    let root = istiod_root(&istiod).await;
+    let roots = Roots::named(&[(root.as_bytes(), "istiod_root")]);
+    let agents = start_agents(&istiod, &[]).await;
+    let step = |name, apply: Option<String>, delete: Option<String>, check| Step {
+        name,
+        apply,
+        delete,
+        present: &[],
+        absent: &[],
+        nds: &[],
+        roots: None,
+        check: Some(check),
+    };
+    let steps = [
+        step("initial", None, None, |v: &Value| {
+            ecds_entries(v).is_empty()
+        }),
+        step(
+            "WasmPlugin added",
+            Some(wasm_plugin(&url, &sha, "first")),
+            None,
+            |v: &Value| has_plugin_with(v, "first"),
+        ),
+        step(
+            "WasmPlugin pluginConfig changed",
+            Some(wasm_plugin(&url, &sha, "second")),
+            None,
+            |v: &Value| has_plugin_with(v, "second") && !has_plugin_with(v, "first"),
+        ),
+        step(
+            "WasmPlugin deleted",
+            None,
+            Some(wasm_plugin(&url, &sha, "second")),
+            plugin_unreferenced,
+        ),
+    ];
+    run_steps(&istiod, &agents, &steps, &roots, &[], WASM_DELIBERATE).await;
+    // Both fetched the module (each caches it: one fetch per agent at most per change).
+    assert!(
+        server.hits("/hdr.wasm") >= 2,
+        "the module server saw {} fetches",
+        server.hits("/hdr.wasm")
+    );
+}
+
+/// One agent's xDS stream as istiod-box recorded it (`GET /streams`), by its node id.
+fn agent_stream<'a>(a: &Agent, streams: &'a [Value]) -> Vec<&'a Value> {
+    let id = a.proxy_id();
+    streams
+        .iter()
+        .filter(|s| s["node"]["id"].as_str().is_some_and(|n| n.contains(&id)))
+        .collect()
+}
+
+/// The requests an agent sent on one stream, normalised: per type URL, in order, each request
+/// as its kind (`initial`: no response nonce; `ack`; `nack`: with `error_detail`), which
+/// response it answers (`latest`: the last one istiod sent of that type before it; `older`;
+/// `unknown`: a nonce istiod never sent), whether its version is that response's, the resource
+/// names it (un)subscribes, whether it carries the node, and the error. Nonces and versions
+/// themselves are istiod's (random, a timestamp) and are not compared; consecutive equal
+/// entries are collapsed (how many pushes istiod's debounce makes of one change is timing).
+fn wire_requests(stream: &Value) -> Value {
+    let mut sent: BTreeMap<String, Vec<(String, String)>> = BTreeMap::new();
+    let mut per_type: BTreeMap<String, Vec<Value>> = BTreeMap::new();
+    for m in stream["messages"].as_array().into_iter().flatten() {
+        let ty = m["type_url"].as_str().unwrap_or("").to_owned();
+        let field = |k: &str| m[k].as_str().unwrap_or("").to_owned();
+        if m["dir"] == "send" {
+            sent.entry(ty)
+                .or_default()
+                .push((field("nonce"), field("version_info")));
+            continue;
+        }
+        let nonce = field("response_nonce");
+        let responses = sent.get(&ty).map(Vec::as_slice).unwrap_or_default();
+        let answered = responses.iter().position(|(n, _)| *n == nonce);
+        let kind = if nonce.is_empty() {
+            "initial"
+        } else if field("error_detail").is_empty() {
+            "ack"
+        } else {
+            "nack"
+        };
+        let answers = match answered {
+            _ if nonce.is_empty() => "none",
+            Some(i) if i + 1 == responses.len() => "latest",
+            Some(_) => "older",
+            None => "unknown",
+        };
+        let version = field("version_info");
+        let version = match answered {
+            _ if version.is_empty() => "empty",
+            Some(i) if responses[i].1 == version => "the answered response's",
+            _ => "another",
+        };
+        let sorted = |k: &str| {
+            let mut v: Vec<&str> = m[k]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .filter_map(Value::as_str)
+                .collect();
+            v.sort_unstable();
+            json!(v)
+        };
+        let entry = json!({
+            "kind": kind,
+            "answers": answers,
+            "version": version,
+            "delta": m["delta"],
+            "has_node": m["has_node"].as_bool().unwrap_or(false),
+            "resource_names": sorted("resource_names"),
+            "unsubscribe": sorted("unsubscribe"),
+            "initial_resources": sorted("initial_resources"),
+            "error_detail": m["error_detail"].as_str().unwrap_or(""),
+        });
+        let seq = per_type.entry(ty).or_default();
+        if seq.last() != Some(&entry) {
+            seq.push(entry);
+        }
+    }
+    json!(per_type)
+}
+
+/// Per-request wire recording: istiod-box records every request each agent sends upstream on
+/// its xDS stream (and istiod's responses, to map nonces and versions); after both agents
+/// start, and after a push (a Service and a ServiceEntry added) has been ACKed, the request
+/// sequences per type are compared (see [`wire_requests`]), with the stream's gRPC method,
+/// headers (`authorization`'s scheme, `ClusterID`, ...; gRPC library headers ignored as in
+/// `compat_xds`), client certificate presence, the first request's type and the node of the
+/// first request (normalised like every other observation here).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn xds_requests_on_the_wire_match_pilot_agent() {
+    let mesh = mesh_with_free_ports();
+    let istiod =
+        IstiodBox::start_with(&pods_yaml(), Some(&mesh), &["--legacy-ip-autoallocate"]).await;
+    let root = istiod_root(&istiod).await;
+    let roots = Roots::named(&[(root.as_bytes(), "istiod_root")]);
+    let agents = start_agents(&istiod, &[]).await;
+    let mut steps = steps();
+    steps.truncate(2);
+    // Started and settled, then a push applied and ACKed by both.
+    for step in &steps {
+        if let Some(y) = &step.apply {
+            istiod.apply(y).await;
+        }
+        settle(&istiod, &agents, step, &roots).await;
+    }
+    let (code, body) = http_get(istiod.http, "/streams").await.unwrap();
+    assert_eq!(code, 200, "GET /streams: {body}");
+    let streams: Vec<Value> = serde_json::from_str(&body).unwrap();
+    let mut seen = Vec::new();
+    for a in &agents {
+        let mine = agent_stream(a, &streams);
+        let mut v = json!({
+            "streams": mine.iter().map(|s| json!({
+                "method": s["method"],
+                "headers": meshagent_testkit::istiod_box::recorded_headers(s),
+                "client_cert": s["client_cert"],
+                "first_type": s["type_url"],
+                "node": s["node"],
+                "dropped": s["dropped"],
+                "requests": wire_requests(s),
+            })).collect::<Vec<_>>(),
+        });
+        a.normalise(&mut v);
+        let requests = v["streams"][0]["requests"]
+            .as_object()
+            .map_or(0, |o| o.len());
+        assert!(
+            requests >= 3,
+            "{:?}: fewer than 3 types requested on its stream: {v:#}\n{}",
+            a.kind,
+            a.logs()
+        );
+        seen.push(v);
+    }
+    if std::env::var_os("COMPAT_PUSHES_SHOW").is_some() {
+        eprintln!("pilot-agent: {:#}", seen[0]);
+    }
+    let diffs: Vec<String> = json_diff(&seen[0], &seen[1])
+        .into_iter()
+        .map(|(path, p, m)| format!("{path}: pilot-agent {p} | meshagent {m}"))
+        .collect();
+    assert!(
+        diffs.is_empty(),
+        "{} differences:\n{}\n{}",
+        diffs.len(),
+        diffs.join("\n"),
+        agents
+            .iter()
+            .map(Agent::logs)
+            .collect::<Vec<_>>()
+            .join("\n")
+    );
 }

@@ -23,12 +23,11 @@
 )]
 #![allow(clippy::unwrap_used)] // tests fail loudly by design
 
-use std::collections::BTreeMap;
 use std::time::Duration;
 
 use meshagent_testkit::istiod_box::{
-    AgentKind, IstiodBox, PodSpec, envoy_config_dump, mesh_with_free_ports, recorded_headers,
-    start_agent, workload_a,
+    AgentKind, IstiodBox, PodSpec, dynamic_config, envoy_config_dump, mesh_with_free_ports,
+    recorded_headers, start_agent, workload_a,
 };
 use meshagent_testkit::{Sidecar, Value, free_port, http, http_get, json, json_diff, wait_for};
 
@@ -60,62 +59,6 @@ fn normalise_ports(v: &mut Value, ports: &[(u16, &str)]) {
         Value::Object(o) => o.values_mut().for_each(|x| normalise_ports(x, ports)),
         _ => {}
     }
-}
-
-/// Drops the dump's volatile fields (see the module doc), recursively.
-fn strip_volatile(v: &mut Value) {
-    match v {
-        Value::Object(o) => {
-            o.remove("version_info");
-            o.remove("last_updated");
-            o.values_mut().for_each(strip_volatile);
-        }
-        Value::Array(a) => a.iter_mut().for_each(strip_volatile),
-        _ => {}
-    }
-}
-
-/// Envoy's dynamic resources by kind and name (clusters, listeners, routes, secret names).
-fn dynamic_config(dump: &Value) -> BTreeMap<String, Value> {
-    let mut out = BTreeMap::new();
-    for cfg in dump["configs"].as_array().into_iter().flatten() {
-        let t = cfg["@type"].as_str().unwrap_or("");
-        let (lists, inner): (&[&str], &str) = if t.ends_with("ClustersConfigDump") {
-            (
-                &["dynamic_active_clusters", "dynamic_warming_clusters"],
-                "cluster",
-            )
-        } else if t.ends_with("ListenersConfigDump") {
-            (&["dynamic_listeners"], "active_state")
-        } else if t.ends_with("RoutesConfigDump") {
-            (&["dynamic_route_configs"], "route_config")
-        } else if t.ends_with("SecretsConfigDump") {
-            (&["dynamic_active_secrets", "dynamic_warming_secrets"], "")
-        } else {
-            continue;
-        };
-        let kind = t.rsplit('.').next().unwrap_or(t);
-        for list in lists {
-            for r in cfg[*list].as_array().into_iter().flatten() {
-                let mut body = if inner.is_empty() {
-                    // Secrets: the name only here.
-                    Value::Null
-                } else if inner == "active_state" {
-                    r["active_state"]["listener"].clone()
-                } else {
-                    r[inner].clone()
-                };
-                let name = r["name"]
-                    .as_str()
-                    .or_else(|| body["name"].as_str())
-                    .unwrap_or("")
-                    .to_owned();
-                strip_volatile(&mut body);
-                out.insert(format!("{kind}/{list}/{name}"), body);
-            }
-        }
-    }
-    out
 }
 
 fn describe_stream(r: &Value) -> Value {

@@ -617,6 +617,65 @@ pub fn dynamic_names(dump: &Value) -> (Vec<String>, Vec<String>) {
     (clusters, listeners)
 }
 
+/// Drops the volatile fields of dumped resources, recursively: `version_info` (istiod's push
+/// version, a timestamp) and `last_updated` (each Envoy's clock).
+pub fn strip_volatile(v: &mut Value) {
+    match v {
+        Value::Object(o) => {
+            o.remove("version_info");
+            o.remove("last_updated");
+            o.values_mut().for_each(strip_volatile);
+        }
+        Value::Array(a) => a.iter_mut().for_each(strip_volatile),
+        _ => {}
+    }
+}
+
+/// Envoy's dynamic resources in a `/config_dump`, keyed `<dump kind>/<list>/<name>`: clusters
+/// (active and warming), listeners, route configurations, ECDS extension configs (each with its
+/// resource, without [`strip_volatile`]'s fields), and secrets by name only (their contents are
+/// each pod's own; `compat_identity` compares them field by field).
+pub fn dynamic_config(dump: &Value) -> std::collections::BTreeMap<String, Value> {
+    let mut out = std::collections::BTreeMap::new();
+    for cfg in dump["configs"].as_array().into_iter().flatten() {
+        let t = cfg["@type"].as_str().unwrap_or("");
+        let (lists, inner): (&[&str], &str) = if t.ends_with("ClustersConfigDump") {
+            (
+                &["dynamic_active_clusters", "dynamic_warming_clusters"],
+                "cluster",
+            )
+        } else if t.ends_with("ListenersConfigDump") {
+            (&["dynamic_listeners"], "active_state")
+        } else if t.ends_with("RoutesConfigDump") {
+            (&["dynamic_route_configs"], "route_config")
+        } else if t.ends_with("EcdsConfigDump") {
+            (&["ecds_filters"], "ecds_filter")
+        } else if t.ends_with("SecretsConfigDump") {
+            (&["dynamic_active_secrets", "dynamic_warming_secrets"], "")
+        } else {
+            continue;
+        };
+        let kind = t.rsplit('.').next().unwrap_or(t);
+        for list in lists {
+            for r in cfg[*list].as_array().into_iter().flatten() {
+                let mut body = match inner {
+                    "" => Value::Null,
+                    "active_state" => r["active_state"]["listener"].clone(),
+                    _ => r[inner].clone(),
+                };
+                let name = r["name"]
+                    .as_str()
+                    .or_else(|| body["name"].as_str())
+                    .unwrap_or("")
+                    .to_owned();
+                strip_volatile(&mut body);
+                out.insert(format!("{kind}/{list}/{name}"), body);
+            }
+        }
+    }
+    out
+}
+
 /// Waits until `sidecar`'s Envoy has cluster `name`.
 pub async fn wait_for_envoy_cluster(sidecar: &Sidecar, name: &str, timeout: Duration) {
     wait_for(
