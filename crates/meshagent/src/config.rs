@@ -147,8 +147,9 @@ pub const DEPRECATED_ANNOTATIONS: &[(&str, &str)] = &[
 
 /// Logs `message` as a warning unless this process already did: a deprecated or ignored
 /// input is named once, however often the configuration is loaded (`proxy`, then a `debug
-/// bundle` deriving it again, or a test loading it many times).
-pub fn warn_once(message: &str) {
+/// bundle` deriving it again, or a test loading it many times). Returns whether this call
+/// logged it.
+pub fn warn_once(message: &str) -> bool {
     static WARNED: std::sync::Mutex<std::collections::BTreeSet<String>> =
         std::sync::Mutex::new(std::collections::BTreeSet::new());
     let first = WARNED
@@ -158,6 +159,7 @@ pub fn warn_once(message: &str) {
     if first {
         tracing::warn!("{message}");
     }
+    first
 }
 
 /// One warning per deprecated input that is set: variables from `r`, annotations, and the
@@ -486,7 +488,7 @@ pub(crate) fn load_cataloging(
         return Err(ConfigError::from_many(errors));
     }
     for w in &warnings {
-        warn_once(w);
+        let _ = warn_once(w);
     }
     let config = Config {
         proxy_type: flags.proxy_type,
