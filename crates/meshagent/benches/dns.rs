@@ -26,6 +26,9 @@ use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::Duration;
 
+#[path = "support/relay.rs"]
+mod relay;
+
 use meshagent::dns::{self, NameInfo, NameTable};
 use meshagent::metrics::Registry;
 
@@ -252,52 +255,6 @@ fn proxy(
     (addr, task, stop)
 }
 
-/// The floor of an extra loopback hop: a trivial UDP relay on its own current-thread
-/// runtime, one task, no parsing and no ID rewriting (a client's ID is its key; fine for one
-/// dnsperf client), one connected upstream socket. Whatever the proxy adds to a forwarded query
-/// beyond this is its own work.
-fn relay(upstream: SocketAddr) -> (SocketAddr, std::path::PathBuf) {
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        pin_server_thread();
-        let rt = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .unwrap();
-        rt.block_on(async move {
-            let down = tokio::net::UdpSocket::bind("127.0.0.1:0").await.unwrap();
-            let up = tokio::net::UdpSocket::bind("0.0.0.0:0").await.unwrap();
-            up.connect(upstream).await.unwrap();
-            tx.send((
-                down.local_addr().unwrap(),
-                std::path::Path::new("/proc")
-                    .join(std::fs::read_link("/proc/thread-self").unwrap()),
-            ))
-            .unwrap();
-            let mut peers: Vec<Option<SocketAddr>> = vec![None; 65536];
-            let (mut a, mut b) = (vec![0u8; 65535], vec![0u8; 65535]);
-            loop {
-                tokio::select! {
-                    r = down.recv_from(&mut a) => {
-                        let Ok((n, peer)) = r else { continue };
-                        if n < 12 { continue }
-                        peers[usize::from(u16::from_be_bytes([a[0], a[1]]))] = Some(peer);
-                        let _ = up.send(&a[..n]).await;
-                    }
-                    r = up.recv(&mut b) => {
-                        let Ok(n) = r else { continue };
-                        if n < 12 { continue }
-                        if let Some(peer) = peers[usize::from(u16::from_be_bytes([b[0], b[1]]))] {
-                            let _ = down.send_to(&b[..n], peer).await;
-                        }
-                    }
-                }
-            }
-        });
-    });
-    rx.recv().unwrap()
-}
-
 fn load() -> String {
     std::fs::read_to_string("/proc/loadavg")
         .unwrap_or_default()
@@ -426,7 +383,7 @@ fn main() {
     }
     let base_fwd = dnsperf(direct, &q_ext, &dnsmasq_task);
     row("dnsmasq direct, external names (baseline)", &base_fwd, None);
-    let (relay_addr, relay_task) = relay(direct);
+    let (relay_addr, relay_task) = relay::udp_relay(direct, pin_server_thread);
     let r = dnsperf(relay_addr, &q_ext, &relay_task);
     row(
         "trivial UDP relay to dnsmasq (the floor of one more hop)",

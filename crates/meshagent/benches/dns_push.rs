@@ -29,9 +29,9 @@
 )]
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::print_stdout)] // a benchmark
 
-#[path = "support/mem.rs"]
-mod mem;
-use mem::status_kib;
+mod support;
+use support::loadavg;
+use support::mem::status_kib;
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -100,15 +100,6 @@ impl Drop for Dnsmasq {
         let _ = self.0.kill();
         let _ = self.0.wait();
     }
-}
-
-fn load() -> String {
-    std::fs::read_to_string("/proc/loadavg")
-        .unwrap_or_default()
-        .split_whitespace()
-        .take(3)
-        .collect::<Vec<_>>()
-        .join(" ")
 }
 
 /// `VmRSS / RssAnon / RssFile` in MiB, and the heap mapping's Rss from smaps.
@@ -350,7 +341,7 @@ fn main() {
             .await;
         println!(
             "DNS during a {n}-cluster xDS push through the agent binary (sidecar, real Envoy), {TABLE}-name NDS table; dnsperf -c 1 -Q {qps} -v, UDP, loopback; load at start {}",
-            load()
+            loadavg()
         );
 
         // DNS off: the same binary, same mesh, for the RSS delta.
@@ -403,7 +394,7 @@ fn main() {
         };
         let (a, c) = run_both(IDLE_SECS);
         let ((a_idle, a_lost), (c_idle, c_lost)) = (a.join().unwrap(), c.join().unwrap());
-        println!("| idle ({IDLE_SECS} s, load {}) | agent | {} | lost {a_lost}", load(), pcts(&a_idle));
+        println!("| idle ({IDLE_SECS} s, load {}) | agent | {} | lost {a_lost}", loadavg(), pcts(&a_idle));
         println!("| idle | dnsmasq (control) | {} | lost {c_lost}", pcts(&c_idle));
         let rss_on = format!("{}\n  anonymous > 64 KiB: {}", rss(pid), anon_maps(pid));
 
@@ -427,7 +418,7 @@ fn main() {
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
         let push_secs = t0.elapsed().as_secs_f64();
-        let load_push = load();
+        let load_push = loadavg();
         let ((a_all, a_lost), (c_all, c_lost)) = (a.join().unwrap(), c.join().unwrap());
         let during = |v: &[f64]| -> Vec<f64> {
             let (from, to) = (

@@ -425,44 +425,6 @@ fn dnsperf(addr: SocketAddr, queries: &Path, extra: &[&str]) -> String {
     String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
-/// The floor of an extra loopback hop: a trivial UDP relay on its own current-thread runtime
-/// (as `benches/dns.rs` has it): no parsing, no ID rewriting, one connected upstream socket.
-fn relay(upstream: SocketAddr) -> SocketAddr {
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        let rt = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .unwrap();
-        rt.block_on(async move {
-            let down = tokio::net::UdpSocket::bind("127.0.0.1:0").await.unwrap();
-            let up = tokio::net::UdpSocket::bind("0.0.0.0:0").await.unwrap();
-            up.connect(upstream).await.unwrap();
-            tx.send(down.local_addr().unwrap()).unwrap();
-            let mut peers: Vec<Option<SocketAddr>> = vec![None; 65536];
-            let (mut a, mut b) = (vec![0u8; 65535], vec![0u8; 65535]);
-            loop {
-                tokio::select! {
-                    r = down.recv_from(&mut a) => {
-                        let Ok((n, peer)) = r else { continue };
-                        if n < 12 { continue }
-                        peers[usize::from(u16::from_be_bytes([a[0], a[1]]))] = Some(peer);
-                        let _ = up.send(&a[..n]).await;
-                    }
-                    r = up.recv(&mut b) => {
-                        let Ok(n) = r else { continue };
-                        if n < 12 { continue }
-                        if let Some(peer) = peers[usize::from(u16::from_be_bytes([b[0], b[1]]))] {
-                            let _ = down.send_to(&b[..n], peer).await;
-                        }
-                    }
-                }
-            }
-        });
-    });
-    rx.recv().unwrap()
-}
-
 async fn dns(report: &mut Report) {
     let dir = tempfile::tempdir().unwrap();
     {
@@ -524,7 +486,7 @@ async fn dns(report: &mut Report) {
     let last = format!("svc{}.bench.example.com", NAMES - 1);
     let (mut mem, mut qps, mut p50) = (vec![], [0.0; 2], [0.0; 2]);
     let (mut direct_p50, mut relay_p50) = (vec![], vec![]);
-    let relay_addr = relay(direct);
+    let relay_addr = support::relay::udp_relay(direct, || {}).0;
     for (i, kind) in KINDS.into_iter().enumerate() {
         let dns_addr = SocketAddr::from(([127, 0, 0, 1], free_port()));
         let dns_env = dns_addr.to_string();

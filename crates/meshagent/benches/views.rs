@@ -21,9 +21,9 @@
 )]
 #![allow(clippy::unwrap_used, clippy::expect_used, clippy::print_stdout)] // a benchmark
 
-#[path = "support/mem.rs"]
-mod mem;
-use mem::Mem;
+mod support;
+use support::mem::Mem;
+use support::{cpu_secs, loadavg};
 
 use std::net::SocketAddr;
 use std::time::Duration;
@@ -67,23 +67,6 @@ fn mesh(n: usize, ports: [u16; 4]) -> String {
         ));
     }
     y
-}
-
-fn load() -> String {
-    std::fs::read_to_string("/proc/loadavg")
-        .unwrap_or_default()
-        .split_whitespace()
-        .take(3)
-        .collect::<Vec<_>>()
-        .join(" ")
-}
-
-fn cpu_secs(pid: u32) -> f64 {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
-    let after = stat.rsplit_once(')').map_or("", |(_, r)| r);
-    let f: Vec<&str> = after.split_whitespace().collect();
-    let t = |i: usize| f.get(i).and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0);
-    (t(11) + t(12)) / 100.0
 }
 
 /// Settled: 3 s, then the last of five 1 s samples.
@@ -130,7 +113,7 @@ async fn main() {
     println!(
         "views: {} ({size} bytes), 2 sidecars, devplane, real Envoy; load at start {}",
         bin.display(),
-        load()
+        loadavg()
     );
 
     let mut a = Sidecar::start(&dp, "a", "default", "a", &[]).await;
@@ -231,7 +214,7 @@ async fn main() {
     lat.sort_by(f64::total_cmp);
     println!(
         "/debug/xdsz with {n} clusters, 50 requests (connect + answer), load {}: p50 {:.3} ms, p99 {:.3} ms, max {:.3} ms, {bytes} bytes",
-        load(),
+        loadavg(),
         pct(&lat, 0.5),
         pct(&lat, 0.99),
         lat[lat.len() - 1]
@@ -244,5 +227,5 @@ async fn main() {
             panic!("agent exited: {st}");
         }
     }
-    println!("load at end {}", load());
+    println!("load at end {}", loadavg());
 }

@@ -8,6 +8,8 @@
 
 #[path = "mem.rs"]
 pub mod mem;
+#[path = "relay.rs"]
+pub mod relay;
 
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
