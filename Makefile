@@ -191,6 +191,9 @@ metricspeers:
 lint:
 	cargo fmt --all -- --check
 	cargo clippy --workspace --all-targets -- -D warnings
+	@# fuzz/ is its own workspace: its lock file must follow the main one's dependency bumps.
+	@cargo metadata --locked --format-version 1 --manifest-path fuzz/Cargo.toml >/dev/null || \
+	  { echo "fuzz/Cargo.lock is stale: cp Cargo.lock fuzz/ && (cd fuzz && cargo metadata --format-version 1 >/dev/null)"; exit 1; }
 
 test: envoy peers netpeers dnspeers wasmpeers metricspeers chromiumpeers pilot-agent istiod-box deploy-validate lint build
 ifeq ($(NEXTEST),yes)

@@ -149,6 +149,18 @@ struct Step {
     check: Option<fn(&Value) -> bool>,
 }
 
+impl Step {
+    /// Applies the step's change to istiod-box (each triggers istiod's push).
+    async fn make(&self, istiod: &IstiodBox) {
+        if let Some(y) = &self.apply {
+            istiod.apply(y).await;
+        }
+        if let Some(y) = &self.delete {
+            istiod.delete(y).await;
+        }
+    }
+}
+
 fn steps() -> Vec<Step> {
     vec![
         Step {
@@ -572,12 +584,7 @@ async fn run_steps(
     // Each agent's workload certificate after the previous step.
     let mut certs: Vec<Value> = vec![Value::Null; agents.len()];
     for (i, step) in steps.iter().enumerate() {
-        if let Some(y) = &step.apply {
-            istiod.apply(y).await;
-        }
-        if let Some(y) = &step.delete {
-            istiod.delete(y).await;
-        }
+        step.make(istiod).await;
         if let Some(Some(pem)) = trust_anchors.get(i) {
             let (code, body) = http_with_body("PUT", istiod.http, "/trust-anchors", pem.as_bytes())
                 .await
@@ -910,9 +917,7 @@ async fn xds_requests_on_the_wire_match_pilot_agent() {
     steps.truncate(2);
     // Started and settled, then a push applied and ACKed by both.
     for step in &steps {
-        if let Some(y) = &step.apply {
-            istiod.apply(y).await;
-        }
+        step.make(&istiod).await;
         settle(&istiod, &agents, step, &roots).await;
     }
     let (code, body) = http_get(istiod.http, "/streams").await.unwrap();

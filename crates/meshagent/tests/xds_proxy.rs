@@ -370,13 +370,6 @@ async fn twenty_mib_request_passes_the_agent_and_devplane_refuses_it_as_istiod()
     let dir = tempfile::tempdir().unwrap();
     let limit = LIMIT.to_string();
     let agent = agent_for(&dp, dir.path(), &[("ISTIO_GPRC_MAXRECVMSGSIZE", &limit)]).await;
-    let (tx, stream) = raw_sotw(agent.handle.socket()).await;
-    let mut stream = stream.unwrap();
-    tx.send(sotw_request(type_url::CLUSTER, vec![], None))
-        .await
-        .unwrap();
-    let (_, first) = next_response(&mut stream, "the first CDS response").await;
-
     let names: Vec<String> = (0..10_000)
         .map(|i| {
             format!(
@@ -388,24 +381,7 @@ async fn twenty_mib_request_passes_the_agent_and_devplane_refuses_it_as_istiod()
     let big = sotw_request(type_url::ENDPOINT, names, None);
     let size = big.len();
     assert!(size > 20 * 1024 * 1024 && size < LIMIT, "{size}");
-    tx.send(sotw_request(
-        type_url::CLUSTER,
-        vec![],
-        Some((&first.version_info, &first.nonce)),
-    ))
-    .await
-    .unwrap();
-    tx.send(big).await.unwrap();
-    let status = loop {
-        match tokio::time::timeout(Duration::from_secs(60), stream.message())
-            .await
-            .expect("the stream to end within 60 s")
-        {
-            Ok(Some(_)) => continue,
-            Ok(None) => panic!("the stream ended without devplane's error"),
-            Err(s) => break s,
-        }
-    };
+    let status = status_after(&agent, vec![big]).await;
     assert_eq!(status.code(), tonic::Code::ResourceExhausted, "{status:?}");
     assert!(
         status.message().contains(&format!(
@@ -424,13 +400,7 @@ async fn twenty_mib_request_passes_the_agent_and_devplane_refuses_it_as_istiod()
         1.0
     );
     // The agent serves on: a new stream gets config.
-    let (tx2, stream2) = raw_sotw(agent.handle.socket()).await;
-    let mut stream2 = stream2.unwrap();
-    tx2.send(sotw_request(type_url::CLUSTER, vec![], None))
-        .await
-        .unwrap();
-    let (_, again) = next_response(&mut stream2, "CDS on a new stream").await;
-    assert!(!again.resources.is_empty());
+    serves_cds_on_a_new_stream(&agent).await;
 }
 
 /// Sends `requests` after a first CDS exchange on a fresh stream of `agent` and returns the
@@ -458,10 +428,21 @@ async fn status_after(agent: &Agent, requests: Vec<bytes::Bytes>) -> tonic::Stat
             .expect("the stream to end within 60 s")
         {
             Ok(Some(_)) => continue,
-            Ok(None) => panic!("the stream ended with OK, not the agent's refusal"),
+            Ok(None) => panic!("the stream ended with OK, not a refusal"),
             Err(s) => break s,
         }
     }
+}
+
+/// A new stream of `agent` gets a non-empty CDS response: the agent serves on.
+async fn serves_cds_on_a_new_stream(agent: &Agent) {
+    let (tx, stream) = raw_sotw(agent.handle.socket()).await;
+    let mut stream = stream.unwrap();
+    tx.send(sotw_request(type_url::CLUSTER, vec![], None))
+        .await
+        .unwrap();
+    let (_, again) = next_response(&mut stream, "CDS on a new stream").await;
+    assert!(!again.resources.is_empty());
 }
 
 /// An EDS request naming `n` resources of about 100 bytes each, the last one `extra` bytes
@@ -538,13 +519,7 @@ async fn oversized_request_is_refused_by_the_agent_as_istio_refuses_it() {
     );
     // Both agents serve on.
     for a in [&agent, &agent2] {
-        let (tx, stream) = raw_sotw(a.handle.socket()).await;
-        let mut stream = stream.unwrap();
-        tx.send(sotw_request(type_url::CLUSTER, vec![], None))
-            .await
-            .unwrap();
-        let (_, again) = next_response(&mut stream, "CDS on a new stream").await;
-        assert!(!again.resources.is_empty());
+        serves_cds_on_a_new_stream(a).await;
     }
 }
 
