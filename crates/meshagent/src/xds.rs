@@ -44,6 +44,7 @@
 pub mod authority;
 pub mod codec;
 pub mod intercept;
+mod reader;
 pub mod rejections;
 pub mod stream;
 pub mod view;

@@ -47,6 +47,7 @@ use tonic::{Status, Streaming};
 
 use super::codec::RawCodec;
 use super::intercept::{self, Api, Health, InterceptError, Interceptor, Meta, Verdict};
+use super::reader::{MessageReader, TakeBody};
 use super::{Metrics, wire};
 use crate::control_plane::{self, CallMetadata, Keepalive, Target};
 
@@ -324,7 +325,7 @@ pub async fn run(
     let addr = shared.target.addr.clone();
     let (up_tx, up_rx) = mpsc::channel::<Bytes>(UPSTREAM_QUEUE);
     let mut connect = connect(&shared, api, conn.conn, up_rx).boxed();
-    let mut upstream: Option<Streaming<Bytes>> = None;
+    let mut upstream: Option<MessageReader> = None;
     let mut lease: Option<Lease<'_>> = None;
     let mut health = shared.health.clone();
     health.borrow_and_update();
@@ -547,7 +548,7 @@ async fn connect(
     api: Api,
     conn: u64,
     up_rx: mpsc::Receiver<Bytes>,
-) -> Result<(Streaming<Bytes>, Lease<'_>), Status> {
+) -> Result<(MessageReader, Lease<'_>), Status> {
     let (channel, lease) = match shared.upstream.join(conn) {
         Some(joined) => joined,
         None => {
@@ -589,8 +590,9 @@ async fn open(
     api: Api,
     up_rx: mpsc::Receiver<Bytes>,
     channel: tonic::transport::Channel,
-) -> Result<Streaming<Bytes>, Status> {
-    let mut grpc = tonic::client::Grpc::new(channel)
+) -> Result<MessageReader, Status> {
+    let take = TakeBody::new(channel);
+    let mut grpc = tonic::client::Grpc::new(take.clone())
         // No agent-side limit: Envoy's own limit is the one that matters (istio#52815).
         .max_decoding_message_size(usize::MAX)
         .max_encoding_message_size(usize::MAX);
@@ -603,11 +605,14 @@ async fn open(
         Api::Sotw => SOTW_PATH,
         Api::Delta => DELTA_PATH,
     });
-    Ok(grpc
-        .streaming(req, path, RawCodec)
-        .await
-        .map_err(control_plane::transport_status)?
-        .into_inner())
+    // tonic checks the response headers; the body is read by `MessageReader` (see
+    // `reader.rs`), and tonic's own reader, given an empty body, is dropped unread.
+    drop(
+        grpc.streaming(req, path, RawCodec)
+            .await
+            .map_err(control_plane::transport_status)?,
+    );
+    take.reader()
 }
 
 fn send_up(up: &mpsc::Sender<Bytes>, msg: Bytes) {
