@@ -483,6 +483,9 @@ impl SecretManager {
                         rotate_in = %crate::logging::dur(delay),
                         "workload certificate issued"
                     );
+                    // Key generation, the CSR and the CA call ran once for this certificate:
+                    // their code and buffers can leave the resident set (crate::malloc).
+                    crate::malloc::trim_soon();
                     let export_failing = export.as_ref().and_then(|e| e.failing.clone());
                     let rotate_at = now + delay;
                     self.set_status(|s| {

@@ -326,6 +326,8 @@ pub async fn run(
     let (up_tx, up_rx) = mpsc::channel::<Bytes>(UPSTREAM_QUEUE);
     let mut connect = connect(&shared, api, conn.conn, up_rx).boxed();
     let mut upstream: Option<MessageReader> = None;
+    // Whether upstream has sent its first response on this pair.
+    let mut answered = false;
     let mut lease: Option<Lease<'_>> = None;
     let mut health = shared.health.clone();
     health.borrow_and_update();
@@ -392,11 +394,20 @@ pub async fn run(
                 }
             },
             m = async { upstream.as_mut()?.message().await.transpose() }, if upstream.is_some() && room && pending.len() < MAX_PENDING => match m {
-                Some(Ok(msg)) => match on_response(&shared, api, id, msg, &mut pending, &view) {
-                    Ok(Some(out)) => enqueue(&mut queue, &mut queued, &mut full_since, out),
-                    Ok(None) => {}
-                    Err(end) => break end,
-                },
+                Some(Ok(msg)) => {
+                    if !answered {
+                        // The stream is up: the code that dialled it (TLS, the token, the
+                        // first exchange) and its buffers can leave the resident set, also
+                        // where nothing asks for readiness (DISABLE_ENVOY) (crate::malloc).
+                        answered = true;
+                        crate::malloc::trim_soon();
+                    }
+                    match on_response(&shared, api, id, msg, &mut pending, &view) {
+                        Ok(Some(out)) => enqueue(&mut queue, &mut queued, &mut full_since, out),
+                        Ok(None) => {}
+                        Err(end) => break end,
+                    }
+                }
                 None => break End::Upstream(None),
                 Some(Err(s)) => break End::Upstream(Some(s)),
             },
