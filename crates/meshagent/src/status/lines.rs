@@ -75,27 +75,84 @@ pub(crate) fn hash(bytes: &[u8]) -> u64 {
     const K0: u64 = 0xa076_1d64_78bd_642f;
     const K1: u64 = 0xe703_7ed1_a0b4_28db;
     const K2: u64 = 0x8ebc_6af0_9c88_c6e3;
+    #[inline(always)]
     fn fold(a: u64, b: u64) -> u64 {
         let p = u128::from(a) * u128::from(b);
         (p as u64) ^ ((p >> 64) as u64)
     }
-    fn word(b: &[u8]) -> u64 {
-        let mut w = [0u8; 8];
-        let n = b.len().min(8);
-        w[..n].copy_from_slice(&b[..n]);
-        u64::from_le_bytes(w)
-    }
+    // Whole words by index, not by sub-slice: the size-optimised build calls out for every
+    // range index and `copy_from_slice`.
+    let (words, rest) = bytes.as_chunks::<8>();
     let mut h = K0 ^ (bytes.len() as u64);
-    let mut blocks = bytes.chunks_exact(16);
-    for b in &mut blocks {
-        h = fold(word(&b[..8]) ^ K1, word(&b[8..]) ^ h);
+    let mut i = 0;
+    while i + 1 < words.len() {
+        h = fold(
+            u64::from_le_bytes(words[i]) ^ K1,
+            u64::from_le_bytes(words[i + 1]) ^ h,
+        );
+        i += 2;
     }
-    let rest = blocks.remainder();
-    if !rest.is_empty() {
-        let (a, b) = rest.split_at(rest.len().min(8));
-        h = fold(word(a) ^ K1, word(b) ^ h);
+    let mut tail = [0u8; 8];
+    tail[..rest.len()].copy_from_slice(rest);
+    let tail = u64::from_le_bytes(tail);
+    if i < words.len() {
+        h = fold(u64::from_le_bytes(words[i]) ^ K1, tail ^ h);
+    } else if !rest.is_empty() {
+        h = fold(tail ^ K1, h);
     }
     fold(h ^ K2, K1)
+}
+
+const LO: u64 = 0x0101_0101_0101_0101;
+const HI: u64 = LO * 0x80;
+const LOW7: u64 = LO * 0x7f;
+
+/// The high bit of every byte of `x` equal to `c`, exactly (no false positives).
+#[inline(always)]
+fn bytes_eq(x: u64, c: u8) -> u64 {
+    let y = x ^ (LO * u64::from(c));
+    !((y & LOW7).wrapping_add(LOW7) | y | LOW7)
+}
+
+/// Where the label set at the start of `labels` (`{…`) ends, when that is certain without
+/// parsing it: the first `}` after an even number of quotes and no backslash is outside every
+/// label value (the `}` [`series_key`] finds). `None`: no `}`, or escapes or a quoted `}` to
+/// parse. Eight bytes at a time.
+#[inline(always)]
+fn labels_end(labels: &[u8]) -> Option<usize> {
+    let (words, rest) = labels.as_chunks::<8>();
+    let mut quotes = 0u32;
+    let mut i = 0;
+    while i < words.len() {
+        let x = u64::from_le_bytes(words[i]);
+        let close = bytes_eq(x, b'}');
+        let quote = bytes_eq(x, b'"');
+        let backslash = bytes_eq(x, b'\\');
+        if close != 0 {
+            // Every byte before the first `}` of this word.
+            let before = (close & close.wrapping_neg()) - 1;
+            if backslash & before != 0 || (quotes + (quote & before).count_ones()) % 2 != 0 {
+                return None;
+            }
+            return Some(i * 8 + (close.trailing_zeros() / 8) as usize);
+        }
+        if backslash != 0 {
+            return None;
+        }
+        quotes += quote.count_ones();
+        i += 1;
+    }
+    let mut j = 0;
+    while j < rest.len() {
+        match rest[j] {
+            b'}' => return (quotes % 2 == 0).then_some(words.len() * 8 + j),
+            b'"' => quotes += 1,
+            b'\\' => return None,
+            _ => {}
+        }
+        j += 1;
+    }
+    None
 }
 
 /// Family hashes of one scrape: a list of tables, each filled to its capacity and never
@@ -158,28 +215,23 @@ impl Seen {
 
 /// Whether every line of `region` (whole lines) may be written as it is: no control
 /// characters but tab and newline (no CR either: CRLF lines take the general path), no DEL,
-/// valid UTF-8. Eight bytes at a time; the words holding a newline or tab are looked at
-/// byte by byte.
+/// valid UTF-8. Eight bytes at a time, no branch per byte.
 fn clean(region: &[u8]) -> bool {
-    const LO: u64 = 0x0101_0101_0101_0101;
-    const HI: u64 = LO * 0x80;
-    let ok = |b: &u8| (*b >= 0x20 && *b != 0x7f) || *b == b'\n' || *b == b'\t';
+    let (words, rest) = region.as_chunks::<8>();
     let mut high = 0;
-    let mut words = region.chunks_exact(8);
-    for w in &mut words {
-        let mut a = [0u8; 8];
-        a.copy_from_slice(w);
-        let x = u64::from_le_bytes(a);
+    let mut i = 0;
+    while i < words.len() {
+        let x = u64::from_le_bytes(words[i]);
         high |= x;
-        // Some byte below 0x20, or some byte equal to 0x7f (exact as "any" tests).
-        let low = x.wrapping_sub(LO * 0x20) & !x & HI;
-        let y = x ^ (LO * 0x7f);
-        let del = y.wrapping_sub(LO) & !y & HI;
-        if (low | del) != 0 && !w.iter().all(ok) {
+        // Bytes below 0x20 (exact for bytes under 0x80), but for newline and tab; DEL.
+        let low = !((x & LOW7).wrapping_add(LO * 0x60) | x) & HI;
+        let bad = (low & !bytes_eq(x, b'\n') & !bytes_eq(x, b'\t')) | bytes_eq(x, 0x7f);
+        if bad != 0 {
             return false;
         }
+        i += 1;
     }
-    let rest = words.remainder();
+    let ok = |b: &u8| (*b >= 0x20 && *b != 0x7f) || *b == b'\n' || *b == b'\t';
     if !rest.iter().all(ok) {
         return false;
     }
@@ -434,19 +486,10 @@ impl SourceFilter {
         }
         let key_end = match line.get(end) {
             Some(b' ' | b'\t') => end,
-            Some(b'{') => {
-                let labels = &line[end..];
-                let Some(close) = memchr(b'}', labels) else {
-                    return false;
-                };
-                // Without escapes, the first `}` after an even number of quotes is outside
-                // every label value: the one `series_key` finds.
-                let inside = &labels[..close];
-                if memchr(b'\\', inside).is_some() || memchr_iter(b'"', inside).count() % 2 != 0 {
-                    return false;
-                }
-                end + close + 1
-            }
+            Some(b'{') => match labels_end(&line[end..]) {
+                Some(close) => end + close + 1,
+                None => return false,
+            },
             _ => return false,
         };
         self.had_samples = true;
@@ -768,6 +811,39 @@ mod tests {
                     (slow.1, slow.2, slow.3),
                     "round {round}, chunk {chunk}"
                 );
+            }
+        }
+    }
+
+    #[test]
+    fn labels_end_agrees_with_series_key() {
+        let sets = [
+            "{}",
+            "{a=\"1\"}",
+            "{a=\"}\"}",
+            "{a=\"x\",b=\"}}\"}",
+            "{a=\"\\\"}\"}",
+            "{a=\"1\"",
+            "{a=\"}",
+            "{a=\"1\",}",
+        ];
+        // Every position of the `}` within an eight-byte word, and the tail path.
+        for pad in 0..17 {
+            for set in sets {
+                for value in ["", " 1", " 12345678901234567"] {
+                    let line = format!("{}{set}{value}", "n".repeat(pad + 1));
+                    let name_end = pad + 1;
+                    let want = series_key(line.as_bytes()).map(|(_, k)| k.len());
+                    match labels_end(&line.as_bytes()[name_end..]) {
+                        // When it answers, it is the general path's answer.
+                        Some(close) => assert_eq!(Some(name_end + close + 1), want, "{line}"),
+                        // It leaves only escapes, quoted braces and unterminated sets.
+                        None => assert!(
+                            set.contains('\\') || set.matches('}').count() != 1 || want.is_none(),
+                            "{line}"
+                        ),
+                    }
+                }
             }
         }
     }
