@@ -27,7 +27,9 @@
 //! * `merge`: `ISTIO_PROMETHEUS_ANNOTATIONS` names an application serving a 100,000-line
 //!   exposition (11 MiB); `/stats/prometheus` on the agent's status port merges it with
 //!   Envoy's. Median of 7 scrapes: latency, and the extra peak memory (VmHWM reset through
-//!   `/proc/<pid>/clear_refs` before each scrape, minus VmRSS then).
+//!   `/proc/<pid>/clear_refs` before each scrape, minus VmRSS then). Then 7 more with the
+//!   application answering one line: the extra peak of a scrape that merges next to nothing
+//!   (the floor under the first figure).
 //!
 //! * `fanout`: N proxyless agents (`SIDE_FANOUT_N`, default 50) each with its ADS
 //!   client; an EndpointSlice change applied to istiod-box (`--debounce 10ms`) → every
