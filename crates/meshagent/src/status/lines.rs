@@ -132,7 +132,7 @@ fn labels_end(labels: &[u8]) -> Option<usize> {
         if close != 0 {
             // Every byte before the first `}` of this word.
             let before = (close & close.wrapping_neg()) - 1;
-            if backslash & before != 0 || (quotes + (quote & before).count_ones()) % 2 != 0 {
+            if backslash & before != 0 || (quotes + (quote & before).count_ones()) & 1 != 0 {
                 return None;
             }
             return Some(i * 8 + (close.trailing_zeros() / 8) as usize);
@@ -146,7 +146,7 @@ fn labels_end(labels: &[u8]) -> Option<usize> {
     let mut j = 0;
     while j < rest.len() {
         match rest[j] {
-            b'}' => return (quotes % 2 == 0).then_some(words.len() * 8 + j),
+            b'}' => return (quotes & 1 == 0).then_some(words.len() * 8 + j),
             b'"' => quotes += 1,
             b'\\' => return None,
             _ => {}
