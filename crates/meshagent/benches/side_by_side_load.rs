@@ -27,7 +27,9 @@
 //! * `merge`: `ISTIO_PROMETHEUS_ANNOTATIONS` names an application serving a 100,000-line
 //!   exposition (11 MiB); `/stats/prometheus` on the agent's status port merges it with
 //!   Envoy's. Median of 7 scrapes: latency, and the extra peak memory (VmHWM reset through
-//!   `/proc/<pid>/clear_refs` before each scrape, minus VmRSS then).
+//!   `/proc/<pid>/clear_refs` before each scrape, minus VmRSS then). Then 7 more with the
+//!   application answering one line: the extra peak of a scrape that merges next to nothing
+//!   (the floor under the first figure).
 //!
 //! * `fanout`: N proxyless agents (`SIDE_FANOUT_N`, default 50) each with its ADS
 //!   client; an EndpointSlice change applied to istiod-box (`--debounce 10ms`) → every
@@ -665,8 +667,11 @@ fn app_exposition() -> Vec<u8> {
 }
 
 /// Serves `body` as `text/plain; version=0.0.4` to every HTTP/1 request on its own thread
-/// (so the benchmark's runtime does not serve it); returns the port.
-fn serve_app(body: Vec<u8>) -> u16 {
+/// (so the benchmark's runtime does not serve it), or a one-line exposition while the
+/// returned flag is set (the floor); returns the port.
+fn serve_app(body: Vec<u8>) -> (u16, std::sync::Arc<std::sync::atomic::AtomicBool>) {
+    let one_line = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let flag = one_line.clone();
     let (tx, rx) = std::sync::mpsc::channel();
     std::thread::spawn(move || {
         let rt = tokio::runtime::Builder::new_current_thread()
@@ -678,11 +683,17 @@ fn serve_app(body: Vec<u8>) -> u16 {
             let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
             tx.send(l.local_addr().unwrap().port()).unwrap();
             let body = std::sync::Arc::new(body);
+            let one: std::sync::Arc<Vec<u8>> =
+                std::sync::Arc::new(b"# TYPE app_one counter\napp_one 1\n".to_vec());
             loop {
                 let Ok((mut s, _)) = l.accept().await else {
                     continue;
                 };
-                let body = body.clone();
+                let body = if flag.load(std::sync::atomic::Ordering::SeqCst) {
+                    one.clone()
+                } else {
+                    body.clone()
+                };
                 tokio::spawn(async move {
                     let mut req = Vec::new();
                     let mut buf = [0u8; 4096];
@@ -704,7 +715,7 @@ fn serve_app(body: Vec<u8>) -> u16 {
             }
         });
     });
-    rx.recv().unwrap()
+    (rx.recv().unwrap(), one_line)
 }
 
 /// Resets `pid`'s peak RSS (VmHWM) to its current RSS ("5" to `clear_refs`, Linux ≥ 4.0).
@@ -715,7 +726,7 @@ fn reset_hwm(pid: u32) {
 async fn merge(report: &mut Report) {
     let body = app_exposition();
     let bytes = body.len();
-    let port = serve_app(body);
+    let (port, one_line) = serve_app(body);
     let mesh = mesh_with_free_ports();
     let istiod = IstiodBox::start_with(&workload_a(), Some(&mesh), &[]).await;
     let scrapes = 7;
@@ -725,7 +736,7 @@ async fn merge(report: &mut Report) {
         bytes as f64 / (1024.0 * 1024.0)
     );
     let annotations = format!(r#"{{"scrape":"true","path":"/metrics","port":"{port}"}}"#);
-    let (mut extra, mut lat) = ([0.0; 2], [0.0; 2]);
+    let (mut extra, mut lat, mut floor) = ([0.0; 2], [0.0; 2], [0.0; 2]);
     for (i, kind) in KINDS.into_iter().enumerate() {
         let env = [("ISTIO_PROMETHEUS_ANNOTATIONS", annotations.as_str())];
         let pod = PodSpec {
@@ -755,14 +766,31 @@ async fn merge(report: &mut Report) {
         }
         extra[i] = support::median(peaks.clone());
         lat[i] = support::median(took.clone());
+        // The floor: the same scrape with the application answering one line.
+        one_line.store(true, std::sync::atomic::Ordering::SeqCst);
+        let mut small = vec![];
+        for _ in 0..scrapes {
+            reset_hwm(pid);
+            let base = Mem::of(pid).vm_rss;
+            let (code, text) = http_get(sc.status, "/stats/prometheus").await.unwrap();
+            small.push(Mem::of(pid).vm_hwm - base);
+            assert!(code == 200 && text.contains("app_one 1"), "{}", name(kind));
+            tokio::time::sleep(Duration::from_millis(500)).await;
+        }
+        one_line.store(false, std::sync::atomic::Ordering::SeqCst);
+        floor[i] = support::median(small.clone());
         println!(
-            "  {}: extra peak {:?} MiB; latency {:?} ms",
+            "  {}: extra peak {:?} MiB; latency {:?} ms; 1-line exposition: extra peak {:?} MiB",
             name(kind),
             peaks
                 .iter()
-                .map(|v| (v * 100.0).round() / 100.0)
+                .map(|v| (v * 1000.0).round() / 1000.0)
                 .collect::<Vec<_>>(),
-            took.iter().map(|v| v.round()).collect::<Vec<_>>()
+            took.iter().map(|v| v.round()).collect::<Vec<_>>(),
+            small
+                .iter()
+                .map(|v| (v * 1000.0).round() / 1000.0)
+                .collect::<Vec<_>>()
         );
         drop(sc);
     }
@@ -772,6 +800,13 @@ async fn merge(report: &mut Report) {
         "MiB",
         extra,
         "≤ 0.1",
+    );
+    report.add(
+        "merge-floor-peak",
+        "metrics merge, 1-line exposition: extra peak memory (the floor)",
+        "MiB",
+        floor,
+        "—",
     );
     report.add(
         "merge-latency",
