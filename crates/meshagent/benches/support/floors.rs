@@ -208,7 +208,7 @@ pub async fn ca_round_trip_ms(istiod: &IstiodBox, token: &str) -> f64 {
 
 /// One RSA-2048 key generation, as the agent generates its key (rcgen over aws-lc-rs); ms.
 pub fn rsa_keygen_ms() -> f64 {
-    let t = std::time::Instant::now();
+    let t = Instant::now();
     let _ = rcgen::KeyPair::generate_rsa_for(&rcgen::PKCS_RSA_SHA256, rcgen::RsaKeySize::_2048)
         .unwrap();
     t.elapsed().as_secs_f64() * 1e3
