@@ -2,7 +2,8 @@
 
 Usage: python3 plot_bars.py RUN.json OUT_DIR  (PYTHONPATH holding matplotlib: `make plotpeers`).
 RUN.json is what a side-by-side benchmark writes: {"run", "load", "date", "figures": [{"slug",
-"title", "unit", "pilot", "mesh", "goal"}]}. Writes OUT_DIR/<slug>.png. Uses matplotlib's
+"title", "unit", "pilot", "mesh", "goal", "floor"}]}, "floor" being null or {"what", "value"}: the
+same work with no agent in the way, drawn as a third bar. Writes OUT_DIR/<slug>.png. Uses matplotlib's
 bundled DejaVu font, so no system fonts are needed.
 """
 
@@ -35,9 +36,18 @@ def main():
     for fig in doc["figures"]:
         pilot, mesh = fig["pilot"], fig["mesh"]
         ratio = mesh / pilot if pilot and not math.isnan(pilot) else float("nan")
-        f, ax = plt.subplots(figsize=(5.2, 3.4), dpi=100)
-        bars = ax.bar(["pilot-agent", "meshagent"], [pilot, mesh], color=["#7f8c8d", "#2e86c1"])
-        for b, v in zip(bars, [pilot, mesh]):
+        names, values, colors = ["pilot-agent", "meshagent"], [pilot, mesh], ["#7f8c8d", "#2e86c1"]
+        floor = fig.get("floor")
+        note = ""
+        if floor:
+            names.append("floor")
+            values.append(floor["value"])
+            colors.append("#27ae60")
+            best = floor["value"] / pilot if pilot else float("nan")
+            note = f"\nfloor: {floor['what']}; best possible ratio {best:.3f}"
+        f, ax = plt.subplots(figsize=(5.2, 3.6 if floor else 3.4), dpi=100)
+        bars = ax.bar(names, values, color=colors)
+        for b, v in zip(bars, values):
             ax.annotate(label(v), (b.get_x() + b.get_width() / 2, b.get_height()),
                         ha="center", va="bottom", fontsize=9)
         ax.set_ylabel(fig["unit"])
@@ -45,9 +55,9 @@ def main():
         ax.margins(y=0.15)
         f.text(0.5, 0.01,
                f"meshagent / pilot-agent = {ratio:.3f} (goal {fig['goal']}); "
-               f"{doc['date']}, load {doc['load']}",
+               f"{doc['date']}, load {doc['load']}{note}",
                ha="center", fontsize=7)
-        f.tight_layout(rect=(0, 0.04, 1, 1))
+        f.tight_layout(rect=(0, 0.08 if floor else 0.04, 1, 1))
         f.savefig(os.path.join(out_dir, fig["slug"] + ".png"))
         plt.close(f)
 

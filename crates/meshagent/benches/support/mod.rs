@@ -6,6 +6,8 @@
 //! Lives in a directory (`support/mod.rs`) so Cargo does not take it for a benchmark target.
 #![allow(clippy::unwrap_used, clippy::expect_used, dead_code)]
 
+#[path = "floors.rs"]
+pub mod floors;
 #[path = "mem.rs"]
 pub mod mem;
 #[path = "relay.rs"]
@@ -178,6 +180,29 @@ pub async fn xds_client(
     }
 }
 
+/// Spawns one [`xds_client`] and waits (up to `timeout`) for its first response; `on_fail`
+/// runs before the panic if none comes (e.g. printing the agent's log).
+pub async fn spawn_client(
+    channel: tonic::transport::Channel,
+    token: Option<String>,
+    node_id: String,
+    timeout: Duration,
+    on_fail: impl FnOnce(),
+) -> (Seen, tokio::task::JoinHandle<()>) {
+    let seen = Seen::default();
+    let what = node_id.clone();
+    let client = tokio::spawn(xds_client(channel, token, node_id, seen.clone()));
+    let deadline = Instant::now() + timeout;
+    while seen.lock().unwrap().is_empty() {
+        if Instant::now() > deadline || client.is_finished() {
+            on_fail();
+            panic!("xDS client {what}: no response within {timeout:?}");
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    (seen, client)
+}
+
 /// A channel to a unix socket (the agent's `XDS`), connecting lazily and again after a failure.
 pub fn uds_channel(path: PathBuf) -> tonic::transport::Channel {
     tonic::transport::Endpoint::from_static("http://localhost").connect_with_connector_lazy(
@@ -217,6 +242,23 @@ pub async fn attach(
 }
 
 // === /proc ===
+
+/// CPU time of all of `pid`'s threads, ms, from `/proc/<pid>/task/*/schedstat` (ns; `stat`'s
+/// 10 ms ticks are too coarse for one push or an idle minute).
+pub fn cpu_ms(pid: u32) -> f64 {
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+        return f64::NAN;
+    };
+    let ns: u64 = tasks
+        .flatten()
+        .filter_map(|t| std::fs::read_to_string(t.path().join("schedstat")).ok())
+        .filter_map(|s| s.split_whitespace().next()?.parse::<u64>().ok())
+        .sum();
+    ns as f64 / 1e6
+}
+
+/// One clock tick in seconds: the resolution of `/proc/<pid>/stat`'s CPU times.
+pub const TICK_SECS: f64 = 1.0 / CLOCK_TICKS;
 
 pub fn cpu_secs(pid: u32) -> f64 {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
