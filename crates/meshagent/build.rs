@@ -4,6 +4,10 @@
 //! agent's ProxyConfig is Istio's. Nothing of Istio's is in the repository: the module comes
 //! from `$ISTIO_API_DIR`, else the repository's Go module cache (`.tools/go/mod`, which
 //! `make pilot-agent` fills), else `go mod download` into that cache.
+#![allow(
+    clippy::disallowed_methods,
+    reason = "build script, not on the agent's runtime"
+)]
 
 use std::collections::{BTreeSet, HashMap};
 use std::env;

@@ -315,7 +315,9 @@ impl ProxyConfigLayers {
                 expected,
             };
             let mut one = serde_json::Map::new();
-            one.insert(field.to_owned(), value.clone());
+            let mut nested = value.clone();
+            drop_nulls(&mut nested);
+            one.insert(field.to_owned(), nested);
             let mut parsed: pb::ProxyConfig = match serde_json::from_value(Value::Object(one)) {
                 Ok(m) => m,
                 Err(e) => {
@@ -354,6 +356,19 @@ impl ProxyConfigLayers {
     }
 }
 
+/// jsonpb skips a `null` field at any depth as unset; pbjson takes `null` only for message
+/// fields. ProxyConfig reaches no `google.protobuf.Value`, where `null` would be a value.
+fn drop_nulls(v: &mut Value) {
+    match v {
+        Value::Object(o) => {
+            o.retain(|_, v| !v.is_null());
+            o.values_mut().for_each(drop_nulls);
+        }
+        Value::Array(a) => a.iter_mut().for_each(drop_nulls),
+        _ => {}
+    }
+}
+
 /// Headers a later layer's `proxyHeaders` leaves unset keep the earlier value
 /// (pkg/config/mesh/mesh.go `correctProxyHeaders`: `ptr.NonEmptyOrDefault`).
 fn correct_proxy_headers(
@@ -372,6 +387,7 @@ fn correct_proxy_headers(
 const DURATION: &str = "a duration string such as \"45s\" or \"0.100s\"";
 const PORT: &str = "a port number between 0 and 65535";
 const UINT: &str = "a non-negative 32-bit integer";
+const AUTH_POLICY: &str = "NONE or MUTUAL_TLS (or 0/1)";
 
 /// What a field takes, for an error about a value proto-JSON refused (`reason` is pbjson's).
 fn expected(field: &str, reason: &str) -> String {
@@ -379,7 +395,7 @@ fn expected(field: &str, reason: &str) -> String {
         "drainDuration" | "terminationDrainDuration" | "fileFlushInterval" => DURATION,
         "proxyAdminPort" | "statusPort" => PORT,
         "statNameLength" | "concurrency" | "fileFlushMinSizeKb" => UINT,
-        "controlPlaneAuthPolicy" => "NONE or MUTUAL_TLS (or 0/1)",
+        "controlPlaneAuthPolicy" => AUTH_POLICY,
         "interceptionMode" => "REDIRECT, TPROXY or NONE (or 0/1/2)",
         "tracingServiceName" => {
             "APP_LABEL_AND_NAMESPACE, CANONICAL_NAME_ONLY or CANONICAL_NAME_AND_NAMESPACE (or 0/1/2)"
@@ -429,6 +445,14 @@ fn check(field: &str, m: &pb::ProxyConfig) -> Result<(), &'static str> {
         "statusPort" => port(m.status_port),
         "statNameLength" => uint(m.stat_name_length),
         "concurrency" => m.concurrency.as_ref().map_or(Ok(()), |c| uint(c.value)),
+        // INHERIT is for scopes below the mesh; Istio's ValidateControlPlaneAuthPolicy refuses
+        // it too.
+        "controlPlaneAuthPolicy" => {
+            match pb::AuthenticationPolicy::try_from(m.control_plane_auth_policy) {
+                Ok(pb::AuthenticationPolicy::None | pb::AuthenticationPolicy::MutualTls) => Ok(()),
+                _ => Err(AUTH_POLICY),
+            }
+        }
         _ => Ok(()),
     }
 }

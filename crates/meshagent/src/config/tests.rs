@@ -838,6 +838,10 @@ fn bad_proxy_config_values() {
             &["controlPlaneAuthPolicy", "FOO", "MUTUAL_TLS"],
         ),
         (
+            "controlPlaneAuthPolicy: INHERIT",
+            &["controlPlaneAuthPolicy", "INHERIT", "MUTUAL_TLS"],
+        ),
+        (
             "interceptionMode: IPVS",
             &["interceptionMode", "IPVS", "TPROXY"],
         ),
@@ -1133,7 +1137,8 @@ fn nested_messages_are_istios_proto_json() {
             "PROXY_CONFIG",
             r#"{"connection_settings": {"http_idle_timeout": "1.5s", "future": 1},
                 "tracing": {"sampling": 100, "zipkin": {"address": "z:9411"}},
-                "readinessProbe": {"timeoutSeconds": "3"}, "fileFlushMinSizeKb": "7",
+                "readinessProbe": {"timeoutSeconds": "3", "httpGet": null, "periodSeconds": null},
+                "fileFlushMinSizeKb": "7",
                 "zipkinAddress": "old:9411"}"#,
         )
         .ok();
