@@ -838,6 +838,10 @@ fn bad_proxy_config_values() {
             &["controlPlaneAuthPolicy", "FOO", "MUTUAL_TLS"],
         ),
         (
+            "tracing: {zipkin: {address: z}, tlsSettings: {mode: SOMETIMES}}",
+            &["tracing", "SOMETIMES", "ISTIO_MUTUAL"],
+        ),
+        (
             "controlPlaneAuthPolicy: INHERIT",
             &["controlPlaneAuthPolicy", "INHERIT", "MUTUAL_TLS"],
         ),
