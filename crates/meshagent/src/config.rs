@@ -21,6 +21,7 @@ use serde::Serialize;
 mod env;
 mod files;
 mod identity;
+mod istio;
 pub(crate) mod parse;
 pub mod probers;
 mod proxy_config;
@@ -33,8 +34,7 @@ pub use env::{EnvSource, MapEnv, ProcessEnv};
 pub use files::POD_ANNOTATIONS_PATH;
 pub use identity::{EccCurve, ISTIO_TOKEN_PATH, IdentityConfig, PlatformConfig};
 pub use proxy_config::{
-    AuthenticationPolicy, InterceptionMode, PASSTHROUGH_FIELDS, ProtoDuration, ProxyConfig,
-    ProxyStatsMatcher,
+    AuthenticationPolicy, InterceptionMode, ProtoDuration, ProxyConfig, ProxyStatsMatcher,
 };
 pub use vars::{
     BootstrapConfig, DnsConfig, GrpcConfig, LifecycleConfig, PodConfig, StatusConfig, WasmConfig,
@@ -371,22 +371,23 @@ pub(crate) fn load_cataloging(
 ) -> Result<Config, ConfigError> {
     let mut errors = Vec::new();
     let mut warnings = Vec::new();
-    let mut pc = ProxyConfig::default();
+    let mut layers = proxy_config::ProxyConfigLayers::default();
     let mut r = if catalog.is_some() {
         Reader::cataloging(env)
     } else {
         Reader::new(env)
     };
 
-    let mut apply = |pc: &mut ProxyConfig, origin: &str, layer: serde_json::Value| {
-        let unknown = pc.apply_layer(origin, layer, &mut errors);
-        if !unknown.is_empty() {
-            warnings.push(format!(
-                "ignoring unknown ProxyConfig fields in {origin}: {}",
-                unknown.join(", ")
-            ));
-        }
-    };
+    let mut apply =
+        |layers: &mut proxy_config::ProxyConfigLayers, origin: &str, layer: serde_json::Value| {
+            let unknown = layers.apply(origin, layer, &mut errors);
+            if !unknown.is_empty() {
+                warnings.push(format!(
+                    "ignoring unknown ProxyConfig fields in {origin}: {}",
+                    unknown.join(", ")
+                ));
+            }
+        };
 
     let mesh_origin = format!("{} (defaultConfig)", files::mesh_origin(&flags.mesh_config));
     let mesh = files::mesh_default_config(base_dir, &flags.mesh_config);
@@ -399,12 +400,12 @@ pub(crate) fn load_cataloging(
 
     let mut layer_errors = Vec::new();
     match mesh {
-        Ok(Some(layer)) => apply(&mut pc, &mesh_origin, layer),
+        Ok(Some(layer)) => apply(&mut layers, &mesh_origin, layer),
         Ok(None) => {}
         Err(e) => layer_errors.push(e),
     }
     match proxy_config_env {
-        Some(Ok(layer)) => apply(&mut pc, "PROXY_CONFIG", layer),
+        Some(Ok(layer)) => apply(&mut layers, "PROXY_CONFIG", layer),
         Some(Err(e)) => layer_errors.push(e),
         None => {}
     }
@@ -414,7 +415,7 @@ pub(crate) fn load_cataloging(
     });
     if let Some(text) = annotations.get(ANNOTATION_PROXY_CONFIG) {
         match files::yaml_to_json(&annotation_origin, text) {
-            Ok(layer) => apply(&mut pc, &annotation_origin, layer),
+            Ok(layer) => apply(&mut layers, &annotation_origin, layer),
             Err(e) => layer_errors.push(e),
         }
     }
@@ -423,6 +424,7 @@ pub(crate) fn load_cataloging(
         BTreeMap::new()
     });
     errors.extend(layer_errors);
+    let mut pc = layers.finish();
 
     let pod = PodConfig::from_env(&mut r);
 

@@ -1,15 +1,16 @@
-//! The agent's ProxyConfig model against Istio's own schema: `istio.mesh.v1alpha1.ProxyConfig`
+//! The agent's ProxyConfig against Istio's own schema: `istio.mesh.v1alpha1.ProxyConfig`
 //! from `mesh/v1alpha1/proxy.proto` of the `istio.io/api` Go module that compat/go.mod pins
-//! (the same Istio the differential tests run), compiled here with protox. Nothing of Istio's
-//! is in the repository: the module is read from the Go module cache that `make pilot-agent`
-//! fills (`.tools/go/mod`).
+//! (the same Istio the differential tests run), compiled here with protox. The agent's
+//! parser is generated from the same file at build time (build.rs); this checks the layer
+//! between the generated message and the rest of the agent (the typed fields, the
+//! proto-JSON kept for the others, the agent's own value checks). Nothing of Istio's is in
+//! the repository: the module is read from the Go module cache (`.tools/go/mod`), which the
+//! build fills.
 //!
 //! For every field Istio's ProxyConfig has, a layer setting it (by JSON name, and again by
-//! proto field name, as Istio's `protomarshal.ApplyYAML` accepts both) goes through
-//! [`meshagent::config::load`] as `PROXY_CONFIG`, and:
-//! * the agent must know the field (no "unknown field" warning) — unless it is listed in
-//!   [`NOT_MODELLED`], which is then checked to still be reported unknown, so the list is
-//!   exactly the gap;
+//! proto field name, as Istio's `protomarshal.ApplyYAML` accepts both; a message with every
+//! nested field set) goes through [`meshagent::config::load`] as `PROXY_CONFIG`, and:
+//! * the agent must know the field (no "unknown field" warning);
 //! * the effective ProxyConfig the agent serializes (its `PROXY_CONFIG` node metadata) must
 //!   hold the field under Istio's JSON name with the value proto-JSON gives it
 //!   (prost-reflect's proto-JSON mapping of the same layer against Istio's descriptor).
@@ -27,17 +28,6 @@ use prost_reflect::{DescriptorPool, DynamicMessage, FieldDescriptor, Kind, Messa
 use serde_json::{Value, json};
 
 use meshagent::config::{MapEnv, ProxyFlags, load};
-
-/// Istio's ProxyConfig fields the agent does not model: all deprecated in Istio and read by
-/// nothing in Istio's agent either (`pkg/istio-agent`, `pkg/bootstrap`). The agent reports
-/// them as unknown fields (a warning); Istio ignores them silently.
-const NOT_MODELLED: &[&str] = &[
-    "discoveryRefreshDelay",
-    "zipkinAddress",
-    "envoyMetricsServiceAddress",
-    "availabilityZone",
-    "sds",
-];
 
 /// The workspace root (this crate is `crates/meshagent`).
 fn workspace_root() -> PathBuf {
@@ -66,8 +56,8 @@ fn istio_proxy_config() -> MessageDescriptor {
     };
     assert!(
         api.join("mesh/v1alpha1/proxy.proto").is_file(),
-        "Istio's proxy.proto is not in the Go module cache at {}: run `make pilot-agent` \
-         (it downloads istio.io/api, a dependency of the pinned istio.io/istio) or set GOMODCACHE",
+        "Istio's proxy.proto is not in the Go module cache at {}: building the agent \
+         downloads it (build.rs), or run `make pilot-agent`, or set GOMODCACHE",
         api.display()
     );
     let fds = protox::compile(
@@ -88,28 +78,66 @@ const VALID_SAMPLES: &[(&str, &str)] = &[
 ];
 
 /// A proto-JSON value for the field that differs from its default (proto-JSON leaves
-/// defaults out, and the agent's defaults are Istio's).
+/// defaults out, and the agent's defaults are Istio's), in a spelling proto-JSON accepts but
+/// does not write (ints as strings, `1.5s`), so normalisation is checked. A message gets every nested field
+/// set (one member per oneof), a few levels deep, so nested names and values are checked too.
 fn sample(f: &FieldDescriptor) -> Value {
+    sample_at(f, 0)
+}
+
+fn sample_at(f: &FieldDescriptor, depth: usize) -> Value {
     if let Some((_, v)) = VALID_SAMPLES.iter().find(|(n, _)| *n == f.json_name()) {
         return json!(v);
     }
     let one = match f.kind() {
         Kind::String => json!("sample"),
+        Kind::Bytes => json!("AQI="),
         Kind::Bool => json!(true),
-        Kind::Int32 | Kind::Uint32 | Kind::Int64 | Kind::Uint64 => json!(7),
+        Kind::Double | Kind::Float => json!(1.5),
+        Kind::Int32
+        | Kind::Uint32
+        | Kind::Int64
+        | Kind::Uint64
+        | Kind::Sint32
+        | Kind::Sint64
+        | Kind::Fixed32
+        | Kind::Fixed64
+        | Kind::Sfixed32
+        | Kind::Sfixed64 => json!("7"),
         Kind::Enum(e) => {
             // A value that is not the proto default (number 0).
             let v = e.values().find(|v| v.number() != 0).unwrap();
             json!(v.name())
         }
         Kind::Message(m) => match m.full_name() {
-            "google.protobuf.Duration" => json!("1.500s"),
+            "google.protobuf.Duration" => json!("1.5s"),
             "google.protobuf.BoolValue" => json!(true),
-            "google.protobuf.Int32Value" | "google.protobuf.UInt32Value" => json!(3),
-            _ if f.is_map() => json!({"k": "v"}),
-            _ => json!({}),
+            "google.protobuf.StringValue" => json!("sample"),
+            "google.protobuf.DoubleValue" | "google.protobuf.FloatValue" => json!(1.5),
+            "google.protobuf.Int32Value"
+            | "google.protobuf.UInt32Value"
+            | "google.protobuf.Int64Value"
+            | "google.protobuf.UInt64Value" => json!(3),
+            "google.protobuf.Struct" => json!({"k": "v"}),
+            "google.protobuf.Value" => json!("v"),
+            "google.protobuf.Empty" => json!({}),
+            _ if f.is_map() => json!({"k": sample_at(&m.map_entry_value_field(), depth + 1)}),
+            _ if depth >= 3 => json!({}),
+            _ => {
+                let mut obj = serde_json::Map::new();
+                let mut oneofs = Vec::new();
+                for nf in m.fields() {
+                    if let Some(o) = nf.containing_oneof() {
+                        if oneofs.contains(&o.name().to_owned()) {
+                            continue;
+                        }
+                        oneofs.push(o.name().to_owned());
+                    }
+                    obj.insert(nf.json_name().to_owned(), sample_at(&nf, depth + 1));
+                }
+                Value::Object(obj)
+            }
         },
-        other => panic!("field {}: no sample for kind {other:?}", f.name()),
     };
     if f.is_list() { json!([one]) } else { one }
 }
@@ -150,14 +178,6 @@ fn every_istio_proxy_config_field_is_modelled_with_istios_name_and_value() {
             let unknown = warnings
                 .iter()
                 .any(|w| w.contains("unknown ProxyConfig fields") && w.contains(key));
-            if NOT_MODELLED.contains(&json_name.as_str()) {
-                if !unknown {
-                    problems.push(format!(
-                        "{key}: now modelled; remove {json_name} from NOT_MODELLED"
-                    ));
-                }
-                continue;
-            }
             if unknown {
                 problems.push(format!("{key}: Istio's field is unknown to the agent"));
                 continue;
@@ -186,7 +206,6 @@ fn every_field_the_agent_serializes_is_istios() {
     // Every optional field set, so each serialized name shows up.
     let layer: serde_json::Map<String, Value> = desc
         .fields()
-        .filter(|f| !NOT_MODELLED.contains(&f.json_name()))
         // One member of the serviceCluster/tracingServiceName oneof at a time.
         .filter(|f| f.json_name() != "tracingServiceName")
         .map(|f| (f.json_name().to_owned(), sample(&f)))
@@ -282,8 +301,10 @@ const KNOWN_DIFFERENCES: &[(&str, &str, &str)] = &[
         "99",
         "Istio: unrecognized control plane auth policy",
     ),
-    // Taken by Istio's agent and meaningless (a negative count, size or wait, an enum number
-    // with no name); COMPAT.md "ProxyConfig values Istio's schema takes".
+    // Taken by Istio's agent and meaningless: a negative count, size or wait (the agent's own
+    // checks after parsing), an enum number with no name (pbjson's generated enums are
+    // closed; protojson keeps unknown numbers); COMPAT.md "ProxyConfig values Istio's schema
+    // takes".
     ("statNameLength", "-1", "a negative name length"),
     ("concurrency", "-1", "a negative worker count"),
     ("terminationDrainDuration", r#""-1s""#, "a negative wait"),
@@ -299,9 +320,6 @@ fn proto_json_spellings_are_accepted_and_rejected_as_istios_schema_does() {
     let mut differences = Vec::new();
     for f in desc.fields() {
         let name = f.json_name().to_owned();
-        if NOT_MODELLED.contains(&name.as_str()) {
-            continue;
-        }
         for value in spellings(&f) {
             let layer = json!({ &name: value.clone() });
             let istio = DynamicMessage::deserialize(desc.clone(), layer.clone())

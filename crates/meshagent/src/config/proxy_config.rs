@@ -1,16 +1,18 @@
-//! Istio's `meshconfig.ProxyConfig`, the subset the agent interprets, with
-//! proto-JSON field names so dumps and overlays look like Istio's.
+//! Istio's `meshconfig.ProxyConfig`: each layer parsed into the message generated from
+//! Istio's `mesh/v1alpha1/proxy.proto` (build.rs, `config::istio`) and merged as Istio does,
+//! then presented to the rest of the agent as [`ProxyConfig`] (typed where the agent reads
+//! a field, proto-JSON otherwise).
 
 use std::collections::BTreeMap;
 use std::fmt;
 use std::path::PathBuf;
 use std::time::Duration;
 
-use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize, Serializer};
 use serde_json::Value;
 
 use super::ConfigError;
+use super::istio::mesh::v1alpha1 as pb;
 
 /// A `google.protobuf.Duration`, written in proto-JSON form (`"45s"`, `"0.100s"`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Default)]
@@ -179,72 +181,107 @@ pub struct ProxyConfig {
     /// Proxy image settings, passed through.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub image: Option<Value>,
-    /// Other ProxyConfig fields Istio defines, kept verbatim as JSON (see
-    /// [`PASSTHROUGH_FIELDS`] for who reads them).
+    /// The other fields of Istio's ProxyConfig that are set, as proto-JSON under their JSON
+    /// names. The bootstrap reads `envoyMetricsService`, `envoyAccessLogService`,
+    /// `connectionSettings` and `statsCompression`; Envoy's argv reads `fileFlushMinSizeKb`.
     #[serde(flatten)]
     pub passthrough: BTreeMap<String, Value>,
 }
 
-/// Real ProxyConfig fields kept as JSON (and in `PROXY_CONFIG` metadata as given). The
-/// bootstrap reads `envoyMetricsService`, `envoyAccessLogService`, `connectionSettings` and
-/// `statsCompression`; Envoy's argv reads `fileFlushMinSizeKb`.
-pub const PASSTHROUGH_FIELDS: &[&str] = &[
-    "envoyAccessLogService",
-    "envoyMetricsService",
-    "gatewayTopology",
-    "fileFlushMinSizeKb",
-    "connectionSettings",
-    "statsCompression",
+/// The ProxyConfig fields the agent's struct types itself; every other field Istio's
+/// ProxyConfig has goes to [`ProxyConfig::passthrough`] as its proto-JSON.
+const TYPED_FIELDS: &[&str] = &[
+    "configPath",
+    "binaryPath",
+    "serviceCluster",
+    "tracingServiceName",
+    "drainDuration",
+    "terminationDrainDuration",
+    "discoveryAddress",
+    "statsdUdpAddress",
+    "proxyAdminPort",
+    "controlPlaneAuthPolicy",
+    "customConfigFile",
+    "statNameLength",
+    "concurrency",
+    "proxyBootstrapTemplatePath",
+    "interceptionMode",
+    "tracing",
+    "proxyStatsMatcher",
+    "statusPort",
+    "extraStatTags",
+    "proxyMetadata",
+    "runtimeValues",
+    "holdApplicationUntilProxyStarts",
+    "caCertificatesPem",
+    "privateKeyProvider",
+    "readinessProbe",
+    "meshId",
+    "fileFlushInterval",
+    "proxyHeaders",
+    "image",
 ];
+
+/// Istio's built-in defaults (pkg/config/mesh/mesh.go `DefaultProxyConfig`).
+fn default_message() -> pb::ProxyConfig {
+    pb::ProxyConfig {
+        config_path: "./etc/istio/proxy".to_owned(),
+        binary_path: "/usr/local/bin/envoy".to_owned(),
+        cluster_name: Some(pb::proxy_config::ClusterName::ServiceCluster(
+            "istio-proxy".to_owned(),
+        )),
+        drain_duration: Some(pbjson_types::Duration {
+            seconds: 45,
+            nanos: 0,
+        }),
+        termination_drain_duration: Some(pbjson_types::Duration {
+            seconds: 5,
+            nanos: 0,
+        }),
+        discovery_address: "istiod.istio-system.svc:15012".to_owned(),
+        proxy_admin_port: 15000,
+        control_plane_auth_policy: pb::AuthenticationPolicy::MutualTls as i32,
+        stat_name_length: 189,
+        status_port: 15020,
+        ..Default::default()
+    }
+}
 
 impl Default for ProxyConfig {
     /// Istio's built-in defaults (`mesh.DefaultProxyConfig`).
     fn default() -> Self {
+        Self::from_message(&default_message())
+    }
+}
+
+/// The ProxyConfig layers (mesh config `defaultConfig`, `PROXY_CONFIG`, the
+/// `proxy.istio.io/config` annotation) merged into Istio's generated message as Istio's
+/// `MergeProxyConfig` does (pkg/config/mesh/mesh.go).
+pub(crate) struct ProxyConfigLayers {
+    merged: pb::ProxyConfig,
+}
+
+impl Default for ProxyConfigLayers {
+    fn default() -> Self {
         Self {
-            config_path: PathBuf::from("./etc/istio/proxy"),
-            binary_path: PathBuf::from("/usr/local/bin/envoy"),
-            service_cluster: "istio-proxy".to_owned(),
-            tracing_service_name: None,
-            drain_duration: ProtoDuration(Duration::from_secs(45)),
-            termination_drain_duration: ProtoDuration(Duration::from_secs(5)),
-            discovery_address: "istiod.istio-system.svc:15012".to_owned(),
-            statsd_udp_address: String::new(),
-            proxy_admin_port: 15000,
-            control_plane_auth_policy: AuthenticationPolicy::MutualTls,
-            custom_config_file: PathBuf::new(),
-            stat_name_length: 189,
-            concurrency: None,
-            proxy_bootstrap_template_path: PathBuf::new(),
-            interception_mode: InterceptionMode::Redirect,
-            tracing: None,
-            proxy_stats_matcher: None,
-            status_port: 15020,
-            extra_stat_tags: Vec::new(),
-            proxy_metadata: BTreeMap::new(),
-            runtime_values: BTreeMap::new(),
-            hold_application_until_proxy_starts: None,
-            ca_certificates_pem: Vec::new(),
-            private_key_provider: None,
-            readiness_probe: None,
-            mesh_id: String::new(),
-            file_flush_interval: None,
-            proxy_headers: None,
-            image: None,
-            passthrough: BTreeMap::new(),
+            merged: default_message(),
         }
     }
 }
 
-// === impl ProxyConfig ===
-
-impl ProxyConfig {
-    /// Overlays one ProxyConfig document (already parsed to JSON) onto `self`.
+impl ProxyConfigLayers {
+    /// Overlays one ProxyConfig document (already parsed to JSON).
     ///
-    /// Every field present replaces the current value wholesale: lists and maps
-    /// are replaced, not merged (as Istio's `pkg/config/mesh/mesh.go` `ApplyProxyConfig`). `null` means "not set". Unknown
-    /// field names are returned so the caller can warn once; bad values are
-    /// pushed to `errors`, naming `origin`.
-    pub(crate) fn apply_layer(
+    /// Each field is parsed with Istio's proto-JSON rules (the generated message's pbjson
+    /// impls: JSON or proto field name, ints as numbers or strings, enums by name or number,
+    /// nested messages checked field by field with unknown nested names ignored, as
+    /// `protomarshal.ApplyJSON`'s retry with `AllowUnknownFields` does). Every field present
+    /// replaces the current value wholesale, as golang/protobuf's jsonpb does (`null` means
+    /// "not set"), except `proxyMetadata`, merged key by key, and `proxyHeaders`, whose unset
+    /// headers keep the earlier layer's (`MergeProxyConfig`'s `mergeMap` and
+    /// `correctProxyHeaders`). Unknown top-level field names are returned so the caller can
+    /// warn once; bad values are pushed to `errors`, naming `origin`.
+    pub(crate) fn apply(
         &mut self,
         origin: &str,
         layer: Value,
@@ -263,172 +300,285 @@ impl ProxyConfig {
         };
         let mut unknown = Vec::new();
         for (key, value) in map {
+            // protojson accepts the proto field name as well as the JSON name.
+            let Some(&(field, _)) = pb::FIELDS.iter().find(|(j, p)| *j == key || *p == key) else {
+                unknown.push(key);
+                continue;
+            };
             if value.is_null() {
                 continue;
             }
-            // protojson accepts the proto field name as well as the JSON name.
-            let field = snake_to_camel(&key);
-            let err = |expected: &str| ConfigError::ProxyConfigField {
+            let err = |expected: String| ConfigError::ProxyConfigField {
                 origin: origin.to_owned(),
-                field: field.clone(),
+                field: field.to_owned(),
                 value: short_json(&value),
-                expected: expected.to_owned(),
+                expected,
             };
-            let result = match self.set_field(&field, &value) {
-                Ok(true) => Ok(()),
-                Ok(false) => {
-                    unknown.push(key.clone());
-                    Ok(())
+            let mut one = serde_json::Map::new();
+            let mut nested = value.clone();
+            drop_nulls(&mut nested);
+            one.insert(field.to_owned(), nested);
+            let mut parsed: pb::ProxyConfig = match serde_json::from_value(Value::Object(one)) {
+                Ok(m) => m,
+                Err(e) => {
+                    errors.push(err(expected(field, &e.to_string())));
+                    continue;
                 }
-                Err(expected) => Err(err(expected)),
             };
-            if let Err(e) = result {
-                errors.push(e);
+            if let Err(expected) = check(field, &parsed) {
+                errors.push(err(expected.to_owned()));
+                continue;
+            }
+            match field {
+                "proxyMetadata" => self
+                    .merged
+                    .proxy_metadata
+                    .append(&mut parsed.proxy_metadata),
+                "proxyHeaders" => {
+                    let orig = self.merged.proxy_headers.take();
+                    let mut headers = parsed.proxy_headers.take();
+                    if let (Some(h), Some(o)) = (headers.as_mut(), orig) {
+                        correct_proxy_headers(h, o);
+                    }
+                    self.merged.proxy_headers = headers;
+                }
+                _ => {
+                    pb::take_field(&mut self.merged, &mut parsed, field);
+                }
             }
         }
         unknown
     }
 
-    /// Sets one field; `Ok(false)` for unknown names, `Err(expected)` for bad values.
-    fn set_field(&mut self, field: &str, v: &Value) -> Result<bool, &'static str> {
-        const STRING: &str = "a string";
-        const DURATION: &str = "a duration string such as \"45s\" or \"0.100s\"";
-        const PORT: &str = "a port number between 0 and 65535";
-        const UINT: &str = "a non-negative 32-bit integer";
-        const STRINGS: &str = "a list of strings";
-        const STRING_MAP: &str = "a map of string to string";
-        const OBJECT: &str = "an object";
-        match field {
-            "configPath" => self.config_path = string(v).ok_or(STRING)?.into(),
-            "binaryPath" => self.binary_path = string(v).ok_or(STRING)?.into(),
-            "serviceCluster" => {
-                self.service_cluster = string(v).ok_or(STRING)?;
-                self.tracing_service_name = None;
-            }
-            // An enum (`ProxyConfig.TracingServiceName`, istio.io/api mesh/v1alpha1/proxy.proto),
-            // kept by its name.
-            "tracingServiceName" => {
-                const NAMES: [&str; 3] = [
-                    "APP_LABEL_AND_NAMESPACE",
-                    "CANONICAL_NAME_ONLY",
-                    "CANONICAL_NAME_AND_NAMESPACE",
-                ];
-                let name = match v {
-                    Value::String(s) => NAMES.iter().find(|n| **n == s.as_str()),
-                    Value::Number(n) => n
-                        .as_u64()
-                        .and_then(|i| usize::try_from(i).ok())
-                        .and_then(|i| NAMES.get(i)),
-                    _ => None,
-                }
-                .ok_or(
-                    "APP_LABEL_AND_NAMESPACE, CANONICAL_NAME_ONLY or CANONICAL_NAME_AND_NAMESPACE (or 0/1/2)",
-                )?;
-                self.tracing_service_name = Some((*name).to_owned());
-                self.service_cluster.clear();
-            }
-            "drainDuration" => self.drain_duration = duration(v).ok_or(DURATION)?,
-            "terminationDrainDuration" => {
-                self.termination_drain_duration = duration(v).ok_or(DURATION)?;
-            }
-            "discoveryAddress" => self.discovery_address = string(v).ok_or(STRING)?,
-            "statsdUdpAddress" => self.statsd_udp_address = string(v).ok_or(STRING)?,
-            "proxyAdminPort" => self.proxy_admin_port = int(v).ok_or(PORT)?,
-            "controlPlaneAuthPolicy" => {
-                self.control_plane_auth_policy = match v {
-                    Value::String(s) if s == "NONE" => AuthenticationPolicy::None,
-                    Value::String(s) if s == "MUTUAL_TLS" => AuthenticationPolicy::MutualTls,
-                    Value::Number(n) if n.as_u64() == Some(0) => AuthenticationPolicy::None,
-                    Value::Number(n) if n.as_u64() == Some(1) => AuthenticationPolicy::MutualTls,
-                    _ => return Err("NONE or MUTUAL_TLS (or 0/1)"),
-                };
-            }
-            "customConfigFile" => self.custom_config_file = string(v).ok_or(STRING)?.into(),
-            "statNameLength" => self.stat_name_length = int(v).ok_or(UINT)?,
-            "concurrency" => self.concurrency = Some(int(v).ok_or(UINT)?),
-            "proxyBootstrapTemplatePath" => {
-                self.proxy_bootstrap_template_path = string(v).ok_or(STRING)?.into();
-            }
-            "interceptionMode" => {
-                self.interception_mode = match v {
-                    Value::String(s) if s == "REDIRECT" => InterceptionMode::Redirect,
-                    Value::String(s) if s == "TPROXY" => InterceptionMode::Tproxy,
-                    Value::String(s) if s == "NONE" => InterceptionMode::None,
-                    Value::Number(n) if n.as_u64() == Some(0) => InterceptionMode::Redirect,
-                    Value::Number(n) if n.as_u64() == Some(1) => InterceptionMode::Tproxy,
-                    Value::Number(n) if n.as_u64() == Some(2) => InterceptionMode::None,
-                    _ => return Err("REDIRECT, TPROXY or NONE (or 0/1/2)"),
-                };
-            }
-            "tracing" => self.tracing = Some(object(v).ok_or(OBJECT)?),
-            "proxyStatsMatcher" => {
-                self.proxy_stats_matcher = Some(
-                    typed(v).ok_or("an object with inclusionPrefixes, inclusionSuffixes or inclusionRegexps string lists")?,
-                );
-            }
-            "statusPort" => self.status_port = int(v).ok_or(PORT)?,
-            "extraStatTags" => self.extra_stat_tags = typed(v).ok_or(STRINGS)?,
-            // Istio's MergeProxyConfig merges proxyMetadata key by key across layers
-            // (mergeMap); every other field is replaced.
-            "proxyMetadata" => {
-                let layer: BTreeMap<String, String> = typed(v).ok_or(STRING_MAP)?;
-                self.proxy_metadata.extend(layer);
-            }
-            "runtimeValues" => self.runtime_values = typed(v).ok_or(STRING_MAP)?,
-            "holdApplicationUntilProxyStarts" => {
-                self.hold_application_until_proxy_starts = Some(v.as_bool().ok_or("a boolean")?);
-            }
-            "caCertificatesPem" => self.ca_certificates_pem = typed(v).ok_or(STRINGS)?,
-            "privateKeyProvider" => self.private_key_provider = Some(object(v).ok_or(OBJECT)?),
-            "readinessProbe" => self.readiness_probe = Some(object(v).ok_or(OBJECT)?),
-            "meshId" => self.mesh_id = string(v).ok_or(STRING)?,
-            "fileFlushInterval" => self.file_flush_interval = Some(duration(v).ok_or(DURATION)?),
-            "proxyHeaders" => self.proxy_headers = Some(object(v).ok_or(OBJECT)?),
-            "image" => self.image = Some(object(v).ok_or(OBJECT)?),
-            // Kept as JSON, but of the proto type Istio's schema gives each (a uint32 in its
-            // number form, a google.protobuf.BoolValue, messages as objects).
-            "fileFlushMinSizeKb" => {
-                let kb: u32 = int(v).ok_or(UINT)?;
-                self.passthrough.insert(field.to_owned(), Value::from(kb));
-            }
-            "statsCompression" => {
-                let on = v.as_bool().ok_or("a boolean")?;
-                self.passthrough.insert(field.to_owned(), Value::Bool(on));
-            }
-            f if PASSTHROUGH_FIELDS.contains(&f) => {
-                self.passthrough
-                    .insert(f.to_owned(), object(v).ok_or(OBJECT)?);
-            }
-            _ => return Ok(false),
-        }
-        Ok(true)
+    /// The effective ProxyConfig of the layers applied.
+    pub(crate) fn finish(&self) -> ProxyConfig {
+        ProxyConfig::from_message(&self.merged)
     }
 }
 
-fn string(v: &Value) -> Option<String> {
-    v.as_str().map(str::to_owned)
+/// jsonpb skips a `null` field at any depth as unset; pbjson takes `null` only for message
+/// fields. ProxyConfig reaches no `google.protobuf.Value`, where `null` would be a value.
+fn drop_nulls(v: &mut Value) {
+    match v {
+        Value::Object(o) => {
+            o.retain(|_, v| !v.is_null());
+            o.values_mut().for_each(drop_nulls);
+        }
+        Value::Array(a) => a.iter_mut().for_each(drop_nulls),
+        _ => {}
+    }
 }
 
-fn duration(v: &Value) -> Option<ProtoDuration> {
-    v.as_str().and_then(ProtoDuration::parse)
+/// Headers a later layer's `proxyHeaders` leaves unset keep the earlier value
+/// (pkg/config/mesh/mesh.go `correctProxyHeaders`: `ptr.NonEmptyOrDefault`).
+fn correct_proxy_headers(
+    h: &mut pb::proxy_config::ProxyHeaders,
+    o: pb::proxy_config::ProxyHeaders,
+) {
+    if h.forwarded_client_cert == 0 {
+        h.forwarded_client_cert = o.forwarded_client_cert;
+    }
+    h.request_id = h.request_id.take().or(o.request_id);
+    h.attempt_count = h.attempt_count.take().or(o.attempt_count);
+    h.server = h.server.take().or(o.server);
+    h.envoy_debug_headers = h.envoy_debug_headers.take().or(o.envoy_debug_headers);
 }
 
-/// proto-JSON int32: a number or a decimal string.
-fn int<T: TryFrom<u64>>(v: &Value) -> Option<T> {
-    let n = match v {
-        Value::Number(n) => n.as_u64()?,
-        Value::String(s) => s.parse().ok()?,
-        _ => return None,
+const DURATION: &str = "a duration string such as \"45s\" or \"0.100s\"";
+const PORT: &str = "a port number between 0 and 65535";
+const UINT: &str = "a non-negative 32-bit integer";
+const AUTH_POLICY: &str = "NONE or MUTUAL_TLS (or 0/1)";
+
+/// What a field takes, for an error about a value proto-JSON refused (`reason` is pbjson's).
+fn expected(field: &str, reason: &str) -> String {
+    let what = match field {
+        "drainDuration" | "terminationDrainDuration" | "fileFlushInterval" => DURATION,
+        "proxyAdminPort" | "statusPort" => PORT,
+        "statNameLength" | "concurrency" | "fileFlushMinSizeKb" => UINT,
+        "controlPlaneAuthPolicy" => AUTH_POLICY,
+        "interceptionMode" => "REDIRECT, TPROXY or NONE (or 0/1/2)",
+        "tracingServiceName" => {
+            "APP_LABEL_AND_NAMESPACE, CANONICAL_NAME_ONLY or CANONICAL_NAME_AND_NAMESPACE (or 0/1/2)"
+        }
+        "proxyMetadata" | "runtimeValues" => "a map of string to string",
+        "extraStatTags" | "caCertificatesPem" => "a list of strings",
+        "holdApplicationUntilProxyStarts" | "statsCompression" => "a boolean",
+        f if pb::FIELDS.iter().any(|(j, _)| *j == f && string_field(j)) => "a string",
+        _ => "an object of Istio's type for this field",
     };
-    T::try_from(n).ok()
+    format!("{what} ({reason})")
 }
 
-fn object(v: &Value) -> Option<Value> {
-    v.is_object().then(|| v.clone())
+fn string_field(json_name: &str) -> bool {
+    matches!(
+        json_name,
+        "configPath"
+            | "binaryPath"
+            | "serviceCluster"
+            | "discoveryAddress"
+            | "zipkinAddress"
+            | "statsdUdpAddress"
+            | "envoyMetricsServiceAddress"
+            | "availabilityZone"
+            | "customConfigFile"
+            | "proxyBootstrapTemplatePath"
+            | "meshId"
+    )
 }
 
-fn typed<T: DeserializeOwned>(v: &Value) -> Option<T> {
-    serde_json::from_value(v.clone()).ok()
+/// The agent's checks beyond proto-JSON on a field just parsed: values the schema takes
+/// that mean nothing (negative counts and waits) or that the agent's types cannot hold
+/// (ports above 65535). Istio's agent refuses some of them right after parsing
+/// (pkg/config/validation/agent `ValidateMeshConfigProxyConfig`); the rest it takes.
+fn check(field: &str, m: &pb::ProxyConfig) -> Result<(), &'static str> {
+    let non_negative_duration = |d: Option<&pbjson_types::Duration>| match d {
+        Some(d) if d.seconds < 0 || d.nanos < 0 => Err(DURATION),
+        _ => Ok(()),
+    };
+    let port = |p: i32| u16::try_from(p).map(drop).map_err(|_| PORT);
+    let uint = |n: i32| u32::try_from(n).map(drop).map_err(|_| UINT);
+    match field {
+        "drainDuration" => non_negative_duration(m.drain_duration.as_ref()),
+        "terminationDrainDuration" => non_negative_duration(m.termination_drain_duration.as_ref()),
+        "fileFlushInterval" => non_negative_duration(m.file_flush_interval.as_ref()),
+        "proxyAdminPort" => port(m.proxy_admin_port),
+        "statusPort" => port(m.status_port),
+        "statNameLength" => uint(m.stat_name_length),
+        "concurrency" => m.concurrency.as_ref().map_or(Ok(()), |c| uint(c.value)),
+        // INHERIT is for scopes below the mesh; Istio's ValidateControlPlaneAuthPolicy refuses
+        // it too.
+        "controlPlaneAuthPolicy" => {
+            match pb::AuthenticationPolicy::try_from(m.control_plane_auth_policy) {
+                Ok(pb::AuthenticationPolicy::None | pb::AuthenticationPolicy::MutualTls) => Ok(()),
+                _ => Err(AUTH_POLICY),
+            }
+        }
+        _ => Ok(()),
+    }
+}
+
+// === impl ProxyConfig ===
+
+impl ProxyConfig {
+    /// The agent's view of Istio's message. Values are the checked ones ([`check`]); the
+    /// nested messages and the fields the agent does not type are kept as proto-JSON.
+    fn from_message(m: &pb::ProxyConfig) -> Self {
+        use pb::proxy_config::ClusterName;
+        let duration = |d: Option<&pbjson_types::Duration>| {
+            let d = d.copied().unwrap_or_default();
+            ProtoDuration(Duration::new(
+                u64::try_from(d.seconds).unwrap_or(0),
+                u32::try_from(d.nanos).unwrap_or(0),
+            ))
+        };
+        let (service_cluster, tracing_service_name) = match &m.cluster_name {
+            Some(ClusterName::ServiceCluster(s)) => (s.clone(), None),
+            Some(ClusterName::TracingServiceName(n)) => (
+                String::new(),
+                Some(
+                    pb::proxy_config::TracingServiceName::try_from(*n)
+                        .unwrap_or_default()
+                        .as_str_name()
+                        .to_owned(),
+                ),
+            ),
+            None => (String::new(), None),
+        };
+        let mut passthrough = BTreeMap::new();
+        if let Ok(Value::Object(all)) = serde_json::to_value(m) {
+            for (k, v) in all {
+                if !TYPED_FIELDS.contains(&k.as_str()) {
+                    passthrough.insert(k, v);
+                }
+            }
+        }
+        Self {
+            config_path: PathBuf::from(&m.config_path),
+            binary_path: PathBuf::from(&m.binary_path),
+            service_cluster,
+            tracing_service_name,
+            drain_duration: duration(m.drain_duration.as_ref()),
+            termination_drain_duration: duration(m.termination_drain_duration.as_ref()),
+            discovery_address: m.discovery_address.clone(),
+            statsd_udp_address: m.statsd_udp_address.clone(),
+            proxy_admin_port: u16::try_from(m.proxy_admin_port).unwrap_or(0),
+            control_plane_auth_policy: match pb::AuthenticationPolicy::try_from(
+                m.control_plane_auth_policy,
+            ) {
+                Ok(pb::AuthenticationPolicy::None) => AuthenticationPolicy::None,
+                _ => AuthenticationPolicy::MutualTls,
+            },
+            custom_config_file: PathBuf::from(&m.custom_config_file),
+            stat_name_length: u32::try_from(m.stat_name_length).unwrap_or(0),
+            concurrency: m
+                .concurrency
+                .as_ref()
+                .map(|c| u32::try_from(c.value).unwrap_or(0)),
+            proxy_bootstrap_template_path: PathBuf::from(&m.proxy_bootstrap_template_path),
+            interception_mode: match pb::proxy_config::InboundInterceptionMode::try_from(
+                m.interception_mode,
+            ) {
+                Ok(pb::proxy_config::InboundInterceptionMode::Tproxy) => InterceptionMode::Tproxy,
+                Ok(pb::proxy_config::InboundInterceptionMode::None) => InterceptionMode::None,
+                _ => InterceptionMode::Redirect,
+            },
+            tracing: m.tracing.as_ref().map(proto_json),
+            proxy_stats_matcher: m.proxy_stats_matcher.as_ref().map(|s| ProxyStatsMatcher {
+                inclusion_prefixes: s.inclusion_prefixes.clone(),
+                inclusion_suffixes: s.inclusion_suffixes.clone(),
+                inclusion_regexps: s.inclusion_regexps.clone(),
+            }),
+            status_port: u16::try_from(m.status_port).unwrap_or(0),
+            extra_stat_tags: m.extra_stat_tags.clone(),
+            proxy_metadata: m.proxy_metadata.clone(),
+            runtime_values: m.runtime_values.clone(),
+            hold_application_until_proxy_starts: m
+                .hold_application_until_proxy_starts
+                .as_ref()
+                .map(|b| b.value),
+            ca_certificates_pem: m.ca_certificates_pem.clone(),
+            private_key_provider: m.private_key_provider.as_ref().map(proto_json),
+            readiness_probe: m.readiness_probe.as_ref().map(proto_json),
+            mesh_id: m.mesh_id.clone(),
+            file_flush_interval: m.file_flush_interval.as_ref().map(|d| duration(Some(d))),
+            proxy_headers: m.proxy_headers.as_ref().map(proto_json),
+            image: m.image.as_ref().map(proto_json),
+            passthrough: passthrough
+                .into_iter()
+                .map(|(k, mut v)| {
+                    integral_floats_as_integers(&mut v);
+                    (k, v)
+                })
+                .collect(),
+        }
+    }
+}
+
+/// A generated message's proto-JSON.
+fn proto_json<T: Serialize>(m: &T) -> Value {
+    let mut v = serde_json::to_value(m).unwrap_or(Value::Null);
+    integral_floats_as_integers(&mut v);
+    v
+}
+
+/// protojson writes a `double` with no fraction as an integer (`100`, not `100.0`), and the
+/// node's `PROXY_CONFIG` metadata is compared with Istio's as JSON values.
+fn integral_floats_as_integers(v: &mut Value) {
+    match v {
+        Value::Number(n) if n.is_f64() => {
+            if let Some(f) = n.as_f64()
+                && f.fract() == 0.0
+                && f.abs() < 9.0e15
+            {
+                #[allow(clippy::cast_possible_truncation, reason = "integral and below 2^53")]
+                let i = f as i64;
+                *v = Value::from(i);
+            }
+        }
+        Value::Array(a) => a.iter_mut().for_each(integral_floats_as_integers),
+        Value::Object(o) => o.values_mut().for_each(integral_floats_as_integers),
+        _ => {}
+    }
 }
 
 fn kind(v: &Value) -> &'static str {
@@ -451,22 +601,6 @@ fn short_json(v: &Value) -> String {
     }
 }
 
-fn snake_to_camel(key: &str) -> String {
-    let mut out = String::with_capacity(key.len());
-    let mut upper = false;
-    for c in key.chars() {
-        if c == '_' {
-            upper = true;
-        } else if upper {
-            out.extend(c.to_uppercase());
-            upper = false;
-        } else {
-            out.push(c);
-        }
-    }
-    out
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -487,11 +621,5 @@ mod tests {
         for bad in ["45", "1m", "-1s", "1.s", ".5s", "1.0000000001s", "s", "abc"] {
             assert_eq!(ProtoDuration::parse(bad), None, "{bad}");
         }
-    }
-
-    #[test]
-    fn snake_case_keys_are_accepted() {
-        assert_eq!(snake_to_camel("discovery_address"), "discoveryAddress");
-        assert_eq!(snake_to_camel("proxyAdminPort"), "proxyAdminPort");
     }
 }

@@ -838,6 +838,14 @@ fn bad_proxy_config_values() {
             &["controlPlaneAuthPolicy", "FOO", "MUTUAL_TLS"],
         ),
         (
+            "tracing: {zipkin: {address: z}, tlsSettings: {mode: SOMETIMES}}",
+            &["tracing", "SOMETIMES", "ISTIO_MUTUAL"],
+        ),
+        (
+            "controlPlaneAuthPolicy: INHERIT",
+            &["controlPlaneAuthPolicy", "INHERIT", "MUTUAL_TLS"],
+        ),
+        (
             "interceptionMode: IPVS",
             &["interceptionMode", "IPVS", "TPROXY"],
         ),
@@ -847,7 +855,19 @@ fn bad_proxy_config_values() {
         ),
         ("extraStatTags: abc", &["extraStatTags", "list of strings"]),
         ("tracing: zipkin", &["tracing", "an object"]),
-        ("proxyStatsMatcher: {bogus: []}", &["proxyStatsMatcher"]),
+        (
+            "proxyStatsMatcher: {inclusionPrefixes: 7}",
+            &["proxyStatsMatcher", "7"],
+        ),
+        // Nested messages are Istio's types, checked field by field.
+        (
+            "connectionSettings: {httpIdleTimeout: 5}",
+            &["connectionSettings", "duration"],
+        ),
+        (
+            "readinessProbe: {periodSeconds: x}",
+            &["readinessProbe", "periodSeconds"],
+        ),
         ("[1, 2]", &["expected a ProxyConfig object"]),
         ("a: [", &["cannot parse"]),
     ];
@@ -1110,4 +1130,74 @@ fn each_deprecated_input_is_one_warning_per_process() {
     // The config does not change: the ignored annotation leaves statsCompression unset.
     let c = f.ok();
     assert!(!c.proxy_config.passthrough.contains_key("statsCompression"));
+}
+
+#[test]
+fn nested_messages_are_istios_proto_json() {
+    // Normalised as Istio's protojson writes them; unknown nested names ignored as Istio's
+    // `protomarshal.ApplyJSON` retry does.
+    let c = Fixture::new()
+        .env(
+            "PROXY_CONFIG",
+            r#"{"connection_settings": {"http_idle_timeout": "1.5s", "future": 1},
+                "tracing": {"sampling": 100, "zipkin": {"address": "z:9411"}},
+                "readinessProbe": {"timeoutSeconds": "3", "httpGet": null, "periodSeconds": null},
+                "fileFlushMinSizeKb": "7",
+                "zipkinAddress": "old:9411"}"#,
+        )
+        .ok();
+    let pc = &c.proxy_config;
+    assert_eq!(
+        pc.passthrough["connectionSettings"],
+        serde_json::json!({"httpIdleTimeout": "1.500s"})
+    );
+    assert_eq!(
+        pc.tracing,
+        Some(serde_json::json!({"sampling": 100, "zipkin": {"address": "z:9411"}}))
+    );
+    assert_eq!(
+        pc.readiness_probe,
+        Some(serde_json::json!({"timeoutSeconds": 3}))
+    );
+    assert_eq!(pc.passthrough["fileFlushMinSizeKb"], serde_json::json!(7));
+    // A deprecated field Istio still parses is kept, as in Istio's metadata.
+    assert_eq!(
+        pc.passthrough["zipkinAddress"],
+        serde_json::json!("old:9411")
+    );
+    assert!(c.warnings.is_empty(), "{:?}", c.warnings);
+}
+
+#[test]
+fn layers_merge_as_istios_merge_proxy_config() {
+    let c = Fixture::new()
+        .file(
+            "etc/istio/config/mesh",
+            "defaultConfig: {proxyMetadata: {A: mesh, B: mesh}, extraStatTags: [a, b], \
+             proxyHeaders: {requestId: {disabled: true}, server: {value: s}}}",
+        )
+        .env(
+            "PROXY_CONFIG",
+            "{proxyMetadata: {B: env, C: env}, proxyHeaders: {server: {value: t}}, \
+             extraStatTags: [c], concurrency: null}",
+        )
+        .ok();
+    let pc = &c.proxy_config;
+    // proxyMetadata merged key by key (mergeMap); lists replaced.
+    assert_eq!(
+        pc.proxy_metadata,
+        BTreeMap::from([
+            ("A".to_owned(), "mesh".to_owned()),
+            ("B".to_owned(), "env".to_owned()),
+            ("C".to_owned(), "env".to_owned()),
+        ])
+    );
+    assert_eq!(pc.extra_stat_tags, vec!["c"]);
+    // proxyHeaders replaced, except headers the later layer leaves unset
+    // (correctProxyHeaders).
+    assert_eq!(
+        pc.proxy_headers,
+        Some(serde_json::json!({"requestId": {"disabled": true}, "server": {"value": "t"}}))
+    );
+    assert_eq!(pc.concurrency, None);
 }
