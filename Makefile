@@ -79,7 +79,7 @@ floor:
 	cargo rustc --release -p meshagent --example floor -- $(AGENT_LINK)
 	rm -rf $(FLOOR_DIR) && mkdir -p $(FLOOR_DIR)
 	openssl req -x509 -newkey ec -pkeyopt ec_paramgen_curve:P-256 -nodes -days 1 -subj /CN=floor.test \
-		-addext subjectAltName=DNS:floor.test -keyout $(FLOOR_DIR)/key.pem -out $(FLOOR_DIR)/cert.pem 2>/dev/null
+		-addext subjectAltName=DNS:floor.test -addext basicConstraints=critical,CA:FALSE -keyout $(FLOOR_DIR)/key.pem -out $(FLOOR_DIR)/cert.pem 2>/dev/null
 	port=$$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'); \
 	openssl s_server -quiet -www -accept 127.0.0.1:$$port -cert $(FLOOR_DIR)/cert.pem -key $(FLOOR_DIR)/key.pem & srv=$$!; \
 	FLOOR_ADDR=127.0.0.1:$$port FLOOR_ROOT=$(FLOOR_DIR)/cert.pem FLOOR_NAME=floor.test \
