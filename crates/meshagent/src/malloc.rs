@@ -242,13 +242,17 @@ mod tests {
     /// (code faults back in). A libtest thread is not the main thread: its stack is left
     /// alone. (That the release empties file-backed RSS is `code_pages`' own test: here the
     /// blocking pool's thread and parallel tests fault code back in before it can be read.)
-    #[tokio::test(flavor = "current_thread")]
+    #[test]
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
-    async fn release_all_gives_back_code_pages() {
+    fn release_all_gives_back_code_pages() {
         let _one = crate::code_pages::tests::RELEASES
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
-        let released = release_all().await;
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let released = rt.block_on(release_all());
         assert!(released.code > 0, "{released:?}");
         assert_eq!(released.stack, 0, "not the main thread: {released:?}");
         assert_eq!(crate::code_pages::last_released(), released.code);
