@@ -30,10 +30,10 @@ FN = re.compile(r"^c?fn=\(\d+\) (.+)$")
 # The phases of one agent process, split where it releases its code pages: the wrapper has
 # callgrind dump a part of the profile on entry to `code_pages::release` (`--dump-before`), so
 # one process leaves `cg.<pid>.1`, `cg.<pid>.2`, ... and its last part as `cg.<pid>`, or only
-# `cg.<pid>` when it never released (`istio-iptables`). Part 1 is start-up's first phase (configuration, bootstrap,
-# servers, Envoy's spawn: the agent releases when Envoy is spawned), part 2 the second (the
-# first certificate, Envoy's xDS and SDS streams, until the trim after ready), later parts
-# the steady state (bursts, rotations, drain).
+# `cg.<pid>` when it never released (`istio-iptables`). Part 1 is start-up's first phase
+# (configuration, bootstrap, servers, Envoy's spawn: the agent releases when Envoy is
+# spawned), part 2 the second (the first certificate, Envoy's xDS and SDS streams, until the
+# trim after ready), later parts the steady state (bursts, rotations, drain).
 START, SECOND, STEADY = 1, 2, 4
 
 
@@ -125,6 +125,7 @@ def main() -> None:
     print(f"orderfile: {len(hot)} of {len(syms)} functions executed, "
           f"{hot_kib:.0f} of {all_kib:.0f} KiB of code (by phase group: "
           f"{' '.join(f'{k:.0f}' for k in kib)} KiB); {len(names)} names -> {order}")
+
 
 if __name__ == "__main__":
     main()
