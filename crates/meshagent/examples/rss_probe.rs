@@ -1,8 +1,11 @@
 //! Starts the agent binary (`MESHAGENT_BIN`) against devplane as the grpc-agent template runs
 //! it (`RSS_MODE=grpc`, default) or as a plain sidecar (`RSS_MODE=sidecar`), waits until it is
 //! ready, prints its pid and VmRSS, and keeps it running `RSS_HOLD_SECS` (default 30) so its
-//! `/proc/<pid>/smaps` can be read. A measuring aid (docs/benchmarks-log.md, memory), not a
-//! benchmark.
+//! `/proc/<pid>/smaps` can be read. From its spawn until 5 s after ready it reads the agent's
+//! `/proc/<pid>/status` every millisecond and then prints the start-up peak (`VmHWM`, and the
+//! largest VmRSS read with its anonymous and file parts: on this kernel `VmHWM` is recorded
+//! from per-CPU counters and can read below a VmRSS seen earlier) and the settled RssAnon and
+//! Pss. A measuring aid (docs/benchmarks-log.md, memory), not a benchmark.
 #![allow(
     clippy::disallowed_methods,
     reason = "a profiling example, not the agent's runtime"
@@ -32,6 +35,11 @@ async fn main() {
         ],
     };
     let mut s = Sidecar::start_with(&dp, "g", "default", "g", &env, json!({})).await;
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let sampler = std::thread::spawn({
+        let (pid, stop) = (s.proc.pid(), stop.clone());
+        move || sample(pid, &stop)
+    });
     s.wait_ready(Duration::from_secs(60)).await;
     let hold: u64 = std::env::var("RSS_HOLD_SECS")
         .ok()
@@ -44,6 +52,55 @@ async fn main() {
         .find(|l| l.starts_with("VmRSS:"))
         .unwrap_or("");
     println!("mode {mode} pid {} {rss}", s.proc.pid());
-    tokio::time::sleep(Duration::from_secs(hold)).await;
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let (max_rss, anon, file) = sampler.join().unwrap();
+    let pid = s.proc.pid();
+    let kib = |file: &str, key: &str| {
+        std::fs::read_to_string(format!("/proc/{pid}/{file}"))
+            .unwrap_or_default()
+            .lines()
+            .find_map(|l| l.strip_prefix(key))
+            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<f64>().ok())
+            .unwrap_or(f64::NAN)
+            / 1024.0
+    };
+    let mib = |k: u64| k as f64 / 1024.0;
+    println!(
+        "peak VmHWM {:.2} MiB, largest VmRSS read {:.2} (anon {:.2}, file {:.2}); 5 s after \
+         ready: VmRSS {:.2}, RssAnon {:.2}, Pss {:.2} MiB",
+        kib("status", "VmHWM:"),
+        mib(max_rss),
+        mib(anon),
+        mib(file),
+        kib("status", "VmRSS:"),
+        kib("status", "RssAnon:"),
+        kib("smaps_rollup", "Pss:"),
+    );
+    tokio::time::sleep(Duration::from_secs(hold.saturating_sub(5))).await;
     s.proc.kill();
+}
+
+/// Reads `/proc/<pid>/status` every millisecond until `stop`: the largest VmRSS seen (KiB),
+/// with its RssAnon and RssFile.
+fn sample(pid: u32, stop: &std::sync::atomic::AtomicBool) -> (u64, u64, u64) {
+    let mut best = (0, 0, 0);
+    while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+        let Ok(status) = std::fs::read_to_string(format!("/proc/{pid}/status")) else {
+            break;
+        };
+        let field = |key: &str| -> u64 {
+            status
+                .lines()
+                .find_map(|l| l.strip_prefix(key))
+                .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+                .unwrap_or(0)
+        };
+        let rss = field("VmRSS:");
+        if rss > best.0 {
+            best = (rss, field("RssAnon:"), field("RssFile:"));
+        }
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    best
 }

@@ -394,6 +394,11 @@ impl Agent {
                 .map_err(|e| AppError::Blocking(e.to_string()))??
             };
             let envoy = Envoy::start(&args, &self.cwd, generated)?;
+            // The agent's own start is done; what follows (the first certificate, Envoy's
+            // xDS and SDS streams) runs other code and holds the heap's high-water mark, so
+            // the code and stack that ran until here leave before it (src/malloc.rs).
+            self.tasks
+                .spawn("startup-release", crate::malloc::release_all());
             // Whether this Envoy has Istio's extensions, and one clear error if it rejects
             // istiod's configuration for lack of them (`envoy::extensions`).
             self.tasks.spawn(

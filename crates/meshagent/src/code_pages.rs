@@ -47,6 +47,10 @@ pub fn enabled() -> bool {
 /// Releases the read-only segments' page-table entries; returns the bytes of address space
 /// covered. A few hundred microseconds of system time (the kernel walks the page tables):
 /// call it off the reactor thread, after a burst is over.
+///
+/// Never inlined: `make orderfile` has callgrind start a new part of its profile on entry
+/// (`--dump-before`), which splits the profile into start-up's phases.
+#[inline(never)]
 pub fn release() -> usize {
     if !enabled() {
         return 0;
@@ -254,13 +258,13 @@ mod imp {
     clippy::disallowed_methods,
     reason = "test code, not on the agent's runtime"
 )]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
-    /// The tests that call [`release`] take this: a release running in a parallel test reads
-    /// smaps before another test's forced write and madvises after it (the window the module
-    /// documents), which would undo that write.
-    static RELEASES: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    /// The tests that call [`release`] take this (also those of `malloc`): a release running
+    /// in a parallel test reads smaps before another test's forced write and madvises after it
+    /// (the window the module documents), which would undo that write.
+    pub(crate) static RELEASES: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
     fn rss_file_kib() -> u64 {
         let s = std::fs::read_to_string("/proc/self/status").unwrap();

@@ -19,6 +19,11 @@
 //!   their freed buffers resident too, several MiB after 5,000),
 //!   together with [`crate::code_pages::release`] (the code that ran during the burst, or
 //!   during start-up: the agent asks for a trim when it first becomes ready).
+//! * [`release_all`] the same at once, between start-up's phases: when Envoy has been spawned
+//!   the agent's own start is over, and the code it ran (configuration, bootstrap, the
+//!   servers' set-up) leaves before the first certificate and xDS exchange bring theirs and the
+//!   heap's high-water mark: the resident peak (`VmHWM`) is the most resident at any moment.
+//!   `make orderfile` lays out the code by these phases, so each faults in its own stretch.
 //!
 //! * With the trim, the main thread's stack pages below where it runs at that moment
 //!   ([`release_idle_stack`]): start-up's deep calls (the bootstrap, the first certificate,
@@ -108,18 +113,41 @@ pub async fn trimmer(stop: CancellationToken) {
                         break;
                     }
                 }
-                // Here, on the task's own thread: only it knows how deep its stack is now.
-                let stack = release_idle_stack();
-                let _ = tokio::task::spawn_blocking(move || {
-                    tracing::debug!(stack, "main thread's idle stack released");
-                    trim();
-                    let released = crate::code_pages::release();
-                    tracing::debug!(released, "trimmed; code pages released");
-                })
-                .await;
+                release_all().await;
             }
         })
         .await;
+}
+
+/// What one [`release_all`] gave back: bytes of the main thread's stack range and of code
+/// (read-only segments) released; the heap trim returns no figure.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Released {
+    pub stack: usize,
+    pub code: usize,
+}
+
+/// The idle main-thread stack (on the caller's thread: only it knows how deep its stack is
+/// now), then the heap trim and the code pages on the blocking pool. What the [`trimmer`]
+/// does once a burst is over, and what start-up does between its phases: the resident peak
+/// (`VmHWM`, what a memory limit sees) is the most memory resident at any one moment, so the
+/// code only start-up's first phase ran (configuration, bootstrap rendering, the servers'
+/// set-up, Envoy's spawn) should leave before the next phase (the first certificate, the
+/// first xDS exchange, whose buffers are the heap's high-water mark) brings its own.
+pub async fn release_all() -> Released {
+    let stack = release_idle_stack();
+    let code = tokio::task::spawn_blocking(|| {
+        trim();
+        crate::code_pages::release()
+    })
+    .await
+    .unwrap_or(0);
+    tracing::debug!(
+        stack,
+        code,
+        "heap trimmed; idle stack and code pages released"
+    );
+    Released { stack, code }
 }
 
 /// Below the stack pointer of a running thread nothing lives (x86_64's red zone is 128 bytes;
@@ -203,4 +231,31 @@ pub fn release_idle_stack() -> usize {
 #[cfg(not(target_os = "linux"))]
 pub fn release_idle_stack() -> usize {
     0
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// What start-up calls between its phases and the trimmer after a burst: the code pages
+    /// are released (on the blocking pool), the figures say so, and the process carries on
+    /// (code faults back in). A libtest thread is not the main thread: its stack is left
+    /// alone. (That the release empties file-backed RSS is `code_pages`' own test: here the
+    /// blocking pool's thread and parallel tests fault code back in before it can be read.)
+    #[test]
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    fn release_all_gives_back_code_pages() {
+        let _one = crate::code_pages::tests::RELEASES
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let released = rt.block_on(release_all());
+        assert!(released.code > 0, "{released:?}");
+        assert_eq!(released.stack, 0, "not the main thread: {released:?}");
+        assert_eq!(crate::code_pages::last_released(), released.code);
+        assert_eq!(format!("{:?}", Some(1)), "Some(1)");
+    }
 }

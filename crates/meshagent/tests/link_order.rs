@@ -113,3 +113,63 @@ fn a_mostly_stale_order_file_links_without_the_layout_and_warns() {
     }
     runs(dir.path());
 }
+
+/// A callgrind profile part as `make orderfile` leaves it: its number in the header and
+/// the functions it saw run.
+fn part(dir: &Path, file: &str, part: u32, fns: &[&str]) {
+    let mut text = format!("version: 1\ncreator: callgrind\npart: {part}\n\nevents: Ir\n");
+    for (i, f) in fns.iter().enumerate() {
+        text.push_str(&format!("fn=({}) {f}\n0 1\n", i + 1));
+    }
+    std::fs::write(dir.join(file), text).unwrap();
+}
+
+/// `link/orderfile.py` lays the functions out by the phases of the agent they ran in, from
+/// the parts callgrind dumps at each code-page release (part 1 start-up's first phase, part
+/// 2 its second, later parts the steady state; the last part is the file without a
+/// number): first phase only, first and second, second only, second and steady, steady
+/// only; functions no profile saw are not listed.
+#[test]
+fn the_order_file_is_laid_out_by_phase() {
+    let dir = tempfile::tempdir().unwrap();
+    let src = "int first(void){return 1;}\nint both(void){return 2;}\n\
+               int second(void){return 3;}\nint stays(void){return 4;}\n\
+               int idle(void){return 5;}\nint never(void){return 6;}\n\
+               int main(void){return 0;}\n";
+    std::fs::write(dir.path().join("p.c"), src).unwrap();
+    let out = Command::new("cc")
+        .current_dir(dir.path())
+        .args(["p.c", "-o", "p"])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "cc: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let cg = dir.path().join("cg");
+    std::fs::create_dir(&cg).unwrap();
+    // One agent process in three parts, listed out of order on purpose.
+    part(&cg, "cg.100", 3, &["stays", "idle", "main"]);
+    part(&cg, "cg.100.1", 1, &["main", "first", "both"]);
+    part(&cg, "cg.100.2", 2, &["both", "second", "stays", "main"]);
+    let order = dir.path().join("agent.order");
+    let out = Command::new("python3")
+        .arg(workspace_root().join("crates/meshagent/link/orderfile.py"))
+        .args([dir.path().join("p"), cg, order.clone()])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "orderfile.py: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let names = std::fs::read_to_string(&order).unwrap();
+    let names: Vec<&str> = names.lines().collect();
+    assert_eq!(
+        names,
+        ["first", "both", "second", "main", "stays", "idle"],
+        "{}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+}
