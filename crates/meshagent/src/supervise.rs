@@ -107,8 +107,13 @@ impl Backoff {
 
 /// How long a server must serve before its backoff resets.
 const HEALTHY_AFTER: Duration = Duration::from_secs(60);
-/// How often a unix socket's file is checked.
-const SOCKET_CHECK: Duration = Duration::from_secs(1);
+/// How often a unix socket's file is checked. The check is the idle agent's only periodic
+/// wake-up, so its period is most of the idle agent's CPU (docs/benchmarks-log.md, "Idle
+/// CPU"); a socket removed under a running agent is rebound within this long (Istio's agent
+/// does not notice at all; Envoy retries its SDS and xDS connections with backoff meanwhile).
+/// inotify would make it free, but instances are limited per user (128 by default) and
+/// shared by every agent of a node running as 1337.
+const SOCKET_CHECK: Duration = Duration::from_secs(5);
 
 /// A bound server: the future that serves until it ends, and (for unix sockets) the socket
 /// file that must keep existing with the inode bound.
@@ -174,7 +179,7 @@ pub async fn run<F, Fut>(
 /// lookup is answered from the dentry cache in about a microsecond and never waits on a
 /// device. Through the blocking pool (`tokio::fs`) each check was a thread hand-off — two
 /// futex wake-ups, an eventfd write and an extra runtime wake-up, ~10 syscalls and three
-/// context switches — per second per agent; idle proxyless agents spent most of their CPU
+/// context switches — per check per agent; idle proxyless agents spent most of their CPU
 /// on it (docs/benchmarks-log.md, "Proxyless gRPC at scale").
 #[allow(
     clippy::disallowed_methods,
