@@ -25,6 +25,10 @@ type Result<T> = std::result::Result<T, Box<dyn std::error::Error>>;
 
 fn main() -> Result<()> {
     println!("cargo:rerun-if-changed=build.rs");
+    // `make agent` links through link/cc-ordered, which lays the code out by this file; cargo
+    // does not know the linker reads it, so without this a regenerated order file would not
+    // be linked until something else changed.
+    println!("cargo:rerun-if-changed=link/agent.order");
     println!("cargo:rerun-if-env-changed=ISTIO_API_DIR");
     println!("cargo:rerun-if-env-changed=GO");
     let api = istio_api_dir()?;
