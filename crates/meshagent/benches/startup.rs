@@ -19,6 +19,9 @@
 #[path = "support/mem.rs"]
 mod mem;
 use mem::status_kib;
+#[path = "support/floors.rs"]
+mod floors;
+use floors::agent_envoy_args;
 
 use std::process::Command;
 use std::time::Duration;
@@ -241,34 +244,6 @@ async fn bare_ready(bootstrap: &Value, args: &[&str]) -> f64 {
     })
     .await;
     e.proc.started.elapsed().as_secs_f64() * 1e3
-}
-
-/// The command line the agent gave its Envoy, minus the config file and the flags
-/// `Envoy::start_with_args` adds itself.
-fn agent_envoy_args(agent: u32) -> Vec<String> {
-    let children = std::fs::read_to_string(format!("/proc/{agent}/task/{agent}/children")).unwrap();
-    let envoy = children
-        .split_whitespace()
-        .next()
-        .expect("the agent runs Envoy");
-    let cmdline = std::fs::read(format!("/proc/{envoy}/cmdline")).unwrap();
-    let argv: Vec<String> = cmdline
-        .split(|b| *b == 0)
-        .filter(|a| !a.is_empty())
-        .map(|a| String::from_utf8_lossy(a).into_owned())
-        .collect();
-    let mut out = vec![];
-    let mut it = argv.into_iter().skip(1);
-    while let Some(a) = it.next() {
-        match a.as_str() {
-            "-c" => {
-                it.next();
-            }
-            "--disable-hot-restart" => {}
-            _ => out.push(a),
-        }
-    }
-    out
 }
 
 /// SIGTERM and wait for the agent (and so its Envoy) to be gone.

@@ -18,15 +18,8 @@ use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, ServerName};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-fn kib(file: &str, key: &str) -> f64 {
-    std::fs::read_to_string(file)
-        .unwrap_or_default()
-        .lines()
-        .find_map(|l| l.strip_prefix(key))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<f64>().ok())
-        .unwrap_or(f64::NAN)
-        / 1024.0
-}
+#[path = "../benches/support/mem.rs"]
+mod mem;
 
 fn main() {
     meshagent::malloc::configure();
@@ -63,15 +56,15 @@ fn main() {
         let mut first = [0u8; 64];
         let n = tls.read(&mut first).await.unwrap();
         assert!(n > 0, "no answer after the handshake");
-        let hwm = kib("/proc/self/status", "VmHWM:");
+        let me = std::process::id();
+        let hwm = mem::status_kib(me, "VmHWM:") / 1024.0;
         meshagent::malloc::trim();
         meshagent::code_pages::release();
         tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+        let settled = mem::Mem::of(me);
         println!(
             "floor: peak VmHWM {hwm:.2} MiB; settled RssAnon {:.2} MiB, Pss {:.2} MiB, VmRSS {:.2} MiB",
-            kib("/proc/self/status", "RssAnon:"),
-            kib("/proc/self/smaps_rollup", "Pss:"),
-            kib("/proc/self/status", "VmRSS:"),
+            settled.rss_anon, settled.pss, settled.vm_rss,
         );
     });
 }

@@ -16,6 +16,9 @@ use std::time::Duration;
 
 use meshagent_testkit::{Devplane, Sidecar, json, two_workload_mesh};
 
+#[path = "../benches/support/mem.rs"]
+mod mem;
+
 #[tokio::main(flavor = "current_thread")]
 async fn main() {
     let (mesh, ..) = two_workload_mesh();
@@ -56,26 +59,18 @@ async fn main() {
     stop.store(true, std::sync::atomic::Ordering::Relaxed);
     let (max_rss, anon, file) = sampler.join().unwrap();
     let pid = s.proc.pid();
-    let kib = |file: &str, key: &str| {
-        std::fs::read_to_string(format!("/proc/{pid}/{file}"))
-            .unwrap_or_default()
-            .lines()
-            .find_map(|l| l.strip_prefix(key))
-            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<f64>().ok())
-            .unwrap_or(f64::NAN)
-            / 1024.0
-    };
+    let now = mem::Mem::of(pid);
     let mib = |k: u64| k as f64 / 1024.0;
     println!(
         "peak VmHWM {:.2} MiB, largest VmRSS read {:.2} (anon {:.2}, file {:.2}); 5 s after \
          ready: VmRSS {:.2}, RssAnon {:.2}, Pss {:.2} MiB",
-        kib("status", "VmHWM:"),
+        now.vm_hwm,
         mib(max_rss),
         mib(anon),
         mib(file),
-        kib("status", "VmRSS:"),
-        kib("status", "RssAnon:"),
-        kib("smaps_rollup", "Pss:"),
+        now.vm_rss,
+        now.rss_anon,
+        now.pss,
     );
     tokio::time::sleep(Duration::from_secs(hold.saturating_sub(5))).await;
     s.proc.kill();

@@ -318,12 +318,7 @@ async fn hundred_mib_response_reaches_the_client_intact() {
     let dp = Devplane::start(&mesh_yaml(false)).await;
     let dir = tempfile::tempdir().unwrap();
     let agent = agent_for(&dp, dir.path(), &[]).await;
-    let (tx, stream) = raw_sotw(agent.handle.socket()).await;
-    let mut stream = stream.unwrap();
-    tx.send(sotw_request(type_url::CLUSTER, vec![], None))
-        .await
-        .unwrap();
-    let (_, first) = next_response(&mut stream, "the first CDS response").await;
+    let (tx, mut stream, first) = cds_stream(&agent, "the first CDS response").await;
     tx.send(sotw_request(
         type_url::CLUSTER,
         vec![],
@@ -406,12 +401,7 @@ async fn twenty_mib_request_passes_the_agent_and_devplane_refuses_it_as_istiod()
 /// Sends `requests` after a first CDS exchange on a fresh stream of `agent` and returns the
 /// status the stream ends with.
 async fn status_after(agent: &Agent, requests: Vec<bytes::Bytes>) -> tonic::Status {
-    let (tx, stream) = raw_sotw(agent.handle.socket()).await;
-    let mut stream = stream.unwrap();
-    tx.send(sotw_request(type_url::CLUSTER, vec![], None))
-        .await
-        .unwrap();
-    let (_, first) = next_response(&mut stream, "the first CDS response").await;
+    let (tx, mut stream, first) = cds_stream(agent, "the first CDS response").await;
     tx.send(sotw_request(
         type_url::CLUSTER,
         vec![],
@@ -436,13 +426,27 @@ async fn status_after(agent: &Agent, requests: Vec<bytes::Bytes>) -> tonic::Stat
 
 /// A new stream of `agent` gets a non-empty CDS response: the agent serves on.
 async fn serves_cds_on_a_new_stream(agent: &Agent) {
+    let (_, _, again) = cds_stream(agent, "CDS on a new stream").await;
+    assert!(!again.resources.is_empty());
+}
+
+/// A new raw SotW stream of `agent` that has asked for CDS: its request sender, the stream,
+/// and the first CDS response (`what` names it if it does not come).
+async fn cds_stream(
+    agent: &Agent,
+    what: &str,
+) -> (
+    tokio::sync::mpsc::Sender<bytes::Bytes>,
+    tonic::Streaming<bytes::Bytes>,
+    meshagent_proto::envoy::pb::envoy::service::discovery::v3::DiscoveryResponse,
+) {
     let (tx, stream) = raw_sotw(agent.handle.socket()).await;
     let mut stream = stream.unwrap();
     tx.send(sotw_request(type_url::CLUSTER, vec![], None))
         .await
         .unwrap();
-    let (_, again) = next_response(&mut stream, "CDS on a new stream").await;
-    assert!(!again.resources.is_empty());
+    let (_, first) = next_response(&mut stream, what).await;
+    (tx, stream, first)
 }
 
 /// An EDS request naming `n` resources of about 100 bytes each, the last one `extra` bytes
