@@ -209,32 +209,6 @@ async fn ready_sidecar(dp: &Devplane, env: &[(&str, String)]) -> (Sidecar, f64) 
     (s, ms)
 }
 
-/// The agent's bootstrap as Envoy would run without the agent: `xds-grpc` straight to devplane
-/// over TLS (the token as gRPC metadata) and `sds-grpc` at a static SDS server that already
-/// holds the certificate. Envoy starting with this is the agent path minus the agent's work.
-fn direct_dynamic(generated: &Value, dp: &Devplane, token: &str, sds: &std::path::Path) -> Value {
-    let mut b = generated.clone();
-    let direct = meshagent_testkit::direct_bootstrap(
-        "unused",
-        json!({}),
-        dp.grpc_addr,
-        &dp.root_cert_path(),
-        token,
-        true,
-    );
-    b["dynamic_resources"]["ads_config"]["grpc_services"] =
-        direct["dynamic_resources"]["ads_config"]["grpc_services"].clone();
-    for c in b["static_resources"]["clusters"].as_array_mut().unwrap() {
-        if c["name"] == "xds-grpc" {
-            *c = direct["static_resources"]["clusters"][0].clone();
-        } else if c["name"] == "sds-grpc" {
-            c["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["address"] =
-                json!({"pipe": {"path": sds.to_string_lossy()}});
-        }
-    }
-    b
-}
-
 /// A bare Envoy with `bootstrap` and `args`, from spawn to `/ready` LIVE.
 async fn bare_ready(bootstrap: &Value, args: &[&str]) -> f64 {
     let dir = tempfile::tempdir().unwrap();
@@ -293,7 +267,13 @@ async fn main() {
     let sds_dir = tempfile::tempdir().unwrap();
     let sds =
         meshagent_testkit::static_sds::StaticSds::from_devplane(&dp, &token, sds_dir.path()).await;
-    let direct = direct_dynamic(&generated, &dp, &token, &sds.socket);
+    let direct = floors::bypass_agent(
+        &generated,
+        dp.grpc_addr,
+        &dp.root_cert_path(),
+        &token,
+        &sds.socket,
+    );
     stop(s).await;
     if let Ok(p) = std::env::var("STARTUP_DUMP_STATIC") {
         std::fs::write(&p, serde_json::to_vec_pretty(&b).unwrap()).unwrap();

@@ -133,7 +133,13 @@ impl EnvoyDirect {
         let (chain, key, root) =
             ca_client::workload_cert(istiod.grpc_tls, istiod.root_cert_path(), &token).await;
         let sds = StaticSds::start(dir.path(), &chain, &key, &root);
-        let bootstrap = direct_bootstrap(&generated, istiod, &token, &sds.socket);
+        let bootstrap = bypass_agent(
+            &generated,
+            istiod.grpc_tls,
+            istiod.root_cert_path(),
+            &token,
+            &sds.socket,
+        );
         EnvoyDirect {
             bootstrap,
             args,
@@ -171,19 +177,19 @@ impl EnvoyDirect {
     }
 }
 
-/// `generated` with `xds-grpc` straight to istiod-box over TLS (server name
-/// `istiod.istio-system.svc`, istiod-box's root) and the token as gRPC metadata, and
-/// `sds-grpc` at `sds`.
-fn direct_bootstrap(generated: &Value, istiod: &IstiodBox, token: &str, sds: &Path) -> Value {
+/// The agent's bootstrap `generated` as Envoy would run without the agent: `xds-grpc` straight
+/// to the control plane at `xds` over TLS (server name `istiod.istio-system.svc`, root `root`,
+/// the token as gRPC metadata) and `sds-grpc` at a static SDS server on `sds` that already holds
+/// the certificate. Envoy starting with this is the agent path minus the agent's work.
+pub fn bypass_agent(
+    generated: &Value,
+    xds: SocketAddr,
+    root: &Path,
+    token: &str,
+    sds: &Path,
+) -> Value {
     let mut b = generated.clone();
-    let direct = meshagent_testkit::direct_bootstrap(
-        "unused",
-        json!({}),
-        istiod.grpc_tls,
-        istiod.root_cert_path(),
-        token,
-        true,
-    );
+    let direct = meshagent_testkit::direct_bootstrap("unused", json!({}), xds, root, token, true);
     b["dynamic_resources"]["ads_config"]["grpc_services"] =
         direct["dynamic_resources"]["ads_config"]["grpc_services"].clone();
     for c in b["static_resources"]["clusters"].as_array_mut().unwrap() {
