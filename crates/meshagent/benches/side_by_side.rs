@@ -23,7 +23,8 @@
 //! fully overlap Envoy's start, (Envoy direct + key + CA) / pilot-agent if nothing overlaps.
 //!
 //! Rounds alternate the agents (`SIDE_ROUNDS`, default 5, each per key type); medians are
-//! printed with the ratio meshagent / pilot-agent. Run: `make bench`, or `make agent
+//! printed with the ratio meshagent / pilot-agent. `SIDE_TRACE=1` prints each agent's log as
+//! it turns ready (when its key, certificate and config came). Run: `make bench`, or `make agent
 //! pilot-agent istiod-box envoy && MESHAGENT_BIN=$PWD/target/dist/meshagent cargo bench -p
 //! meshagent --bench side_by_side`.
 #![allow(
@@ -103,6 +104,10 @@ async fn one_round(istiod: &IstiodBox, kind: AgentKind, ecdsa: bool, idle: Durat
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
     let ready_ms = t0.elapsed().as_secs_f64() * 1000.0;
+    if std::env::var_os("SIDE_TRACE").is_some() {
+        println!("--- {kind:?} ecdsa={ecdsa} ready {ready_ms:.1} ms");
+        sidecar.proc.print_log();
+    }
     tokio::time::sleep(Duration::from_secs(10)).await;
     let mut last = [f64::NAN; 3];
     for _ in 0..5 {

@@ -46,15 +46,24 @@ pub fn client_config(
             .with_no_client_auth(),
     };
     cfg.alpn_protocols = alpn.iter().map(|p| p.to_vec()).collect();
+    cfg.resumption = rustls::client::Resumption::in_memory_sessions(SESSION_CACHE_SERVERS);
     Ok(cfg)
 }
+
+/// Servers whose TLS sessions a client config remembers. rustls' default (256) preallocates
+/// ~14 KiB per config, resident for the agent's life, for the handful of hosts an agent
+/// fetches from (a registry, a metadata server, app probes); Go's `http.Transport`, which
+/// pilot-agent's fetches go through, keeps no session cache at all.
+const SESSION_CACHE_SERVERS: usize = 8;
 
 /// A configuration that fails every handshake (no roots): what a caller uses if
 /// [`client_config`] ever fails, so the failure shows on the connection that needed TLS.
 pub fn unusable_config() -> rustls::ClientConfig {
-    rustls::ClientConfig::builder()
+    let mut cfg = rustls::ClientConfig::builder()
         .with_root_certificates(rustls::RootCertStore::empty())
-        .with_no_client_auth()
+        .with_no_client_auth();
+    cfg.resumption = rustls::client::Resumption::disabled();
+    cfg
 }
 
 /// The OS trust bundle (the first of [`SYSTEM_ROOT_PATHS`] that exists) plus `extra` (the
