@@ -95,9 +95,13 @@ pub(crate) fn hash(bytes: &[u8]) -> u64 {
         );
         i += 2;
     }
-    let mut tail = [0u8; 8];
-    tail[..rest.len()].copy_from_slice(rest);
-    let tail = u64::from_le_bytes(tail);
+    // The last 0–7 bytes: the slice's last word shifted down past the bytes already taken
+    // (a byte copy into a zeroed word stalls the load that follows it).
+    let tail = match bytes.last_chunk::<8>() {
+        _ if rest.is_empty() => 0,
+        Some(last) => u64::from_le_bytes(*last) >> (8 * (8 - rest.len())),
+        None => rest.iter().rev().fold(0, |t, b| (t << 8) | u64::from(*b)),
+    };
     if i < words.len() {
         h = fold(u64::from_le_bytes(words[i]) ^ K1, tail ^ h);
     } else if !rest.is_empty() {
@@ -173,6 +177,25 @@ fn labels_end(labels: &[u8]) -> Option<usize> {
         j += 1;
     }
     None
+}
+
+/// `line.starts_with(prefix)` eight bytes at a time, inline (the size-optimised build calls
+/// `bcmp` for it, once per line).
+#[inline(always)]
+fn starts_with(line: &[u8], prefix: &[u8]) -> bool {
+    let Some(head) = line.get(..prefix.len()) else {
+        return false;
+    };
+    let (a, a_rest) = head.as_chunks::<8>();
+    let (b, b_rest) = prefix.as_chunks::<8>();
+    let mut i = 0;
+    while i < a.len() && i < b.len() {
+        if a[i] != b[i] {
+            return false;
+        }
+        i += 1;
+    }
+    a_rest == b_rest
 }
 
 /// Where the newline ending the line at the start of `rest` is, when no [`special`] byte comes
@@ -598,7 +621,7 @@ impl SourceFilter {
     ) -> Option<usize> {
         let line = &chunk[start..end];
         let family = self.family.as_slice();
-        if self.slow_only || family.is_empty() || !line.starts_with(family) {
+        if self.slow_only || family.is_empty() || !starts_with(line, family) {
             return None;
         }
         let name_len = family.len();
