@@ -457,9 +457,8 @@ async fn write_all(
     let mut seen = Seen::default();
     let mut ready = Vec::new();
     let mut agent = SourceFilter::default();
-    agent.push(&mut seen, agent_text.as_bytes(), &mut ready);
+    agent.push_bytes(&mut seen, &Bytes::from(agent_text), &mut ready);
     agent.finish(&mut seen, &mut ready);
-    drop(agent_text);
     if !send(&tx, &mut ready).await {
         return;
     }
@@ -590,13 +589,14 @@ async fn write_all_proto(
 /// What the text and protobuf merges have in common: a filter fed a source's chunks that
 /// hands on whole, de-duplicated families and says when the input is not valid.
 trait Filter {
-    fn push(&mut self, seen: &mut Seen, chunk: &[u8], ready: &mut Vec<Bytes>);
+    fn push(&mut self, seen: &mut Seen, chunk: &Bytes, ready: &mut Vec<Bytes>);
     fn failure(&self) -> Option<&'static str>;
 }
 
 impl Filter for SourceFilter {
-    fn push(&mut self, seen: &mut Seen, chunk: &[u8], ready: &mut Vec<Bytes>) {
-        SourceFilter::push(self, seen, chunk, ready)
+    fn push(&mut self, seen: &mut Seen, chunk: &Bytes, ready: &mut Vec<Bytes>) {
+        // Kept lines go on as slices of `chunk`, not copies.
+        SourceFilter::push_bytes(self, seen, chunk, ready)
     }
     fn failure(&self) -> Option<&'static str> {
         SourceFilter::failure(self)
@@ -604,7 +604,7 @@ impl Filter for SourceFilter {
 }
 
 impl Filter for proto::ProtoFilter {
-    fn push(&mut self, seen: &mut Seen, chunk: &[u8], ready: &mut Vec<Bytes>) {
+    fn push(&mut self, seen: &mut Seen, chunk: &Bytes, ready: &mut Vec<Bytes>) {
         proto::ProtoFilter::push(self, seen, chunk, ready)
     }
     fn failure(&self) -> Option<&'static str> {
