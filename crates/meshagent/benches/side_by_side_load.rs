@@ -988,13 +988,13 @@ impl InotifyLimit {
 
 impl Drop for InotifyLimit {
     fn drop(&mut self) {
-        if let Some(old) = self.old.take() {
-            if let Err(e) = std::fs::write(INOTIFY_INSTANCES, old.trim()) {
-                println!(
-                    "  cannot restore fs.inotify.max_user_instances to {}: {e}",
-                    old.trim()
-                );
-            }
+        if let Some(old) = self.old.take()
+            && let Err(e) = std::fs::write(INOTIFY_INSTANCES, old.trim())
+        {
+            println!(
+                "  cannot restore fs.inotify.max_user_instances to {}: {e}",
+                old.trim()
+            );
         }
     }
 }
