@@ -43,8 +43,10 @@
 //!   client has a new response: median of `SIDE_FANOUT_CHANGES` (default 6) changes after
 //!   one uncounted, and the agents' CPU per push per agent. Floor: the same N clients
 //!   straight to istiod-box over TLS with a token (no agent), the same changes.
-//!   `SIDE_FANOUT_N=50,200` needs more inotify instances than this machine's 128 per user
-//!   (`fs.inotify.max_user_instances`): the 58th pilot-agent cannot start its SDS server.
+//!   Each pilot-agent holds two inotify instances and the default allows 128 per user
+//!   (`fs.inotify.max_user_instances`: the 58th cannot start its SDS server), so the run
+//!   raises the limit to what N agents need and puts it back afterwards (root only, as the
+//!   benches run; otherwise it says so and runs with the limit it has).
 //!
 //! Each figure is printed as pilot-agent | meshagent | ratio, with the load average (and, where
 //! it has one, its floor and the best ratio that allows: floor / pilot-agent), and drawn
@@ -967,8 +969,59 @@ impl Via {
     }
 }
 
+const INOTIFY_INSTANCES: &str = "/proc/sys/fs/inotify/max_user_instances";
+
+/// `fs.inotify.max_user_instances` raised for the fan-out run, restored when dropped (also
+/// when the run panics). A ready pilot-agent holds two instances, meshagent one (its file
+/// certificate watcher); istiod-box and the machine's other users hold a few more.
+struct InotifyLimit {
+    old: Option<String>,
+}
+
+impl InotifyLimit {
+    fn at_least(want: u64) -> InotifyLimit {
+        let old = std::fs::read_to_string(INOTIFY_INSTANCES).ok();
+        let have: u64 = old
+            .as_deref()
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap_or(0);
+        if have >= want {
+            return InotifyLimit { old: None };
+        }
+        match std::fs::write(INOTIFY_INSTANCES, want.to_string()) {
+            Ok(()) => {
+                println!("  fs.inotify.max_user_instances {have} → {want} for this run");
+                InotifyLimit { old }
+            }
+            Err(e) => {
+                println!(
+                    "  cannot raise fs.inotify.max_user_instances from {have} to {want} ({e}): \
+                     pilot-agents past the limit will not start"
+                );
+                InotifyLimit { old: None }
+            }
+        }
+    }
+}
+
+impl Drop for InotifyLimit {
+    fn drop(&mut self) {
+        if let Some(old) = self.old.take()
+            && let Err(e) = std::fs::write(INOTIFY_INSTANCES, old.trim())
+        {
+            println!(
+                "  cannot restore fs.inotify.max_user_instances to {}: {e}",
+                old.trim()
+            );
+        }
+    }
+}
+
 async fn fanout(report: &mut Report) {
     let sizes = env_list("SIDE_FANOUT_N", "50");
+    // Four per agent leaves room for the machine's own users of inotify.
+    let _inotify =
+        InotifyLimit::at_least(sizes.iter().copied().max().unwrap_or(0) as u64 * 4 + 128);
     let changes = env_list("SIDE_FANOUT_CHANGES", "6")
         .first()
         .copied()

@@ -311,7 +311,11 @@ fn endpoint(target: &Target, keepalive: Keepalive) -> Result<Endpoint, DialError
         .connect_timeout(Duration::from_secs(5))
         .http2_keep_alive_interval(keepalive.interval)
         .keep_alive_timeout(keepalive.timeout)
-        .keep_alive_while_idle(true)
+        // Pings only while a call is open, as grpc-go's client does by default
+        // (`keepalive.ClientParameters.PermitWithoutStream` false; Istio's `ClientOptions` in
+        // `pilot/pkg/grpc/grpc.go` leaves it so): the CA connection, idle between
+        // certificate renewals, would otherwise wake the agent every 30 s for nothing.
+        .keep_alive_while_idle(false)
         .initial_stream_window_size(STREAM_WINDOW)
         .initial_connection_window_size(CONNECTION_WINDOW)
         .tcp_nodelay(true))
@@ -596,6 +600,65 @@ mod tests {
         assert!(host_of("nohost").is_err());
         assert!(host_of("h:99999").is_err());
         assert_eq!(host_of("[::1]:15012").unwrap(), "::1");
+    }
+
+    /// An HTTP/2 peer on a real socket that answers the client's SETTINGS and PINGs and
+    /// counts the PINGs it gets (frame type 6 without ACK) until `stop`.
+    async fn count_pings(l: tokio::net::TcpListener, stop: tokio::time::Instant) -> (bool, u32) {
+        use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+        let (mut s, _) = l.accept().await.unwrap();
+        let mut preface = [0u8; 24];
+        s.read_exact(&mut preface).await.unwrap();
+        assert_eq!(&preface[..], b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n");
+        let (mut settings, mut pings) = (false, 0);
+        loop {
+            let mut head = [0u8; 9];
+            match tokio::time::timeout_at(stop, s.read_exact(&mut head)).await {
+                Err(_) | Ok(Err(_)) => return (settings, pings),
+                Ok(Ok(_)) => {}
+            }
+            let len = usize::from(head[0]) << 16 | usize::from(head[1]) << 8 | usize::from(head[2]);
+            let mut body = vec![0u8; len];
+            s.read_exact(&mut body).await.unwrap();
+            match (head[3], head[4] & 1) {
+                (4, 0) => {
+                    settings = true;
+                    // Our (empty) SETTINGS, then the ACK of theirs.
+                    s.write_all(&[0, 0, 0, 4, 0, 0, 0, 0, 0]).await.unwrap();
+                    s.write_all(&[0, 0, 0, 4, 1, 0, 0, 0, 0]).await.unwrap();
+                }
+                (6, 0) => {
+                    pings += 1;
+                    let mut ack = vec![0, 0, 8, 6, 1, 0, 0, 0, 0];
+                    ack.extend_from_slice(&body);
+                    s.write_all(&ack).await.unwrap();
+                }
+                _ => {}
+            }
+        }
+    }
+
+    /// A connection without an open call sends no keepalive PINGs, as grpc-go's client by
+    /// default: the agent's CA connection sits idle between renewals.
+    #[tokio::test]
+    async fn no_keepalive_pings_without_an_open_call() {
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let target = Target {
+            addr: l.local_addr().unwrap().to_string(),
+            tls: None,
+        };
+        let stop = tokio::time::Instant::now() + Duration::from_millis(1500);
+        let peer = tokio::spawn(count_pings(l, stop));
+        let keepalive = Keepalive {
+            interval: Duration::from_millis(100),
+            timeout: Duration::from_secs(5),
+        };
+        let dir = tempfile::tempdir().unwrap();
+        let channel = connect(&target, dir.path(), keepalive).await.unwrap();
+        let (settings, pings) = peer.await.unwrap();
+        drop(channel);
+        assert!(settings, "the client never sent its SETTINGS");
+        assert_eq!(pings, 0, "keepalive PINGs on a connection without calls");
     }
 
     #[tokio::test]

@@ -5,7 +5,10 @@
 //! certificates or config.
 //!
 //! Unix-socket servers also count as dead when their socket file is removed or replaced:
-//! the listener would keep running but no client could ever reach it again.
+//! the listener would keep running but no client could ever reach it again. The socket files
+//! are looked at when readiness is asked (kubelet's probe, which wakes the agent anyway, so
+//! the look costs no wake-up of its own and a probe never answers ready over a lost socket)
+//! and otherwise every [`SOCKET_CHECK`]. Istio's agent does not notice at all.
 
 use std::collections::BTreeMap;
 use std::future::Future;
@@ -20,6 +23,17 @@ use tokio_util::sync::CancellationToken;
 #[derive(Clone, Default, Debug)]
 pub struct Servers {
     down: Arc<Mutex<BTreeMap<&'static str, String>>>,
+    /// The socket file each serving unix-socket server is bound to.
+    sockets: Arc<Mutex<BTreeMap<&'static str, Bound>>>,
+}
+
+/// A serving server's socket file: its path, the inode it was bound as, and how to tell the
+/// server's supervisor that it is lost.
+#[derive(Debug)]
+struct Bound {
+    path: PathBuf,
+    inode: u64,
+    lost: Arc<tokio::sync::Notify>,
 }
 
 impl Servers {
@@ -27,8 +41,10 @@ impl Servers {
         Servers::default()
     }
 
-    /// The first down server's reason (for readiness), if any.
+    /// The first down server's reason (for readiness), if any. Looks at the socket files
+    /// first, so a socket removed since the last look fails this answer already.
     pub fn not_ready(&self) -> Option<String> {
+        self.check_sockets();
         lock(&self.down)
             .iter()
             .next()
@@ -41,6 +57,25 @@ impl Servers {
 
     fn set_up(&self, name: &'static str) {
         lock(&self.down).remove(name);
+    }
+
+    /// Marks every server whose socket file is gone or replaced as down, and wakes its
+    /// supervisor to bind it again.
+    fn check_sockets(&self) {
+        let mut sockets = lock(&self.sockets);
+        let mut lost = vec![];
+        sockets.retain(|name, b| match socket_problem(&b.path, b.inode) {
+            None => true,
+            Some(why) => {
+                b.lost.notify_one();
+                lost.push((*name, why));
+                false
+            }
+        });
+        drop(sockets);
+        for (name, why) in lost {
+            self.set_down(name, format!("{why}; restarting"));
+        }
     }
 }
 
@@ -107,13 +142,16 @@ impl Backoff {
 
 /// How long a server must serve before its backoff resets.
 const HEALTHY_AFTER: Duration = Duration::from_secs(60);
-/// How often a unix socket's file is checked. The check is the idle agent's only periodic
-/// wake-up, so its period is most of the idle agent's CPU (docs/benchmarks-log.md, "Idle
-/// CPU"); a socket removed under a running agent is rebound within this long (Istio's agent
-/// does not notice at all; Envoy retries its SDS and xDS connections with backoff meanwhile).
+/// How often a unix socket's file is checked when nothing asks for readiness. Each check is a
+/// wake-up of an otherwise idle agent (with tokio's timer wheel, three: a long timer is
+/// re-filed into finer levels as its deadline nears), and wake-ups are all of the idle agent's
+/// CPU (docs/benchmarks-log.md, "Idle CPU"). In a pod kubelet's readiness probe checks far
+/// more often, at no extra wake-up ([`Servers::not_ready`]); this is the bound without one (a
+/// socket removed under an agent nobody probes is rebound within a minute; Istio's agent does
+/// not notice at all, and Envoy retries its SDS and xDS connections with backoff meanwhile).
 /// inotify would make it free, but instances are limited per user (128 by default) and
 /// shared by every agent of a node running as 1337.
-const SOCKET_CHECK: Duration = Duration::from_secs(5);
+const SOCKET_CHECK: Duration = Duration::from_secs(60);
 
 /// A bound server: the future that serves until it ends, and (for unix sockets) the socket
 /// file that must keep existing with the inode bound.
@@ -143,16 +181,29 @@ pub async fn run<F, Fut>(
                     Some(p) => inode_of(p),
                     None => None,
                 };
+                let lost = Arc::new(tokio::sync::Notify::new());
+                if let (Some(path), Some(inode)) = (&socket, inode) {
+                    let bound = Bound {
+                        path: path.clone(),
+                        inode,
+                        lost: lost.clone(),
+                    };
+                    lock(&servers.sockets).insert(name, bound);
+                }
                 let started = tokio::time::Instant::now();
                 let why = tokio::select! {
-                    () = stop.cancelled() => return,
+                    () = stop.cancelled() => None,
                     r = serve => match r {
-                        Ok(()) if stop.is_cancelled() => return,
-                        Ok(()) => "stopped unexpectedly".to_owned(),
-                        Err(e) => e,
+                        Ok(()) if stop.is_cancelled() => None,
+                        Ok(()) => Some("stopped unexpectedly".to_owned()),
+                        Err(e) => Some(e),
                     },
-                    why = socket_lost(socket.clone(), inode) => why,
+                    why = socket_lost(socket.clone(), inode, &lost) => Some(why),
                 };
+                // Stopping (the agent shuts down and may remove the socket) or restarting:
+                // either way the file is no longer this server's to check.
+                lock(&servers.sockets).remove(name);
+                let Some(why) = why else { return };
                 if started.elapsed() >= HEALTHY_AFTER {
                     backoff.reset();
                 }
@@ -183,16 +234,30 @@ pub async fn run<F, Fut>(
 /// on it (docs/benchmarks-log.md, "Proxyless gRPC at scale").
 #[allow(
     clippy::disallowed_methods,
-    reason = "one lstat of the agent's own socket per second, cheaper than a blocking-pool hand-off (ARCHITECTURE.md, Runtime policy)"
+    reason = "one lstat of the agent's own socket per readiness check or minute, cheaper than a blocking-pool hand-off (ARCHITECTURE.md, Runtime policy)"
 )]
 fn inode_of(p: &std::path::Path) -> Option<u64> {
     use std::os::unix::fs::MetadataExt as _;
     std::fs::symlink_metadata(p).ok().map(|m| m.ino())
 }
 
-/// Resolves when the socket file is gone or is another file than the one bound; never for
-/// servers without a socket file.
-async fn socket_lost(socket: Option<PathBuf>, inode: Option<u64>) -> String {
+/// Why the socket file at `path` no longer reaches the listener bound as `inode`, if it does not.
+fn socket_problem(path: &std::path::Path, inode: u64) -> Option<String> {
+    match inode_of(path) {
+        Some(i) if i == inode => None,
+        Some(_) => Some(format!("socket {} was replaced", path.display())),
+        None => Some(format!("socket {} was removed", path.display())),
+    }
+}
+
+/// Resolves when the socket file is gone or is another file than the one bound, as found
+/// every [`SOCKET_CHECK`] or by a readiness check (`lost`); never for servers without a
+/// socket file.
+async fn socket_lost(
+    socket: Option<PathBuf>,
+    inode: Option<u64>,
+    lost: &tokio::sync::Notify,
+) -> String {
     let Some(path) = socket else {
         return std::future::pending().await;
     };
@@ -201,11 +266,12 @@ async fn socket_lost(socket: Option<PathBuf>, inode: Option<u64>) -> String {
         return format!("socket {} was removed", path.display());
     };
     loop {
-        tokio::time::sleep(SOCKET_CHECK).await;
-        match inode_of(&path) {
-            Some(i) if i == inode => {}
-            Some(_) => return format!("socket {} was replaced", path.display()),
-            None => return format!("socket {} was removed", path.display()),
+        tokio::select! {
+            () = tokio::time::sleep(SOCKET_CHECK) => {}
+            () = lost.notified() => {}
+        }
+        if let Some(why) = socket_problem(&path, inode) {
+            return why;
         }
     }
 }
@@ -325,7 +391,16 @@ mod tests {
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
+        assert_eq!(servers.not_ready(), None);
         std::fs::remove_file(&path).unwrap();
+        // The next readiness check finds it at once, and wakes the supervisor.
+        let r = servers
+            .not_ready()
+            .expect("not ready over a removed socket");
+        assert!(
+            r.contains("xds-proxy server is down: socket") && r.contains("was removed"),
+            "{r}"
+        );
         while starts.load(Ordering::SeqCst) < 2 {
             assert!(tokio::time::Instant::now() < deadline, "not restarted");
             tokio::time::sleep(Duration::from_millis(20)).await;
@@ -338,6 +413,53 @@ mod tests {
             );
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
+        stop.cancel();
+        task.await.unwrap();
+    }
+
+    /// Without readiness checks the socket file is looked at once a [`SOCKET_CHECK`], not
+    /// more often (each look is a wake-up of an idle agent), and a removed one is still found.
+    #[tokio::test(start_paused = true)]
+    async fn without_readiness_checks_a_removed_socket_is_found_within_the_check_period() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("sock");
+        let servers = Servers::new();
+        let stop = CancellationToken::new();
+        let starts = Arc::new(AtomicU32::new(0));
+        let (s, p) = (starts.clone(), path.clone());
+        let task = tokio::spawn(run(
+            "sds",
+            servers.clone(),
+            Backoff::default(),
+            stop.clone(),
+            move || {
+                s.fetch_add(1, Ordering::SeqCst);
+                let p = p.clone();
+                async move {
+                    let _ = std::fs::remove_file(&p);
+                    let l = tokio::net::UnixListener::bind(&p).map_err(|e| e.to_string())?;
+                    Ok(Serving {
+                        serve: Box::pin(async move {
+                            let _l = l;
+                            std::future::pending().await
+                        }),
+                        socket: Some(p),
+                    })
+                }
+            },
+        ));
+        while starts.load(Ordering::SeqCst) < 1 {
+            tokio::task::yield_now().await;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        std::fs::remove_file(&path).unwrap();
+        tokio::time::sleep(SOCKET_CHECK - Duration::from_secs(1)).await;
+        assert_eq!(starts.load(Ordering::SeqCst), 1, "looked before the period");
+        // The check, then the restart's backoff (at most 120 ms).
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        assert_eq!(starts.load(Ordering::SeqCst), 2, "not restarted");
+        assert!(path.exists(), "socket not bound again");
+        assert_eq!(servers.not_ready(), None);
         stop.cancel();
         task.await.unwrap();
     }

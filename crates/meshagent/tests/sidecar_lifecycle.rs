@@ -524,10 +524,11 @@ async fn hup_and_usr_signals_are_ignored() {
     assert_eq!(children_of(pid).len(), 1, "Envoy still running");
 }
 
-/// A supervised server whose socket disappears is down: the agent logs it naming the
-/// server, binds the socket again, and clients can connect to it. (While it is down readiness
-/// names it too — the supervisor's unit tests check that; here the restart takes ~100 ms, too
-/// short a window to observe reliably over HTTP.)
+/// A supervised server whose socket disappears is down: the next readiness check (here the
+/// test's, in a pod kubelet's) finds it, the agent logs it naming the server, binds the
+/// socket again, and clients can connect to it. (Without readiness checks the files are
+/// looked at once a minute: the supervisor's unit tests check that, and that the failing
+/// readiness answer names the server.)
 #[tokio::test(flavor = "multi_thread")]
 async fn removed_sds_and_xds_sockets_are_rebound() {
     let a = start_agent("sidecar", &[]);
@@ -543,12 +544,17 @@ async fn removed_sds_and_xds_sockets_are_rebound() {
         .await;
         std::fs::remove_file(&sock).unwrap();
         let want = format!("server={name} error=socket");
+        let status = a.status;
         wait_for("the supervisor to notice", DEADLINE, || {
             let log = a.proc.log_text();
             let hit = log
                 .lines()
                 .any(|l| l.contains(&want) && l.contains("was removed"));
-            async move { hit.then_some(()) }
+            async move {
+                // The probe that makes the agent look.
+                let _ = http_get(status, "/healthz/ready").await;
+                hit.then_some(())
+            }
         })
         .await;
         wait_for("the socket bound again and accepting", DEADLINE, || {
