@@ -22,7 +22,6 @@ use tonic::codec::{Codec, Streaming};
 use crate::config::{self, MapEnv, ProxyFlags};
 use crate::identity::store::{Aliases, SecretData, SecretState, SecretStore, Subscription};
 use crate::status::lines::{Seen, SourceFilter};
-use crate::xds::codec::RawDecoder;
 use crate::xds::wire::{self, Kind, WireError};
 
 /// Files are read relative to this directory while loading; it does not exist, so the
@@ -133,16 +132,14 @@ fn runtime() -> tokio::runtime::Runtime {
 }
 
 /// Fuzz target `xds_framing`: the input is the HTTP/2 request body of a downstream ADS
-/// stream (gRPC length-prefixed frames), decoded by the very `Streaming` + [`RawDecoder`] pair
-/// the proxy uses, and every message is peeked.
+/// stream (gRPC length-prefixed frames), read by the very reader the proxy uses
+/// (`xds::reader::MessageReader::request`), and every message is peeked.
 pub fn xds_framing(data: &[u8]) {
     let body = http_body_util::Full::new(Bytes::copy_from_slice(data));
     runtime().block_on(async {
-        let mut stream = Streaming::new_request(
-            RawDecoder::default(),
-            body,
-            None,
-            Some(crate::xds::DEFAULT_MAX_RECV_MSG_SIZE),
+        let mut stream = crate::xds::reader::MessageReader::request(
+            tonic::body::Body::new(body),
+            crate::xds::DEFAULT_MAX_RECV_MSG_SIZE,
         );
         while let Ok(Some(msg)) = stream.message().await {
             let _ = wire::peek(Kind::SotwRequest, &msg);
@@ -180,12 +177,29 @@ fn sds_store() -> (Arc<SecretStore>, Subscription) {
 /// SotW or Delta; the rest is gRPC-framed `DiscoveryRequest`s (or `DeltaDiscoveryRequest`s)
 /// fed to the real [`SdsService`](crate::identity::sds::SdsService) over a store holding `default`,
 /// `ROOTCA` and one failed file resource ([`FAILING`]) (file resources stay pending: nothing loads files here).
-/// Every response is drained until the service ends the stream.
+/// Every response is drained until the service ends the stream. Bit 1 of the mode byte reads
+/// the requests as the agent's SDS server does (the body taken out of tonic's way,
+/// `xds::reader::TakeRequestBody`), unset through tonic's `Streaming`.
 pub fn sds(data: &[u8]) {
     let Some((&mode, body)) = data.split_first() else {
         return;
     };
-    let body = http_body_util::Full::new(Bytes::copy_from_slice(body));
+    let body = tonic::body::Body::new(http_body_util::Full::new(Bytes::copy_from_slice(body)));
+    let (body, taken) = if mode & 2 == 0 {
+        (body, None)
+    } else {
+        (
+            tonic::body::Body::empty(),
+            Some(crate::xds::reader::TakenBody::new(body)),
+        )
+    };
+    fn request<T>(inbound: T, taken: &Option<crate::xds::reader::TakenBody>) -> tonic::Request<T> {
+        let mut r = tonic::Request::new(inbound);
+        if let Some(t) = taken.clone() {
+            r.extensions_mut().insert(t);
+        }
+        r
+    }
     let (store, _failing) = sds_store();
     let service = crate::identity::sds::SdsService::new(store, Default::default());
     runtime().block_on(async move {
@@ -193,7 +207,7 @@ pub fn sds(data: &[u8]) {
             let mut codec =
                 tonic_prost::ProstCodec::<DiscoveryResponse, DiscoveryRequest>::default();
             let inbound = Streaming::new_request(codec.decoder(), body, None, Some(1 << 20));
-            if let Ok(resp) = service.stream_secrets(tonic::Request::new(inbound)).await {
+            if let Ok(resp) = service.stream_secrets(request(inbound, &taken)).await {
                 let mut out = resp.into_inner();
                 while out.next().await.is_some() {}
             }
@@ -201,7 +215,7 @@ pub fn sds(data: &[u8]) {
             let mut codec =
                 tonic_prost::ProstCodec::<DeltaDiscoveryResponse, DeltaDiscoveryRequest>::default();
             let inbound = Streaming::new_request(codec.decoder(), body, None, Some(1 << 20));
-            if let Ok(resp) = service.delta_secrets(tonic::Request::new(inbound)).await {
+            if let Ok(resp) = service.delta_secrets(request(inbound, &taken)).await {
                 let mut out = resp.into_inner();
                 while out.next().await.is_some() {}
             }

@@ -44,7 +44,7 @@
 pub mod authority;
 pub mod codec;
 pub mod intercept;
-mod reader;
+pub(crate) mod reader;
 pub mod rejections;
 pub mod stream;
 pub mod view;
@@ -60,9 +60,9 @@ use crate::dns::LookupTable;
 use tokio::sync::{mpsc, watch};
 use tokio_stream::wrappers::UnixListenerStream;
 use tokio_util::sync::CancellationToken;
+use tonic::Status;
 use tonic::body::Body;
 use tonic::server::NamedService;
-use tonic::{Status, Streaming};
 
 pub use intercept::{Api, EcdsRewrite, Health, PassThrough};
 
@@ -571,13 +571,9 @@ impl AdsServer {
             },
         };
         // Envoy does not compress ADS; a compressed request would fail decoding below with a
-        // clear status rather than being silently misread.
-        let downstream = Streaming::new_request(
-            codec::RawDecoder::default(),
-            req.into_body(),
-            None,
-            Some(self.max_recv),
-        );
+        // clear status rather than being silently misread. Each request is read into a
+        // buffer of its own length, not tonic's stream buffer (see `reader.rs`).
+        let downstream = reader::MessageReader::request(req.into_body(), self.max_recv);
         let stop = self.shutdown.child_token();
         let id = self
             .ids

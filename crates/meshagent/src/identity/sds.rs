@@ -79,6 +79,8 @@ pub async fn serve(
 ) -> Result<(), tonic::transport::Error> {
     tonic::transport::Server::builder()
         .max_concurrent_streams(Some(100_000))
+        // Each request read into a buffer of its own length (`SdsService`'s `Inbound`).
+        .layer(crate::xds::reader::TakeRequestBody)
         .add_service(SecretDiscoveryServiceServer::new(SdsService::new(
             store,
             shutdown.clone(),

@@ -16,6 +16,13 @@
 //! `grpc-encoding`, a trailers-only `grpc-status`), and hands the body to [`MessageReader`]
 //! in place of tonic's decoder. The end-of-stream rules are tonic's (`infer_grpc_status`),
 //! so a stream ends with the same `Status` as before.
+//!
+//! The same holds for the requests a server reads from Envoy: Envoy's first request on
+//! each stream carries its node with the extension list (~70 KiB), and tonic's buffer for
+//! the stream kept that capacity for the stream's life (heaptrack of a settled sidecar: two
+//! SDS streams and the ADS stream, ~220 KiB). [`MessageReader::request`] reads a request
+//! body; the ADS server hands it its body directly, the tonic-generated SDS server gets it
+//! through [`TakeRequestBody`].
 
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
@@ -94,11 +101,73 @@ impl tower::Service<http::Request<Body>> for TakeBody {
     }
 }
 
-/// Reads gRPC messages off a response body, each into a buffer of its own length.
+/// A request's body, taken out before a tonic-generated server builds its `Streaming`:
+/// found in the request's extensions by the handler, which reads it with
+/// [`MessageReader::request`]. tonic decodes an empty body in its place.
+#[derive(Clone)]
+pub struct TakenBody(Arc<Mutex<Option<Body>>>);
+
+impl TakenBody {
+    pub fn new(body: Body) -> TakenBody {
+        TakenBody(Arc::new(Mutex::new(Some(body))))
+    }
+
+    /// The body, once (`None` when already taken).
+    pub fn take(&self) -> Option<Body> {
+        self.0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .take()
+    }
+}
+
+/// The layer that puts each request's body into its extensions as a [`TakenBody`].
+#[derive(Clone, Copy, Debug, Default)]
+pub struct TakeRequestBody;
+
+impl<S> tower::Layer<S> for TakeRequestBody {
+    type Service = TakeRequestBodyService<S>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        TakeRequestBodyService { inner }
+    }
+}
+
+/// See [`TakeRequestBody`].
+#[derive(Clone, Debug)]
+pub struct TakeRequestBodyService<S> {
+    inner: S,
+}
+
+impl<S> tower::Service<http::Request<Body>> for TakeRequestBodyService<S>
+where
+    S: tower::Service<http::Request<Body>>,
+{
+    type Response = S::Response;
+    type Error = S::Error;
+    type Future = S::Future;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, req: http::Request<Body>) -> Self::Future {
+        let (mut parts, body) = req.into_parts();
+        parts.extensions.insert(TakenBody::new(body));
+        self.inner
+            .call(http::Request::from_parts(parts, Body::empty()))
+    }
+}
+
+/// Reads gRPC messages off a response or request body, each into a buffer of its own length.
 pub struct MessageReader {
     body: Body,
     status: http::StatusCode,
     expect_trailers: bool,
+    /// A request body (a server reading its client), not a response: tonic's request rules.
+    request: bool,
+    /// The largest message accepted (tonic's `max_decoding_message_size`).
+    limit: usize,
     /// The unread rest of the last DATA frame.
     chunk: Bytes,
     prefix: [u8; PREFIX],
@@ -115,6 +184,10 @@ impl MessageReader {
             body: t.body,
             status: t.status,
             expect_trailers: t.expect_trailers,
+            request: false,
+            // No agent-side limit on istiod's messages: Envoy's own is the one that matters
+            // (istio#52815); a length is at most u32::MAX by the framing.
+            limit: usize::MAX,
             chunk: Bytes::new(),
             prefix: [0; PREFIX],
             prefix_len: 0,
@@ -122,6 +195,24 @@ impl MessageReader {
             trailers: None,
             done: false,
         }
+    }
+
+    /// A server's reader of its client's messages (tonic's `Streaming::new_request`): the
+    /// stream ends with the body (trailers and a client's cancel included), and a message
+    /// over `limit` bytes is refused with tonic's `OutOfRange` and wording.
+    pub fn request(body: Body, limit: usize) -> MessageReader {
+        MessageReader::new(Taken {
+            status: http::StatusCode::OK,
+            expect_trailers: false,
+            body,
+        })
+        .into_request(limit)
+    }
+
+    fn into_request(mut self, limit: usize) -> MessageReader {
+        self.request = true;
+        self.limit = limit;
+        self
     }
 
     /// The next message; `Ok(None)` when the stream ended with an OK status, `Err` with the
@@ -152,6 +243,11 @@ impl MessageReader {
                         }
                     }
                 },
+                // A client that cancels its request stream ends it (tonic: `poll_frame`).
+                Some(Err(s)) if self.request && s.code() == tonic::Code::Cancelled => {
+                    self.done = true;
+                    return Ok(None);
+                }
                 Some(Err(s)) => {
                     self.done = true;
                     return Err(s);
@@ -200,6 +296,11 @@ impl MessageReader {
                         "protocol error: received message with compressed-flag but no grpc-encoding was specified",
                     ));
                 }
+                f if self.request => {
+                    return Err(Status::internal(format!(
+                        "protocol error: received message with invalid compression flag: {f} (valid flags are 0 and 1), while sending request"
+                    )));
+                }
                 f => {
                     return Err(Status::internal(format!(
                         "protocol error: received message with invalid compression flag: {f} (valid flags are 0 and 1) while receiving response with status: {}",
@@ -207,14 +308,18 @@ impl MessageReader {
                     )));
                 }
             }
-            // No agent-side limit on istiod's messages: Envoy's own is the one that matters
-            // (istio#52815); a length is at most u32::MAX by the framing.
             let len = u32::from_be_bytes([
                 self.prefix[1],
                 self.prefix[2],
                 self.prefix[3],
                 self.prefix[4],
             ]) as usize;
+            if len > self.limit {
+                return Err(Status::out_of_range(format!(
+                    "Error, decoded message length too large: found {len} bytes, the limit is: {} bytes",
+                    self.limit
+                )));
+            }
             if self.chunk.len() >= len {
                 self.prefix_len = 0;
                 return Ok(Some(self.chunk.split_to(len)));
@@ -267,6 +372,7 @@ impl MessageReader {
 mod tests {
     #![allow(clippy::unwrap_used)]
     use super::*;
+    use std::convert::Infallible;
 
     /// A reader over the given frames (data, then optional trailers).
     fn reader(
@@ -403,5 +509,160 @@ mod tests {
         let mut r = reader(http::StatusCode::OK, vec![], None);
         r.expect_trailers = false;
         assert!(r.message().await.unwrap().is_none());
+    }
+
+    /// Frames (data, or trailers, or an error) as a request body.
+    fn request_body(frames: Vec<Result<http_body::Frame<Bytes>, Status>>) -> Body {
+        Body::new(http_body_util::StreamBody::new(futures::stream::iter(
+            frames,
+        )))
+    }
+
+    /// The reader of a server's requests against tonic's own (`Streaming::new_request` with
+    /// the raw decoder the ADS server used): the same messages and the same end, status code
+    /// and text, for each way a request stream can go.
+    #[tokio::test]
+    async fn reads_requests_as_tonic_reads_them() {
+        let data = |b: Vec<u8>| Ok(http_body::Frame::data(Bytes::from(b)));
+        let trailers = || Ok(http_body::Frame::trailers(http::HeaderMap::new()));
+        let big = vec![3u8; 70_000];
+        let mut flagged = framed(&[b"a"]);
+        flagged[0] = 7;
+        let mut compressed = framed(&[b"a"]);
+        compressed[0] = 1;
+        let mut cut = framed(&[b"abcdef"]);
+        cut.truncate(8);
+        type Frames = Vec<Result<http_body::Frame<Bytes>, Status>>;
+        type Case<'a> = (&'static str, Box<dyn Fn() -> Frames + 'a>);
+        let cases: Vec<Case<'_>> = vec![
+            (
+                "half-closed",
+                Box::new(|| vec![data(framed(&[b"one", b"", b"two"]))]),
+            ),
+            (
+                "split",
+                Box::new(move || {
+                    framed(&[&big, b"x"])
+                        .chunks(16 * 1024)
+                        .map(|c| data(c.to_vec()))
+                        .collect()
+                }),
+            ),
+            (
+                "trailers",
+                Box::new(move || vec![data(framed(&[b"a"])), trailers()]),
+            ),
+            (
+                "trailers inside a message",
+                Box::new(|| {
+                    let mut w = framed(&[b"abcdef"]);
+                    w.truncate(8);
+                    vec![data(w), trailers()]
+                }),
+            ),
+            (
+                "cancelled",
+                Box::new(|| vec![data(framed(&[b"a"])), Err(Status::cancelled("gone"))]),
+            ),
+            (
+                "reset",
+                Box::new(|| {
+                    vec![
+                        data(framed(&[b"a"])),
+                        Err(Status::unknown("error reading a body from connection")),
+                    ]
+                }),
+            ),
+            (
+                "over the limit",
+                Box::new(|| vec![data(framed(&[b"a", &[0u8; 100]]))]),
+            ),
+            (
+                "cut inside a message",
+                Box::new(move || vec![data(cut.clone())]),
+            ),
+            (
+                "invalid flag",
+                Box::new(move || vec![data(flagged.clone())]),
+            ),
+            (
+                "compressed",
+                Box::new(move || vec![data(compressed.clone())]),
+            ),
+        ];
+        const LIMIT: usize = 64;
+        for (name, frames) in &cases {
+            let limit = if *name == "over the limit" {
+                LIMIT
+            } else {
+                1 << 20
+            };
+            let mut ours = MessageReader::request(request_body(frames()), limit);
+            let (got, end) = all(&mut ours).await;
+            let mut theirs = tonic::codec::Streaming::new_request(
+                super::super::codec::RawDecoder::default(),
+                request_body(frames()),
+                None,
+                Some(limit),
+            );
+            let mut want = Vec::new();
+            let want_end = loop {
+                match theirs.message().await {
+                    Ok(Some(m)) => want.push(m),
+                    Ok(None) => break Ok(()),
+                    Err(s) => break Err(s),
+                }
+            };
+            assert_eq!(got, want, "{name}: messages");
+            match (&end, &want_end) {
+                (Ok(()), Ok(())) => {}
+                (Err(a), Err(b)) => assert_eq!(
+                    (a.code(), a.message()),
+                    (b.code(), b.message()),
+                    "{name}: end"
+                ),
+                _ => panic!("{name}: ours ended {end:?}, tonic's {want_end:?}"),
+            }
+        }
+    }
+
+    /// A request over the limit is refused before its bytes are buffered.
+    #[tokio::test]
+    async fn a_request_over_the_limit_is_refused_with_tonics_words() {
+        let mut r = MessageReader::request(
+            request_body(vec![Ok(http_body::Frame::data(Bytes::from(framed(&[
+                &[0u8; 65],
+            ]))))]),
+            64,
+        );
+        let s = r.message().await.unwrap_err();
+        assert_eq!(s.code(), tonic::Code::OutOfRange);
+        assert_eq!(
+            s.message(),
+            "Error, decoded message length too large: found 65 bytes, the limit is: 64 bytes"
+        );
+    }
+
+    /// The layer takes the body out and leaves tonic an empty one; the handler finds it once.
+    #[tokio::test]
+    async fn the_layer_hands_the_body_to_the_handler() {
+        use tower::{Layer, Service, ServiceExt};
+        let inner = tower::service_fn(|req: http::Request<Body>| async move {
+            let (parts, body) = req.into_parts();
+            // What tonic would decode: nothing.
+            assert!(http_body::Body::is_end_stream(&body));
+            let taken = parts.extensions.get::<TakenBody>().unwrap();
+            let mut r = MessageReader::request(taken.take().unwrap(), 1 << 20);
+            assert!(taken.take().is_none(), "taken once");
+            let (got, end) = all(&mut r).await;
+            assert!(end.is_ok());
+            Ok::<_, Infallible>(got)
+        });
+        let mut svc = TakeRequestBody.layer(inner);
+        let req = http::Request::new(request_body(vec![Ok(http_body::Frame::data(Bytes::from(
+            framed(&[b"hello"]),
+        )))]));
+        let got = svc.ready().await.unwrap().call(req).await.unwrap();
+        assert_eq!(got, vec![Bytes::from_static(b"hello")]);
     }
 }

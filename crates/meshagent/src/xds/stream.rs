@@ -43,7 +43,7 @@ use http::uri::PathAndQuery;
 use tokio::sync::{mpsc, watch};
 use tokio_stream::wrappers::ReceiverStream;
 use tokio_util::sync::CancellationToken;
-use tonic::{Status, Streaming};
+use tonic::Status;
 
 use super::codec::RawCodec;
 use super::intercept::{self, Api, Health, InterceptError, Interceptor, Meta, Verdict};
@@ -318,7 +318,7 @@ pub async fn run(
     api: Api,
     id: u64,
     conn: Downstream,
-    mut downstream: Streaming<Bytes>,
+    mut downstream: MessageReader,
     down: mpsc::Sender<Result<Bytes, Status>>,
     stop: CancellationToken,
 ) {

@@ -32,6 +32,8 @@ use tokio_stream::wrappers::ReceiverStream;
 use tokio_util::sync::CancellationToken;
 use tonic::{Request, Response, Status, Streaming};
 
+use crate::xds::reader::{MessageReader, TakenBody};
+
 use crate::identity::store::{SecretData, SecretState, SecretStore, Subscription};
 
 type ResponseStream<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send>>;
@@ -131,12 +133,53 @@ fn collect(
     Collected::Resources(out)
 }
 
+/// The requests of one SDS stream. The agent's server takes each request body out of tonic's
+/// way (`xds::reader::TakeRequestBody`, in `sds::serve`): tonic's stream buffer grows to
+/// Envoy's first request, which carries its node with the extension list (~70 KiB), and keeps
+/// that capacity for the stream's life; [`MessageReader`] gives each request a buffer of its
+/// own length instead. A request without the taken body (the service mounted elsewhere) is
+/// read through tonic's `Streaming`.
+enum Inbound<T> {
+    Tonic(Streaming<T>),
+    Own(MessageReader),
+}
+
+impl<T: prost::Message + Default> Inbound<T> {
+    fn of(request: Request<Streaming<T>>) -> Inbound<T> {
+        match request
+            .extensions()
+            .get::<TakenBody>()
+            .and_then(TakenBody::take)
+        {
+            Some(body) => Inbound::Own(MessageReader::request(body, MAX_REQUEST_BYTES)),
+            None => Inbound::Tonic(request.into_inner()),
+        }
+    }
+
+    async fn message(&mut self) -> Result<Option<T>, Status> {
+        match self {
+            Inbound::Tonic(s) => s.message().await,
+            Inbound::Own(r) => match r.message().await? {
+                // tonic's prost decoder's status for a message that does not decode.
+                Some(m) => T::decode(m)
+                    .map(Some)
+                    .map_err(|e| Status::internal(e.to_string())),
+                None => Ok(None),
+            },
+        }
+    }
+}
+
+/// The largest SDS request read: tonic's default server limit, which the service had before
+/// (and gRPC-Go's, behind Istio's SDS server).
+const MAX_REQUEST_BYTES: usize = 4 * 1024 * 1024;
+
 // === impl SdsService (SotW) ===
 
 impl SdsService {
     async fn run_sotw(
         self,
-        mut inbound: Streaming<DiscoveryRequest>,
+        mut inbound: Inbound<DiscoveryRequest>,
         tx: mpsc::Sender<Result<DiscoveryResponse, Status>>,
     ) {
         let store = self.store.clone();
@@ -228,7 +271,7 @@ impl SdsService {
 
     async fn run_delta(
         self,
-        mut inbound: Streaming<DeltaDiscoveryRequest>,
+        mut inbound: Inbound<DeltaDiscoveryRequest>,
         tx: mpsc::Sender<Result<DeltaDiscoveryResponse, Status>>,
     ) {
         let store = self.store.clone();
@@ -317,7 +360,7 @@ impl SecretDiscoveryService for SdsService {
     ) -> Result<Response<Self::StreamSecretsStream>, Status> {
         let (tx, rx) = mpsc::channel(4);
         tokio::spawn(tracing::Instrument::instrument(
-            self.clone().run_sotw(request.into_inner(), tx),
+            self.clone().run_sotw(Inbound::of(request), tx),
             tracing::info_span!("sds_stream", api = "sotw"),
         ));
         Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
@@ -329,7 +372,7 @@ impl SecretDiscoveryService for SdsService {
     ) -> Result<Response<Self::DeltaSecretsStream>, Status> {
         let (tx, rx) = mpsc::channel(4);
         tokio::spawn(tracing::Instrument::instrument(
-            self.clone().run_delta(request.into_inner(), tx),
+            self.clone().run_delta(Inbound::of(request), tx),
             tracing::info_span!("sds_stream", api = "delta"),
         ));
         Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
