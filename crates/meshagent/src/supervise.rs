@@ -357,16 +357,18 @@ mod tests {
         task.await.unwrap();
     }
 
-    #[tokio::test]
-    async fn a_removed_socket_counts_as_dead() {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("sock");
-        let servers = Servers::new();
-        let stop = CancellationToken::new();
+    /// Supervises, as `name`, a unix-socket server that binds `path` (removing what is there)
+    /// and serves until stopped; returns how many times it was started, and the supervisor.
+    fn socket_server(
+        name: &'static str,
+        servers: &Servers,
+        stop: &CancellationToken,
+        path: &std::path::Path,
+    ) -> (Arc<AtomicU32>, tokio::task::JoinHandle<()>) {
         let starts = Arc::new(AtomicU32::new(0));
-        let (s, p) = (starts.clone(), path.clone());
+        let (s, p) = (starts.clone(), path.to_owned());
         let task = tokio::spawn(run(
-            "xds-proxy",
+            name,
             servers.clone(),
             Backoff::default(),
             stop.clone(),
@@ -386,6 +388,16 @@ mod tests {
                 }
             },
         ));
+        (starts, task)
+    }
+
+    #[tokio::test]
+    async fn a_removed_socket_counts_as_dead() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("sock");
+        let servers = Servers::new();
+        let stop = CancellationToken::new();
+        let (starts, task) = socket_server("xds-proxy", &servers, &stop, &path);
         let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
         while starts.load(Ordering::SeqCst) < 1 {
             tokio::time::sleep(Duration::from_millis(10)).await;
@@ -425,29 +437,7 @@ mod tests {
         let path = dir.path().join("sock");
         let servers = Servers::new();
         let stop = CancellationToken::new();
-        let starts = Arc::new(AtomicU32::new(0));
-        let (s, p) = (starts.clone(), path.clone());
-        let task = tokio::spawn(run(
-            "sds",
-            servers.clone(),
-            Backoff::default(),
-            stop.clone(),
-            move || {
-                s.fetch_add(1, Ordering::SeqCst);
-                let p = p.clone();
-                async move {
-                    let _ = std::fs::remove_file(&p);
-                    let l = tokio::net::UnixListener::bind(&p).map_err(|e| e.to_string())?;
-                    Ok(Serving {
-                        serve: Box::pin(async move {
-                            let _l = l;
-                            std::future::pending().await
-                        }),
-                        socket: Some(p),
-                    })
-                }
-            },
-        ));
+        let (starts, task) = socket_server("sds", &servers, &stop, &path);
         while starts.load(Ordering::SeqCst) < 1 {
             tokio::task::yield_now().await;
         }

@@ -201,18 +201,15 @@ impl MessageReader {
     /// stream ends with the body (trailers and a client's cancel included), and a message
     /// over `limit` bytes is refused with tonic's `OutOfRange` and wording.
     pub fn request(body: Body, limit: usize) -> MessageReader {
-        MessageReader::new(Taken {
-            status: http::StatusCode::OK,
-            expect_trailers: false,
-            body,
-        })
-        .into_request(limit)
-    }
-
-    fn into_request(mut self, limit: usize) -> MessageReader {
-        self.request = true;
-        self.limit = limit;
-        self
+        MessageReader {
+            request: true,
+            limit,
+            ..MessageReader::new(Taken {
+                status: http::StatusCode::OK,
+                expect_trailers: false,
+                body,
+            })
+        }
     }
 
     /// The next message; `Ok(None)` when the stream ended with an OK status, `Err` with the
@@ -392,11 +389,10 @@ mod tests {
             }
             frames.push(Ok(http_body::Frame::trailers(h)));
         }
-        let body = http_body_util::StreamBody::new(futures::stream::iter(frames));
         MessageReader::new(Taken {
             status,
             expect_trailers: true,
-            body: Body::new(body),
+            body: frames_body(frames),
         })
     }
 
@@ -511,8 +507,8 @@ mod tests {
         assert!(r.message().await.unwrap().is_none());
     }
 
-    /// Frames (data, or trailers, or an error) as a request body.
-    fn request_body(frames: Vec<Result<http_body::Frame<Bytes>, Status>>) -> Body {
+    /// Frames (data, or trailers, or an error) as a body.
+    fn frames_body(frames: Vec<Result<http_body::Frame<Bytes>, Status>>) -> Body {
         Body::new(http_body_util::StreamBody::new(futures::stream::iter(
             frames,
         )))
@@ -597,11 +593,11 @@ mod tests {
             } else {
                 1 << 20
             };
-            let mut ours = MessageReader::request(request_body(frames()), limit);
+            let mut ours = MessageReader::request(frames_body(frames()), limit);
             let (got, end) = all(&mut ours).await;
             let mut theirs = tonic::codec::Streaming::new_request(
                 super::super::codec::RawDecoder::default(),
-                request_body(frames()),
+                frames_body(frames()),
                 None,
                 Some(limit),
             );
@@ -630,7 +626,7 @@ mod tests {
     #[tokio::test]
     async fn a_request_over_the_limit_is_refused_with_tonics_words() {
         let mut r = MessageReader::request(
-            request_body(vec![Ok(http_body::Frame::data(Bytes::from(framed(&[
+            frames_body(vec![Ok(http_body::Frame::data(Bytes::from(framed(&[
                 &[0u8; 65],
             ]))))]),
             64,
@@ -659,7 +655,7 @@ mod tests {
             Ok::<_, Infallible>(got)
         });
         let mut svc = TakeRequestBody.layer(inner);
-        let req = http::Request::new(request_body(vec![Ok(http_body::Frame::data(Bytes::from(
+        let req = http::Request::new(frames_body(vec![Ok(http_body::Frame::data(Bytes::from(
             framed(&[b"hello"]),
         )))]));
         let got = svc.ready().await.unwrap().call(req).await.unwrap();
