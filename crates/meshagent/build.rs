@@ -27,8 +27,9 @@ fn main() -> Result<()> {
     println!("cargo:rerun-if-changed=build.rs");
     // `make agent` links through link/cc-ordered, which lays the code out by this file; cargo
     // does not know the linker reads it, so without this a regenerated order file would not
-    // be linked until something else changed.
+    // be linked until something else changed; nor that the wrapper itself decides the layout.
     println!("cargo:rerun-if-changed=link/agent.order");
+    println!("cargo:rerun-if-changed=link/cc-ordered");
     println!("cargo:rerun-if-env-changed=ISTIO_API_DIR");
     println!("cargo:rerun-if-env-changed=GO");
     let api = istio_api_dir()?;

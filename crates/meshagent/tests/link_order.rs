@@ -95,6 +95,34 @@ fn resolved_order_places_the_listed_functions_first() {
     );
 }
 
+/// The functions are laid out in the order file's order, not in the order the compiler
+/// emitted them: `orderfile.py` groups them by the agent's phases, and a phase's code pages
+/// are released at its end (src/code_pages.rs), which frees only what its own stretch holds.
+/// A stale entry (here LTO's `.<n>` suffix changed) keeps its place in that order.
+#[test]
+fn functions_are_laid_out_in_the_order_file_order() {
+    for order in ["main\nhot\n", "main\nhot.7\n"] {
+        let dir = tempfile::tempdir().unwrap();
+        let (out, said) = link(dir.path(), order);
+        assert!(
+            out.status.success(),
+            "cc-ordered failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(
+            said.contains("2 functions of the 2 names"),
+            "status: {said}"
+        );
+        runs(dir.path());
+        let a = addresses(dir.path());
+        // Source order is hot, cold, main; the file asks for main, then hot.
+        assert!(
+            a["main"] < a["hot"] && a["hot"] < a["cold"],
+            "not in the file's order ({order:?}): {a:?}"
+        );
+    }
+}
+
 #[test]
 fn a_mostly_stale_order_file_links_without_the_layout_and_warns() {
     let dir = tempfile::tempdir().unwrap();
