@@ -233,13 +233,13 @@ use swar::starts_with;
 #[cfg(any(test, not(all(target_arch = "x86_64", target_feature = "sse2"))))]
 use swar::{labels_end_swar, value_end_swar};
 
-/// [`special`] for one byte.
+/// [`swar::special`] for one byte.
 #[inline(always)]
 fn special_byte(b: u8) -> bool {
     !(0x20..0x7f).contains(&b)
 }
 
-/// [`labels_end_swar`]'s answer, sixteen bytes at a time where SSE2 is part of the target
+/// [`swar::labels_end_swar`]'s answer, sixteen bytes at a time where SSE2 is part of the target
 /// (every x86-64): the label set is most of a sample line, and its scan most of the filter's
 /// time (docs/benchmarks-log.md).
 #[inline(always)]
@@ -250,7 +250,7 @@ fn labels_end(labels: &[u8]) -> Option<usize> {
     return labels_end_swar(labels);
 }
 
-/// [`value_end_swar`]'s answer, sixteen bytes at a time where SSE2 is part of the target.
+/// [`swar::value_end_swar`]'s answer, sixteen bytes at a time where SSE2 is part of the target.
 #[inline(always)]
 fn value_end(rest: &[u8]) -> Option<usize> {
     #[cfg(all(target_arch = "x86_64", target_feature = "sse2"))]
@@ -311,7 +311,7 @@ mod sse2 {
         _mm_cmpeq_epi8(v, _mm_set1_epi8(c as i8))
     }
 
-    /// [`super::labels_end_swar`].
+    /// [`super::swar::labels_end_swar`].
     #[target_feature(enable = "sse2")]
     #[inline]
     pub(super) fn labels_end(labels: &[u8]) -> Option<usize> {
@@ -349,7 +349,7 @@ mod sse2 {
         None
     }
 
-    /// [`super::value_end_swar`].
+    /// [`super::swar::value_end_swar`].
     #[target_feature(enable = "sse2")]
     #[inline]
     pub(super) fn value_end(rest: &[u8]) -> Option<usize> {
@@ -759,7 +759,7 @@ impl SourceFilter {
     }
 
     /// [`SourceFilter::line`] for a sample of the family being written whose bytes are all
-    /// plain (no [`special`] byte): the same decision without validating or parsing the line
+    /// plain (no [`swar::special`] byte): the same decision without validating or parsing the line
     /// further, and the line kept as a slice of `chunk`. Returns where its newline is; `None`
     /// when the line needs the general path (another family, no labels' end found, escapes in
     /// label values, a name ending the line, CR, control or non-ASCII bytes).
