@@ -26,9 +26,10 @@
 //!
 //! Speed: a sample of the family being written (the common line: Envoy and client libraries
 //! write a family's samples after its `# TYPE`) is recognised by its name, the end of its label
-//! set and then its newline found eight bytes at a time ([`labels_end`], [`value_end`]: these
-//! scans also leave the line to the general path at a control character, CR or non-ASCII
-//! byte), its series key hashed, and the line kept **without copying it**: kept lines are
+//! set and then its newline found sixteen bytes at a time with SSE2 on x86-64, eight (SWAR)
+//! elsewhere ([`labels_end`], [`value_end`]: these scans also leave the line to the general
+//! path at a control character, CR or non-ASCII byte), its series key hashed, and the line
+//! kept **without copying it**: kept lines are
 //! handed on as slices of the chunk they came in (`Bytes::slice`), consecutive ones as one
 //! slice. Every other line (`# HELP`/`# TYPE`, a new family, escaped label values, CRLF,
 //! UTF-8, control characters) takes the general path, [`SourceFilter::line`], which decides
@@ -110,116 +111,267 @@ pub(crate) fn hash(bytes: &[u8]) -> u64 {
     fold(h ^ K2, K1)
 }
 
-const LO: u64 = 0x0101_0101_0101_0101;
-const HI: u64 = LO * 0x80;
-const LOW7: u64 = LO * 0x7f;
+/// The scans eight bytes at a time (SWAR): what runs where SSE2 is not part of the target, and
+/// what the tests hold the SSE2 scans to.
+#[cfg_attr(
+    all(target_arch = "x86_64", target_feature = "sse2", not(test)),
+    allow(dead_code, reason = "only the tests use these where SSE2 is there")
+)]
+mod swar {
+    use super::special_byte;
 
-/// The high bit of every byte of `x` that keeps a line off the fast path: control characters
-/// (tab, newline and CR included), DEL, and every byte of a multi-byte UTF-8 sequence (the
-/// general path validates those). Exact.
-#[inline(always)]
-fn special(x: u64) -> u64 {
-    let t = x & LOW7;
-    // Per byte, no carries: `t + 0x60` has its high bit unless t < 0x20, `t + 1` only for 0x7f.
-    (!t.wrapping_add(LO * 0x60) | t.wrapping_add(LO) | x) & HI
+    pub(super) const LO: u64 = 0x0101_0101_0101_0101;
+    pub(super) const HI: u64 = LO * 0x80;
+    pub(super) const LOW7: u64 = LO * 0x7f;
+
+    /// The high bit of every byte of `x` that keeps a line off the fast path: control characters
+    /// (tab, newline and CR included), DEL, and every byte of a multi-byte UTF-8 sequence (the
+    /// general path validates those). Exact.
+    #[inline(always)]
+    pub(super) fn special(x: u64) -> u64 {
+        let t = x & LOW7;
+        // Per byte, no carries: `t + 0x60` has its high bit unless t < 0x20, `t + 1` only for 0x7f.
+        (!t.wrapping_add(LO * 0x60) | t.wrapping_add(LO) | x) & HI
+    }
+
+    /// The high bit of every byte of `x` equal to `c` (ASCII), exact below the first byte with its
+    /// high bit set (which [`special`] reports; carries only run from such a byte upwards).
+    #[inline(always)]
+    pub(super) fn ascii_eq(x: u64, c: u8) -> u64 {
+        !(x ^ (LO * u64::from(c))).wrapping_add(LOW7) & HI
+    }
+
+    /// Where the label set at the start of `labels` (`{…`) ends, when that is certain without
+    /// parsing it: the first `}` after an even number of quotes and no backslash is outside every
+    /// label value (the `}` [`series_key`] finds). `None`: no `}` before the line's end, escapes or
+    /// a quoted `}` to parse, or a [`special`] byte before it. `labels` may run on past the line:
+    /// nothing after the first `}` or newline is looked at. Eight bytes at a time.
+    #[inline(always)]
+    pub(super) fn labels_end_swar(labels: &[u8]) -> Option<usize> {
+        let (words, rest) = labels.as_chunks::<8>();
+        // Quote masks XORed together: the parity of their bit count is the quotes' parity.
+        let mut quotes = 0u64;
+        let mut i = 0;
+        while i < words.len() {
+            let x = u64::from_le_bytes(words[i]);
+            let stop = special(x) | ascii_eq(x, b'\\');
+            let any = stop | ascii_eq(x, b'}');
+            if any != 0 {
+                // The first `}`, backslash or special byte decides; every byte before it is plain.
+                let first = any & any.wrapping_neg();
+                let before = first - 1;
+                if first & stop != 0
+                    || (quotes ^ (ascii_eq(x, b'"') & before)).count_ones() & 1 != 0
+                {
+                    return None;
+                }
+                return Some(i * 8 + (first.trailing_zeros() / 8) as usize);
+            }
+            quotes ^= ascii_eq(x, b'"');
+            i += 1;
+        }
+        let mut odd = quotes.count_ones() & 1 != 0;
+        let mut j = 0;
+        while j < rest.len() {
+            match rest[j] {
+                b'}' => return (!odd).then_some(words.len() * 8 + j),
+                b'"' => odd = !odd,
+                b'\\' => return None,
+                b if special_byte(b) => return None,
+                _ => {}
+            }
+            j += 1;
+        }
+        None
+    }
+
+    /// `line.starts_with(prefix)` eight bytes at a time, inline (the size-optimised build calls
+    /// `bcmp` for it, once per line).
+    #[inline(always)]
+    pub(super) fn starts_with(line: &[u8], prefix: &[u8]) -> bool {
+        let Some(head) = line.get(..prefix.len()) else {
+            return false;
+        };
+        let (a, a_rest) = head.as_chunks::<8>();
+        let (b, b_rest) = prefix.as_chunks::<8>();
+        let mut i = 0;
+        while i < a.len() && i < b.len() {
+            if a[i] != b[i] {
+                return false;
+            }
+            i += 1;
+        }
+        a_rest == b_rest
+    }
+
+    /// Where the newline ending the line at the start of `rest` is, when no [`special`] byte comes
+    /// before it (a value and timestamp: a few words). Eight bytes at a time.
+    #[inline(always)]
+    pub(super) fn value_end_swar(rest: &[u8]) -> Option<usize> {
+        let (words, tail) = rest.as_chunks::<8>();
+        let mut i = 0;
+        while i < words.len() {
+            let s = special(u64::from_le_bytes(words[i]));
+            if s != 0 {
+                let at = (s.trailing_zeros() / 8) as usize;
+                return (words[i][at] == b'\n').then_some(i * 8 + at);
+            }
+            i += 1;
+        }
+        let mut j = 0;
+        while j < tail.len() {
+            if special_byte(tail[j]) {
+                return (tail[j] == b'\n').then_some(words.len() * 8 + j);
+            }
+            j += 1;
+        }
+        None
+    }
 }
 
-/// [`special`] for one byte.
+use swar::starts_with;
+#[cfg(any(test, not(all(target_arch = "x86_64", target_feature = "sse2"))))]
+use swar::{labels_end_swar, value_end_swar};
+
+/// [`swar::special`] for one byte.
 #[inline(always)]
 fn special_byte(b: u8) -> bool {
     !(0x20..0x7f).contains(&b)
 }
 
-/// The high bit of every byte of `x` equal to `c` (ASCII), exact below the first byte with its
-/// high bit set (which [`special`] reports; carries only run from such a byte upwards).
-#[inline(always)]
-fn ascii_eq(x: u64, c: u8) -> u64 {
-    !(x ^ (LO * u64::from(c))).wrapping_add(LOW7) & HI
-}
-
-/// Where the label set at the start of `labels` (`{…`) ends, when that is certain without
-/// parsing it: the first `}` after an even number of quotes and no backslash is outside every
-/// label value (the `}` [`series_key`] finds). `None`: no `}` before the line's end, escapes or
-/// a quoted `}` to parse, or a [`special`] byte before it. `labels` may run on past the line:
-/// nothing after the first `}` or newline is looked at. Eight bytes at a time.
+/// [`swar::labels_end_swar`]'s answer, sixteen bytes at a time where SSE2 is part of the target
+/// (every x86-64): the label set is most of a sample line, and its scan most of the filter's
+/// time (docs/benchmarks-log.md).
 #[inline(always)]
 fn labels_end(labels: &[u8]) -> Option<usize> {
-    let (words, rest) = labels.as_chunks::<8>();
-    // Quote masks XORed together: the parity of their bit count is the quotes' parity.
-    let mut quotes = 0u64;
-    let mut i = 0;
-    while i < words.len() {
-        let x = u64::from_le_bytes(words[i]);
-        let stop = special(x) | ascii_eq(x, b'\\');
-        let any = stop | ascii_eq(x, b'}');
-        if any != 0 {
-            // The first `}`, backslash or special byte decides; every byte before it is plain.
-            let first = any & any.wrapping_neg();
-            let before = first - 1;
-            if first & stop != 0 || (quotes ^ (ascii_eq(x, b'"') & before)).count_ones() & 1 != 0 {
-                return None;
-            }
-            return Some(i * 8 + (first.trailing_zeros() / 8) as usize);
-        }
-        quotes ^= ascii_eq(x, b'"');
-        i += 1;
-    }
-    let mut odd = quotes.count_ones() & 1 != 0;
-    let mut j = 0;
-    while j < rest.len() {
-        match rest[j] {
-            b'}' => return (!odd).then_some(words.len() * 8 + j),
-            b'"' => odd = !odd,
-            b'\\' => return None,
-            b if special_byte(b) => return None,
-            _ => {}
-        }
-        j += 1;
-    }
-    None
+    #[cfg(all(target_arch = "x86_64", target_feature = "sse2"))]
+    return sse2_scan(labels, true);
+    #[cfg(not(all(target_arch = "x86_64", target_feature = "sse2")))]
+    return labels_end_swar(labels);
 }
 
-/// `line.starts_with(prefix)` eight bytes at a time, inline (the size-optimised build calls
-/// `bcmp` for it, once per line).
-#[inline(always)]
-fn starts_with(line: &[u8], prefix: &[u8]) -> bool {
-    let Some(head) = line.get(..prefix.len()) else {
-        return false;
-    };
-    let (a, a_rest) = head.as_chunks::<8>();
-    let (b, b_rest) = prefix.as_chunks::<8>();
-    let mut i = 0;
-    while i < a.len() && i < b.len() {
-        if a[i] != b[i] {
-            return false;
-        }
-        i += 1;
-    }
-    a_rest == b_rest
-}
-
-/// Where the newline ending the line at the start of `rest` is, when no [`special`] byte comes
-/// before it (a value and timestamp: a few words). Eight bytes at a time.
+/// [`swar::value_end_swar`]'s answer, sixteen bytes at a time where SSE2 is part of the target.
 #[inline(always)]
 fn value_end(rest: &[u8]) -> Option<usize> {
-    let (words, tail) = rest.as_chunks::<8>();
-    let mut i = 0;
-    while i < words.len() {
-        let s = special(u64::from_le_bytes(words[i]));
-        if s != 0 {
-            let at = (s.trailing_zeros() / 8) as usize;
-            return (words[i][at] == b'\n').then_some(i * 8 + at);
+    #[cfg(all(target_arch = "x86_64", target_feature = "sse2"))]
+    return sse2_scan(rest, false);
+    #[cfg(not(all(target_arch = "x86_64", target_feature = "sse2")))]
+    return value_end_swar(rest);
+}
+
+/// [`sse2::labels_end`] (`labels`) or [`sse2::value_end`].
+#[cfg(all(target_arch = "x86_64", target_feature = "sse2"))]
+#[allow(unsafe_code)]
+#[inline(always)]
+fn sse2_scan(bytes: &[u8], labels: bool) -> Option<usize> {
+    // SAFETY: both are safe functions whose only requirement is the `sse2` target feature
+    // (`#[target_feature]` makes the call unsafe outside functions that name it), and this
+    // code is only compiled when the build enables `sse2` for every function (the cfg
+    // above; the x86-64 baseline), so the CPU running it has SSE2.
+    unsafe {
+        if labels {
+            sse2::labels_end(bytes)
+        } else {
+            sse2::value_end(bytes)
         }
-        i += 1;
     }
-    let mut j = 0;
-    while j < tail.len() {
-        if special_byte(tail[j]) {
-            return (tail[j] == b'\n').then_some(words.len() * 8 + j);
+}
+
+/// The SWAR scans' decisions with 16-byte compares (the intrinsics take no pointers: a block
+/// is loaded as two words, `_mm_set_epi64x`, which compiles to one unaligned load).
+#[cfg(all(target_arch = "x86_64", target_feature = "sse2"))]
+mod sse2 {
+    use std::arch::x86_64::{
+        __m128i, _mm_cmpeq_epi8, _mm_cmplt_epi8, _mm_movemask_epi8, _mm_or_si128, _mm_set_epi64x,
+        _mm_set1_epi8,
+    };
+
+    use super::special_byte;
+
+    #[target_feature(enable = "sse2")]
+    #[inline]
+    fn load(block: &[u8; 16]) -> __m128i {
+        let (w, _) = block.as_chunks::<8>();
+        _mm_set_epi64x(i64::from_le_bytes(w[1]), i64::from_le_bytes(w[0]))
+    }
+
+    /// Bit `i` set for every byte `i` of `v` that [`special_byte`] reports: below 0x20 or at
+    /// or above 0x80 (negative as a signed byte), or DEL.
+    #[target_feature(enable = "sse2")]
+    #[inline]
+    fn special(v: __m128i) -> u32 {
+        let low = _mm_cmplt_epi8(v, _mm_set1_epi8(0x20));
+        let del = _mm_cmpeq_epi8(v, _mm_set1_epi8(0x7f));
+        _mm_movemask_epi8(_mm_or_si128(low, del)) as u32
+    }
+
+    #[target_feature(enable = "sse2")]
+    #[inline]
+    fn eq(v: __m128i, c: u8) -> __m128i {
+        _mm_cmpeq_epi8(v, _mm_set1_epi8(c as i8))
+    }
+
+    /// [`super::swar::labels_end_swar`].
+    #[target_feature(enable = "sse2")]
+    #[inline]
+    pub(super) fn labels_end(labels: &[u8]) -> Option<usize> {
+        let (blocks, rest) = labels.as_chunks::<16>();
+        // Quote masks XORed together: the parity of their bit count is the quotes' parity.
+        let mut quotes = 0u32;
+        let mut i = 0;
+        while i < blocks.len() {
+            let v = load(&blocks[i]);
+            let stop = special(v) | _mm_movemask_epi8(eq(v, b'\\')) as u32;
+            let any = stop | _mm_movemask_epi8(eq(v, b'}')) as u32;
+            let q = _mm_movemask_epi8(eq(v, b'"')) as u32;
+            if any != 0 {
+                let first = any & any.wrapping_neg();
+                if first & stop != 0 || (quotes ^ (q & (first - 1))).count_ones() & 1 != 0 {
+                    return None;
+                }
+                return Some(i * 16 + first.trailing_zeros() as usize);
+            }
+            quotes ^= q;
+            i += 1;
         }
-        j += 1;
+        let mut odd = quotes.count_ones() & 1 != 0;
+        let mut j = 0;
+        while j < rest.len() {
+            match rest[j] {
+                b'}' => return (!odd).then_some(blocks.len() * 16 + j),
+                b'"' => odd = !odd,
+                b'\\' => return None,
+                b if special_byte(b) => return None,
+                _ => {}
+            }
+            j += 1;
+        }
+        None
     }
-    None
+
+    /// [`super::swar::value_end_swar`].
+    #[target_feature(enable = "sse2")]
+    #[inline]
+    pub(super) fn value_end(rest: &[u8]) -> Option<usize> {
+        let (blocks, tail) = rest.as_chunks::<16>();
+        let mut i = 0;
+        while i < blocks.len() {
+            let s = special(load(&blocks[i]));
+            if s != 0 {
+                let at = s.trailing_zeros() as usize;
+                return (blocks[i][at] == b'\n').then_some(i * 16 + at);
+            }
+            i += 1;
+        }
+        let mut j = 0;
+        while j < tail.len() {
+            if special_byte(tail[j]) {
+                return (tail[j] == b'\n').then_some(blocks.len() * 16 + j);
+            }
+            j += 1;
+        }
+        None
+    }
 }
 
 /// Family hashes of one scrape: a list of tables, each filled to its capacity and never
@@ -607,7 +759,7 @@ impl SourceFilter {
     }
 
     /// [`SourceFilter::line`] for a sample of the family being written whose bytes are all
-    /// plain (no [`special`] byte): the same decision without validating or parsing the line
+    /// plain (no [`swar::special`] byte): the same decision without validating or parsing the line
     /// further, and the line kept as a slice of `chunk`. Returns where its newline is; `None`
     /// when the line needs the general path (another family, no labels' end found, escapes in
     /// label values, a name ending the line, CR, control or non-ASCII bytes).
@@ -1108,13 +1260,57 @@ mod tests {
     }
 
     #[test]
+    fn sixteen_byte_scans_answer_as_the_eight_byte_ones() {
+        // `labels_end`/`value_end` (SSE2 on x86-64) against the SWAR scans they replace, on
+        // every suffix of lines built from the bytes that decide: quotes, backslashes, braces,
+        // newlines, CR, tab, DEL, control and non-ASCII bytes, at every offset in a block.
+        let alphabet: &[u8] = b"a\"\\}{ \n\t\r\x7f\xc3\xbd\x01=,1";
+        let mut state = 0x9e37_79b9_7f4a_7c15_u64;
+        let mut next = |n: usize| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            (state % n as u64) as usize
+        };
+        let mut lines: Vec<Vec<u8>> = Vec::new();
+        for len in 0..80 {
+            for _ in 0..40 {
+                // Mostly plain bytes, so the deciding byte falls anywhere in a long line.
+                let line = (0..len)
+                    .map(|_| match next(6) {
+                        0 => alphabet[next(alphabet.len())],
+                        _ => b'a' + next(26) as u8,
+                    })
+                    .collect();
+                lines.push(line);
+            }
+        }
+        // One deciding byte of every value at every position of a 40-byte label set.
+        for at in 0..40 {
+            for b in 0..=255u8 {
+                let mut line =
+                    b"{a=\"xxxxxxxxxxxx\",bb=\"yyyyyyyyyyyyyyy\"} 12 1700000000\n".to_vec();
+                line[at] = b;
+                lines.push(line);
+            }
+        }
+        for line in &lines {
+            for from in 0..line.len().min(20) {
+                let rest = &line[from..];
+                assert_eq!(labels_end(rest), labels_end_swar(rest), "{rest:?}");
+                assert_eq!(value_end(rest), value_end_swar(rest), "{rest:?}");
+            }
+        }
+    }
+
+    #[test]
     fn plain_bytes_are_told_apart_exactly() {
         // Every byte value in every position of a word, against the byte rule.
         for b in 0..=255u8 {
             for at in 0..8 {
                 let mut w = [b'a'; 8];
                 w[at] = b;
-                let mask = special(u64::from_le_bytes(w));
+                let mask = swar::special(u64::from_le_bytes(w));
                 let want = if special_byte(b) {
                     0x80u64 << (at * 8)
                 } else {
