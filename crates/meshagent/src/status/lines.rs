@@ -118,7 +118,7 @@ pub(crate) fn hash(bytes: &[u8]) -> u64 {
     allow(dead_code, reason = "only the tests use these where SSE2 is there")
 )]
 mod swar {
-    use super::special_byte;
+    use super::{labels_tail, value_tail};
 
     pub(super) const LO: u64 = 0x0101_0101_0101_0101;
     pub(super) const HI: u64 = LO * 0x80;
@@ -170,19 +170,7 @@ mod swar {
             quotes ^= ascii_eq(x, b'"');
             i += 1;
         }
-        let mut odd = quotes.count_ones() & 1 != 0;
-        let mut j = 0;
-        while j < rest.len() {
-            match rest[j] {
-                b'}' => return (!odd).then_some(words.len() * 8 + j),
-                b'"' => odd = !odd,
-                b'\\' => return None,
-                b if special_byte(b) => return None,
-                _ => {}
-            }
-            j += 1;
-        }
-        None
+        labels_tail(rest, quotes.count_ones() & 1 != 0, words.len() * 8)
     }
 
     /// `line.starts_with(prefix)` eight bytes at a time, inline (the size-optimised build calls
@@ -218,14 +206,7 @@ mod swar {
             }
             i += 1;
         }
-        let mut j = 0;
-        while j < tail.len() {
-            if special_byte(tail[j]) {
-                return (tail[j] == b'\n').then_some(words.len() * 8 + j);
-            }
-            j += 1;
-        }
-        None
+        value_tail(tail, words.len() * 8)
     }
 }
 
@@ -237,6 +218,37 @@ use swar::{labels_end_swar, value_end_swar};
 #[inline(always)]
 fn special_byte(b: u8) -> bool {
     !(0x20..0x7f).contains(&b)
+}
+
+/// The last bytes of a label set, after the whole words or blocks the scans compare at once:
+/// `odd` is the parity of the quotes before them, `base` their offset in the label set.
+#[inline(always)]
+fn labels_tail(rest: &[u8], mut odd: bool, base: usize) -> Option<usize> {
+    let mut j = 0;
+    while j < rest.len() {
+        match rest[j] {
+            b'}' => return (!odd).then_some(base + j),
+            b'"' => odd = !odd,
+            b'\\' => return None,
+            b if special_byte(b) => return None,
+            _ => {}
+        }
+        j += 1;
+    }
+    None
+}
+
+/// The last bytes of a value, after the whole words or blocks: `base` is their offset.
+#[inline(always)]
+fn value_tail(tail: &[u8], base: usize) -> Option<usize> {
+    let mut j = 0;
+    while j < tail.len() {
+        if special_byte(tail[j]) {
+            return (tail[j] == b'\n').then_some(base + j);
+        }
+        j += 1;
+    }
+    None
 }
 
 /// [`swar::labels_end_swar`]'s answer, sixteen bytes at a time where SSE2 is part of the target
@@ -286,7 +298,7 @@ mod sse2 {
         _mm_set1_epi8,
     };
 
-    use super::special_byte;
+    use super::{labels_tail, value_tail};
 
     #[target_feature(enable = "sse2")]
     #[inline]
@@ -334,19 +346,7 @@ mod sse2 {
             quotes ^= q;
             i += 1;
         }
-        let mut odd = quotes.count_ones() & 1 != 0;
-        let mut j = 0;
-        while j < rest.len() {
-            match rest[j] {
-                b'}' => return (!odd).then_some(blocks.len() * 16 + j),
-                b'"' => odd = !odd,
-                b'\\' => return None,
-                b if special_byte(b) => return None,
-                _ => {}
-            }
-            j += 1;
-        }
-        None
+        labels_tail(rest, quotes.count_ones() & 1 != 0, blocks.len() * 16)
     }
 
     /// [`super::swar::value_end_swar`].
@@ -363,14 +363,7 @@ mod sse2 {
             }
             i += 1;
         }
-        let mut j = 0;
-        while j < tail.len() {
-            if special_byte(tail[j]) {
-                return (tail[j] == b'\n').then_some(blocks.len() * 16 + j);
-            }
-            j += 1;
-        }
-        None
+        value_tail(tail, blocks.len() * 16)
     }
 }
 
