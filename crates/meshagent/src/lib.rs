@@ -27,6 +27,7 @@ pub mod logging;
 pub mod malloc;
 pub mod metrics;
 pub mod net;
+pub mod nss;
 pub mod platform;
 pub mod preflight;
 pub mod reference;

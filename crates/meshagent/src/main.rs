@@ -9,6 +9,9 @@ use meshagent::{config, logging};
 fn main() -> ExitCode {
     // Before any thread exists (mallopt settings are process-wide).
     meshagent::malloc::configure();
+    // Before the first name lookup: a static agent uses glibc's built-in name services only,
+    // as pilot-agent's Go code does (nss.rs says why).
+    meshagent::nss::pin_builtin_sources();
     // `istio-iptables` has its own pflag-style flags (short letters, env bindings); it is
     // dispatched before the agent's command line is parsed.
     let argv: Vec<String> = std::env::args_os()
