@@ -48,7 +48,8 @@ done
 # The dynamic loader itself, at the path in every binary's PT_INTERP.
 mkdir -p "$root/lib64"
 cp -L /lib64/ld-linux-x86-64.so.2 "$root/lib64/"
-# Name service: files only (getpwnam for ENVOY_USER, getaddrinfo for istiod).
+# Name service for the dynamically linked binaries (iptables' owner names through getpwnam). The
+# agent is static: its glibc has files and dns built in and loads no module (src/nss.rs).
 for lib in libnss_files.so.2 libnss_dns.so.2 libresolv.so.2; do
   src=$(readlink -f "/lib/x86_64-linux-gnu/$lib" 2>/dev/null || true)
   [ -n "$src" ] && [ -e "$src" ] && cp -L "$src" "$root/lib/x86_64-linux-gnu/$lib" 2>/dev/null || true
