@@ -46,10 +46,10 @@ pub fn hosts_sources(nsswitch: &str) -> String {
 
 /// Pins `hosts`, `passwd` and `group` to glibc's built-in sources when the process has no
 /// dynamic loader (a static link); otherwise does nothing. Call it first in `main`, before any
-/// thread or lookup. Returns the `hosts` sources it set.
-pub fn pin_builtin_sources() -> Option<String> {
+/// thread or lookup.
+pub fn pin_builtin_sources() {
     if !imp::is_static() {
-        return None;
+        return;
     }
     let text = crate::fsio::read_bounded(Path::new(NSSWITCH), MAX_NSSWITCH)
         .map(|b| String::from_utf8_lossy(&b).into_owned())
@@ -65,7 +65,6 @@ pub fn pin_builtin_sources() -> Option<String> {
             eprintln!("meshagent: could not set the {db} name service to \"{sources}\"");
         }
     }
-    Some(hosts)
 }
 
 #[cfg(all(target_os = "linux", target_env = "gnu"))]

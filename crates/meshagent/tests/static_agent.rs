@@ -62,11 +62,13 @@ struct Run {
 fn run_hostile(dir: &Path, args: &[&str], env: &[(&str, &str)]) -> Run {
     let conf = dir.join("nsswitch.conf");
     std::fs::write(&conf, HOSTILE_NSSWITCH).unwrap();
+    // Its real path: what /proc/<pid>/exe reads once the agent runs.
+    let agent = std::fs::canonicalize(agent()).unwrap();
     let mut cmd = Command::new("unshare");
     cmd.args(["--mount", "--propagation", "private", "sh", "-c"])
         .arg(r#"mount --bind "$0" /etc/nsswitch.conf && exec "$@""#)
         .arg(&conf)
-        .arg(agent())
+        .arg(&agent)
         .args(args)
         .env_clear()
         .env("PATH", "/usr/sbin:/usr/bin:/sbin:/bin")
@@ -79,7 +81,6 @@ fn run_hostile(dir: &Path, args: &[&str], env: &[(&str, &str)]) -> Run {
     let mut child = cmd.spawn().unwrap();
     let maps = format!("/proc/{}/maps", child.id());
     let exe = format!("/proc/{}/exe", child.id());
-    let agent = std::fs::canonicalize(agent()).unwrap();
     let mut shared_objects = Vec::new();
     while child.try_wait().unwrap().is_none() {
         // Only once the agent runs: `unshare` and `sh` before it map their own libc.
