@@ -67,13 +67,14 @@ agent:
 	@ls -l $(AGENT_BIN)
 
 # Regenerates ORDER_FILE: the shipped agent, unstripped, runs the pod scenarios of
-# crates/meshagent/examples/order_profile.rs under callgrind (every executed function is
-# recorded), and link/orderfile.py lists those functions. Run it after changes that move a lot
+# crates/meshagent/examples/order_profile.rs (sidecars against istiod-box and devplane,
+# proxyless, istio-iptables) under callgrind (every executed function is recorded), and
+# link/orderfile.py lists those functions. Run it after changes that move a lot
 # of code onto or off the pod's paths, then `make agent`. Needs valgrind (Debian). callgrind
 # writes a new part of a profile when the agent releases its code pages (code_pages.rs), so the
 # order file can put start-up's first part apart from what runs after it.
 PROFILE_DIR := $(CURDIR)/target/orderfile
-orderfile: envoy
+orderfile: envoy istiod-box
 	@command -v valgrind >/dev/null || { apt-get update -qq && apt-get install -y -qq valgrind; }
 	cargo rustc --release -p meshagent --bin meshagent -- $(AGENT_LINK) -C strip=none
 	rm -rf $(PROFILE_DIR) && mkdir -p $(PROFILE_DIR)/cg

@@ -9,7 +9,11 @@
 //! (CSR, SDS, the xDS proxy, Envoy's lifecycle, readiness), Prometheus scrapes of the merged
 //! metrics, kubelet's readiness probe through Envoy, a certificate rotation, DNS answers from
 //! the name table and forwarded ones, the proxyless gRPC mode (DISABLE_ENVOY, OUTPUT_CERTS, the
-//! gRPC bootstrap), the `istio-iptables` init container, and a drain on SIGTERM.
+//! gRPC bootstrap), the `istio-iptables` init container, and a drain on SIGTERM. The sidecars
+//! start against devplane and against istiod-box (Istio's own config generation, CA and TLS
+//! stack): a pod's agent talks to the real istiod, whose TLS handshake, token exchange and
+//! generated config run code paths devplane's do not, and code a profile misses is laid out
+//! among the code that never runs, one 64 KiB window per function at the start-up peak.
 //!
 //! Run: `make orderfile` (not part of `make test`: it takes minutes under callgrind).
 #![allow(
@@ -22,6 +26,9 @@ use std::net::{Ipv4Addr, SocketAddr, UdpSocket};
 use std::process::Command;
 use std::time::Duration;
 
+use meshagent_testkit::istiod_box::{
+    AgentKind, IstiodBox, PodSpec, mesh_with_free_ports, start_agent, workload_a,
+};
 use meshagent_testkit::{Devplane, Sidecar, free_port, http_get, json, two_workload_mesh};
 
 /// Generous: every agent runs under callgrind, 20–50× slower than native.
@@ -110,9 +117,33 @@ async fn sidecar(dp: &Devplane, name: &str, env: &[(&str, String)]) {
     stop(s).await;
 }
 
+/// A sidecar of pod `a` against istiod-box, as the side-by-side benchmark starts it: ready,
+/// two scrapes of the merged metrics, then a drain.
+async fn sidecar_istiod_box(istiod: &IstiodBox, name: &str, env: &[(&str, &str)]) {
+    println!("scenario: sidecar against istiod-box, {name}");
+    let pod = PodSpec {
+        env,
+        proxy_config: json!({}),
+        ..PodSpec::new("a", "127.0.0.1")
+    };
+    let mut s = start_agent(istiod, AgentKind::Meshagent, &pod).await;
+    s.wait_ready(READY).await;
+    println!("  ready, VmRSS {}", rss(&s));
+    for _ in 0..2 {
+        let (code, body) = http_get(s.status, "/stats/prometheus").await.unwrap();
+        println!("  scrape: {code}, {} bytes", body.len());
+    }
+    stop(s).await;
+}
+
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() {
     let bin = agent_bin();
+    {
+        let istiod = IstiodBox::start_with(&workload_a(), Some(&mesh_with_free_ports()), &[]).await;
+        sidecar_istiod_box(&istiod, "RSA", &[]).await;
+        sidecar_istiod_box(&istiod, "ECDSA", &[("ECC_SIGNATURE_ALGORITHM", "ECDSA")]).await;
+    }
     let (mesh, _, _, _) = two_workload_mesh();
     let dp = Devplane::start(&mesh).await;
 

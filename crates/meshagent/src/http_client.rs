@@ -23,6 +23,13 @@ use tokio::time::Instant;
 use crate::net::{self, BodyError, ConnectError, Connector, SendError, connect::Plain};
 
 /// What went wrong, without the request it belongs to (see [`HttpError`]).
+/// HTTP/1 read buffer of this client (`net::send_buffered`): its callers read bodies whole
+/// from loopback peers (Envoy's admin, the application), where a 124 KB `/server_info` grew
+/// hyper's default buffer to 256 KiB beside the body being collected.
+const READ_BUFFER: usize = 32 * 1024;
+/// Largest body buffer allocated up front from a Content-Length.
+const PRESIZE_MAX: usize = 1024 * 1024;
+
 #[derive(Debug, thiserror::Error)]
 pub enum HttpErrorKind {
     #[error("invalid request: {0}")]
@@ -118,18 +125,24 @@ pub async fn send(call: &Call<'_>) -> Result<Response, HttpError> {
         .header(header::USER_AGENT, HeaderValue::from_static("meshagent"))
         .body(Full::new(call.body.clone()))
         .map_err(|e| call.error(HttpErrorKind::Request(e.to_string())))?;
-    let resp = net::send(Connector::new(Plain), req, deadline, deadline)
-        .await
-        .map_err(|e| {
-            call.error(match e {
-                SendError::Timeout => HttpErrorKind::Timeout(timeout),
-                SendError::Connect(ConnectError::Connect { source, .. }) => {
-                    HttpErrorKind::Connect(source)
-                }
-                SendError::Connect(c) => HttpErrorKind::Connect(std::io::Error::other(c)),
-                SendError::Exchange(reason) => HttpErrorKind::Exchange(reason),
-            })
-        })?;
+    let resp = net::send_buffered(
+        Connector::new(Plain),
+        req,
+        deadline,
+        deadline,
+        Some(READ_BUFFER),
+    )
+    .await
+    .map_err(|e| {
+        call.error(match e {
+            SendError::Timeout => HttpErrorKind::Timeout(timeout),
+            SendError::Connect(ConnectError::Connect { source, .. }) => {
+                HttpErrorKind::Connect(source)
+            }
+            SendError::Connect(c) => HttpErrorKind::Connect(std::io::Error::other(c)),
+            SendError::Exchange(reason) => HttpErrorKind::Exchange(reason),
+        })
+    })?;
     let (parts, body) = resp.into_parts();
     Ok(Response {
         status: parts.status,
@@ -146,7 +159,13 @@ pub async fn send(call: &Call<'_>) -> Result<Response, HttpError> {
 impl Response {
     /// The whole body, failing with [`HttpErrorKind::TooLarge`] if it is longer than `cap`.
     pub async fn bytes(mut self, cap: usize) -> Result<Bytes, HttpError> {
-        let mut out = BytesMut::new();
+        // Sized once from Content-Length when the peer sent one (bounded: a peer can claim
+        // any length), instead of doubling: each doubling holds the old and the new copy.
+        let hint = hyper::body::Body::size_hint(&self.body)
+            .exact()
+            .unwrap_or(0);
+        let mut out =
+            BytesMut::with_capacity(usize::try_from(hint).unwrap_or(0).min(cap).min(PRESIZE_MAX));
         while let Some(data) = self.next_data(out.len() as u64).await? {
             if out.len() + data.len() > cap {
                 return Err(self.fail(HttpErrorKind::TooLarge { cap }));

@@ -77,10 +77,26 @@ pub async fn send<D: connect::Dial>(
     head_by: Instant,
     conn_until: Instant,
 ) -> Result<Response<Incoming>, SendError> {
-    let client: Client<Connector<D>, Full<Bytes>> =
-        Client::builder(UntilDeadline(conn_until.max(head_by)))
-            .pool_max_idle_per_host(0)
-            .build(connector);
+    send_buffered(connector, req, head_by, conn_until, None).await
+}
+
+/// [`send`] with HTTP/1's read buffer held to `max_read_buffer` bytes (at least 8 KiB):
+/// hyper's own grows by doubling up to ~400 KiB while a large body streams in (reallocated,
+/// so twice that for a moment), which for a body read whole lands beside the copy the caller
+/// keeps. Small buffers cost only more reads, which a loopback peer answers at once.
+pub async fn send_buffered<D: connect::Dial>(
+    connector: Connector<D>,
+    req: Request<Full<Bytes>>,
+    head_by: Instant,
+    conn_until: Instant,
+    max_read_buffer: Option<usize>,
+) -> Result<Response<Incoming>, SendError> {
+    let mut builder = Client::builder(UntilDeadline(conn_until.max(head_by)));
+    builder.pool_max_idle_per_host(0);
+    if let Some(max) = max_read_buffer {
+        builder.http1_max_buf_size(max.max(8 * 1024));
+    }
+    let client: Client<Connector<D>, Full<Bytes>> = builder.build(connector);
     match tokio::time::timeout_at(head_by, client.request(req)).await {
         Err(_) => Err(SendError::Timeout),
         Ok(Ok(r)) => Ok(r),

@@ -146,17 +146,21 @@ fn part(dir: &Path, file: &str, part: u32, fns: &[&str]) {
     std::fs::write(dir.join(file), text).unwrap();
 }
 
-/// `link/orderfile.py` lays the functions out by the phases of the agent they ran in, from
-/// the parts callgrind dumps at each code-page release (part 1 start-up's first phase, part
-/// 2 its second, later parts the steady state; the last part is the file without a
-/// number): first phase only, first and second, second only, second and steady, steady
-/// only; functions no profile saw are not listed.
+/// `link/orderfile.py` lays the functions out by the phases of the sidecar agent they ran in,
+/// from the parts callgrind dumps at each code-page release (part 1 start-up's first phase,
+/// part 2 its second, later parts the steady state; the last part is the file without a
+/// number): first and steady, first only, first and second, all three, second and steady,
+/// second only, steady only. The code only other processes ran (a proxyless agent, whose
+/// profile has fewer parts, or `istio-iptables`, one) follows, and what they ran does not
+/// move a function the sidecar runs; callgrind's `(below main)` is `_start`; functions no
+/// profile saw are not listed.
 #[test]
 fn the_order_file_is_laid_out_by_phase() {
     let dir = tempfile::tempdir().unwrap();
     let src = "int first(void){return 1;}\nint both(void){return 2;}\n\
                int second(void){return 3;}\nint stays(void){return 4;}\n\
                int idle(void){return 5;}\nint never(void){return 6;}\n\
+               int init(void){return 7;}\n\
                int main(void){return 0;}\n";
     std::fs::write(dir.path().join("p.c"), src).unwrap();
     let out = Command::new("cc")
@@ -175,6 +179,8 @@ fn the_order_file_is_laid_out_by_phase() {
     part(&cg, "cg.100", 3, &["stays", "idle", "main"]);
     part(&cg, "cg.100.1", 1, &["main", "first", "both"]);
     part(&cg, "cg.100.2", 2, &["both", "second", "stays", "main"]);
+    // istio-iptables: one part, its whole run; `second` runs there at its start.
+    part(&cg, "cg.200", 1, &["second", "init", "(below main)"]);
     let order = dir.path().join("agent.order");
     let out = Command::new("python3")
         .arg(workspace_root().join("crates/meshagent/link/orderfile.py"))
@@ -190,7 +196,9 @@ fn the_order_file_is_laid_out_by_phase() {
     let names: Vec<&str> = names.lines().collect();
     assert_eq!(
         names,
-        ["first", "both", "second", "main", "stays", "idle"],
+        [
+            "first", "both", "main", "stays", "second", "idle", "_start", "init"
+        ],
         "{}",
         String::from_utf8_lossy(&out.stdout)
     );

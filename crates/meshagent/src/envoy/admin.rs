@@ -31,6 +31,18 @@ pub async fn request(
     request_with_body(method, addr, path, "", timeout).await
 }
 
+/// A `GET` whose body is parsed as bytes (no copy into a `String`).
+pub async fn get_bytes(
+    addr: SocketAddr,
+    path: &str,
+    timeout: Duration,
+) -> Result<(u16, Bytes), AdminError> {
+    let call = Call::new(Method::GET, addr, path, timeout);
+    let resp = http_client::send(&call).await?;
+    let status = resp.status;
+    Ok((status.as_u16(), resp.bytes(MAX_BODY).await?))
+}
+
 /// [`request`] with a request body.
 pub async fn request_with_body(
     method: &'static str,
