@@ -22,7 +22,6 @@ use tokio::time::Instant;
 
 use crate::net::{self, BodyError, ConnectError, Connector, SendError, connect::Plain};
 
-/// What went wrong, without the request it belongs to (see [`HttpError`]).
 /// HTTP/1 read buffer of this client (`net::send_buffered`): its callers read bodies whole
 /// from loopback peers (Envoy's admin, the application), where a 124 KB `/server_info` grew
 /// hyper's default buffer to 256 KiB beside the body being collected.
@@ -30,6 +29,7 @@ const READ_BUFFER: usize = 32 * 1024;
 /// Largest body buffer allocated up front from a Content-Length.
 const PRESIZE_MAX: usize = 1024 * 1024;
 
+/// What went wrong, without the request it belongs to (see [`HttpError`]).
 #[derive(Debug, thiserror::Error)]
 pub enum HttpErrorKind {
     #[error("invalid request: {0}")]
