@@ -86,15 +86,20 @@ async fn stop(mut s: Sidecar) {
     s.proc.kill();
 }
 
-async fn sidecar(dp: &Devplane, name: &str, env: &[(&str, String)]) {
-    println!("scenario: sidecar {name}");
-    let mut s = Sidecar::start(dp, "a", "default", "a", env).await;
+/// Waits for a sidecar to be ready, then has Prometheus scrape its merged metrics twice.
+async fn ready_and_scraped(s: &mut Sidecar) {
     s.wait_ready(READY).await;
-    println!("  ready, VmRSS {}", rss(&s));
+    println!("  ready, VmRSS {}", rss(s));
     for _ in 0..2 {
         let (code, body) = http_get(s.status, "/stats/prometheus").await.unwrap();
         println!("  scrape: {code}, {} bytes", body.len());
     }
+}
+
+async fn sidecar(dp: &Devplane, name: &str, env: &[(&str, String)]) {
+    println!("scenario: sidecar {name}");
+    let mut s = Sidecar::start(dp, "a", "default", "a", env).await;
+    ready_and_scraped(&mut s).await;
     let (code, _) = http_get(s.envoy_status, "/healthz/ready").await.unwrap();
     println!("  kubelet probe via Envoy: {code}");
     if env.iter().any(|(k, _)| *k == "DNS_PROXY_ADDR") {
@@ -127,12 +132,7 @@ async fn sidecar_istiod_box(istiod: &IstiodBox, name: &str, env: &[(&str, &str)]
         ..PodSpec::new("a", "127.0.0.1")
     };
     let mut s = start_agent(istiod, AgentKind::Meshagent, &pod).await;
-    s.wait_ready(READY).await;
-    println!("  ready, VmRSS {}", rss(&s));
-    for _ in 0..2 {
-        let (code, body) = http_get(s.status, "/stats/prometheus").await.unwrap();
-        println!("  scrape: {code}, {} bytes", body.len());
-    }
+    ready_and_scraped(&mut s).await;
     stop(s).await;
 }
 

@@ -23,7 +23,7 @@ use tokio::time::Instant;
 use crate::net::{self, BodyError, ConnectError, Connector, SendError, connect::Plain};
 
 /// HTTP/1 read buffer of this client (`net::send_buffered`): its callers read bodies whole
-/// from loopback peers (Envoy's admin, the application), where a 124 KB `/server_info` grew
+/// from loopback peers (Envoy's admin, the agent's own status port), where a 124 KB `/server_info` grew
 /// hyper's default buffer to 256 KiB beside the body being collected.
 const READ_BUFFER: usize = 32 * 1024;
 /// Largest body buffer allocated up front from a Content-Length.
